@@ -1,0 +1,24 @@
+"""efficient: neuromorphic and efficient models for PyTorch.
+
+    import efficient
+    model = efficient.load("spikformer-4-384")
+    efficient.list_models("spikformer*")
+"""
+
+from __future__ import annotations
+
+from efficient.errors import ConfigError, DataError
+from efficient.zoo import list_models, load, register_model
+
+__version__ = "0.1.0"
+
+__all__ = ["ConfigError", "DataError", "list_models", "load", "register_model", "__version__"]
+
+
+def __getattr__(name: str):
+    # `efficient.profile` lives in the profiler package, imported on first use.
+    if name == "profile":
+        from efficient.profiler import profile
+
+        return profile
+    raise AttributeError(f"module 'efficient' has no attribute {name!r}")

@@ -1,0 +1,384 @@
+"""Recipe schema: YAML + `a.b=value` overrides -> a validated `Recipe`, or a `ConfigError` naming
+the file, the key path, what was expected and the closest valid key.
+
+Sections: model, data, objective, optim, schedule, train, eval, profile. `model`, `data` and
+`objective` choose a registered component by `name`; their other keys are checked against that
+component's typed signature, so components add options without touching this file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal, Union
+
+import yaml
+
+from efficient.errors import ConfigError
+
+SECTIONS = ("model", "data", "objective", "optim", "schedule", "train", "eval", "profile")
+
+
+def _positive(v: Any) -> str | None:
+    return None if v is None or v > 0 else "must be > 0"
+
+
+def _non_negative(v: Any) -> str | None:
+    return None if v is None or v >= 0 else "must be >= 0"
+
+
+def _unit(v: Any) -> str | None:
+    return None if v is None or 0 <= v < 1 else "must be in [0, 1)"
+
+
+def _opt(check: Callable[[Any], str | None], **kw: Any) -> Any:
+    return field(metadata={"check": check}, **kw)
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer. Weight decay skips 1-D parameters (norms, biases) unless `decay_1d` is true."""
+
+    name: Literal["adamw", "sgd", "adam"] = "adamw"
+    lr: float = _opt(_positive, default=1e-3)
+    weight_decay: float = _opt(_non_negative, default=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = _opt(_positive, default=1e-8)
+    momentum: float = _opt(_non_negative, default=0.9)
+    nesterov: bool = False
+    decay_1d: bool = False
+
+
+@dataclass
+class ScheduleConfig:
+    """Learning-rate schedule, in epochs (fractions allowed): linear warm-up from `warmup_lr`,
+    then cosine (or constant / linear) down to `min_lr`, then `cooldown_epochs` at `min_lr`."""
+
+    name: Literal["cosine", "constant", "linear"] = "cosine"
+    warmup_epochs: float = _opt(_non_negative, default=0.0)
+    warmup_lr: float = _opt(_non_negative, default=1e-6)
+    min_lr: float = _opt(_non_negative, default=0.0)
+    cooldown_epochs: float = _opt(_non_negative, default=0.0)
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = _opt(_positive, default=1)
+    max_steps: int | None = _opt(_positive, default=None)
+    seed: int = 0
+    device: str = "auto"
+    amp: bool = True
+    grad_clip: float | None = _opt(_positive, default=None)
+    log_every: int = _opt(_positive, default=10)
+    eval_every: int = _opt(_positive, default=1)
+    checkpoint_every: int | None = _opt(_positive, default=None)
+    compile: bool = False
+    deterministic: bool = False
+    threads: int | None = _opt(_positive, default=None)
+    out_dir: str = "runs"
+    progress: bool = True
+
+
+@dataclass
+class EvalConfig:
+    batch_size: int | None = _opt(_positive, default=None)
+    max_batches: int | None = _opt(_positive, default=None)
+
+
+@dataclass
+class ProfileConfig:
+    """Cost report written at the end of training (profiler on `samples` validation inputs)."""
+
+    enabled: bool = True
+    samples: int = _opt(_positive, default=8)
+    energy: str = "45nm-fp32"
+    flops_per_mac: int = _opt(_positive, default=2)
+
+
+FIXED_SECTIONS: dict[str, type] = {
+    "optim": OptimConfig,
+    "schedule": ScheduleConfig,
+    "train": TrainConfig,
+    "eval": EvalConfig,
+    "profile": ProfileConfig,
+}
+
+# Keys of `data` handled by the engine, not by the dataset builder.
+DATA_LOADER_KEYS: dict[str, Any] = {"batch_size": int, "eval_batch_size": typing.Optional[int], "num_workers": int}
+DATA_LOADER_DEFAULTS = {"batch_size": 64, "eval_batch_size": None, "num_workers": 0}
+
+
+@dataclass
+class Recipe:
+    """A validated recipe. `model`, `data`, `objective` are plain dicts (name + options)."""
+
+    model: dict[str, Any]
+    data: dict[str, Any]
+    objective: dict[str, Any]
+    optim: OptimConfig
+    schedule: ScheduleConfig
+    train: TrainConfig
+    eval: EvalConfig
+    profile: ProfileConfig
+    source: str = "<recipe>"
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"model": dict(self.model), "data": dict(self.data), "objective": dict(self.objective)}
+        for s in FIXED_SECTIONS:
+            d = dataclasses.asdict(getattr(self, s))
+            out[s] = {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+        return out
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# ----------------------------------------------------------------------------------- parsing
+
+
+def _err(source: str, path: str, msg: str) -> ConfigError:
+    return ConfigError(f"{source}: {path}: {msg}" if path else f"{source}: {msg}")
+
+
+def did_you_mean(key: str, valid: typing.Iterable[str]) -> str:
+    hint = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
+    return f" Did you mean {hint[0]!r}?" if hint else ""
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"{p}: recipe file not found. List the shipped ones with `ls recipes/`.")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    return parse_yaml(text, str(p))
+
+
+def parse_yaml(text: str, source: str = "<recipe>") -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
+        raise ConfigError(f"{source}: malformed YAML at {where}: {e.problem or e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: malformed YAML: {e}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: a recipe is a mapping of sections ({', '.join(SECTIONS)}), got {type(data).__name__}")
+    return data
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` -> (["a","b","c"], value typed like a YAML scalar)."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected key.path=value (e.g. optim.lr=1e-3)")
+    key, _, raw = item.partition("=")
+    key = key.strip()
+    parts = key.split(".")
+    if not key or any(not p or not p.replace("_", "").replace("-", "").isalnum() for p in parts):
+        raise ConfigError(f"override {item!r}: {key!r} is not a key path like optim.lr")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw  # not YAML: keep as the literal string
+    return parts, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: typing.Sequence[str]) -> dict[str, Any]:
+    for item in overrides:
+        parts, value = parse_override(item)
+        node = data
+        for i, p in enumerate(parts[:-1]):
+            nxt = node.get(p)
+            if nxt is None:
+                nxt = node[p] = {}
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"override {item!r}: {'.'.join(parts[: i + 1])} is a value, not a section")
+            node = nxt
+        node[parts[-1]] = value
+    return data
+
+
+# ------------------------------------------------------------------------------ type checking
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if tp is type(None):
+        return "null"
+    if tp is Any:
+        return "any value"
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin in (list, tuple, typing.Sequence):
+        args = [a for a in typing.get_args(tp) if a is not Ellipsis]
+        return f"a list of {_type_name(args[0])}" if args else "a list"
+    if origin is dict:
+        return "a mapping"
+    return {int: "an integer", float: "a number", bool: "true/false", str: "a string", dict: "a mapping", list: "a list"}.get(
+        tp, getattr(tp, "__name__", str(tp))
+    )
+
+
+def coerce(value: Any, tp: Any, source: str, path: str) -> Any:
+    """Check `value` against annotation `tp`; return it (ints widened to floats, lists to tuples)."""
+    origin = typing.get_origin(tp)
+    bad = _err(source, path, f"expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+    if tp is Any or tp is inspect.Parameter.empty:
+        return value
+    if origin in (Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return coerce(value, arg, source, path)
+            except ConfigError:
+                continue
+        raise bad
+    if tp is type(None):
+        if value is None:
+            return None
+        raise bad
+    if origin is Literal:
+        if any(value == a and type(value) is type(a) for a in typing.get_args(tp)):
+            return value
+        raise _err(source, path, f"expected {_type_name(tp)}, got {value!r}.{did_you_mean(str(value), [str(a) for a in typing.get_args(tp)])}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise bad
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if isinstance(value, float) and not math.isfinite(value):
+                raise _err(source, path, f"expected a finite number, got {value!r}")
+            return float(value)
+        raise bad
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise bad
+    if origin in (list, tuple, typing.Sequence) or tp in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise bad
+        args = typing.get_args(tp)
+        if origin is tuple and args and Ellipsis not in args:
+            if len(value) != len(args):
+                raise _err(source, path, f"expected a list of {len(args)} values, got {len(value)}")
+            return tuple(coerce(v, a, source, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+        elem = args[0] if args else Any
+        out = [coerce(v, elem, source, f"{path}[{i}]") for i, v in enumerate(value)]
+        return tuple(out) if origin is tuple else out
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise bad
+        args = typing.get_args(tp)
+        if args:
+            return {k: coerce(v, args[1], source, f"{path}.{k}") for k, v in value.items()}
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise bad
+        return build_dataclass(tp, value, source, path)
+    return value
+
+
+def build_dataclass(cls: type, values: dict[str, Any], source: str, path: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for k, v in values.items():
+        if not isinstance(k, str) or k not in fields:
+            raise _err(source, f"{path}.{k}", f"unknown key.{did_you_mean(str(k), fields)} Valid keys: {', '.join(fields)}.")
+        kwargs[k] = coerce(v, hints[k], source, f"{path}.{k}")
+        check = fields[k].metadata.get("check")
+        if check is not None and (msg := check(kwargs[k])):
+            raise _err(source, f"{path}.{k}", f"{msg}, got {v!r}")
+    return cls(**kwargs)
+
+
+def check_kwargs_against(fn: Callable[..., Any], values: dict[str, Any], source: str, path: str, skip: typing.Iterable[str] = ()) -> dict[str, Any]:
+    """Type-check `values` against the keyword parameters of `fn` (its annotations)."""
+    sig = inspect.signature(fn)
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:
+        hints = {}
+    params = {k: p for k, p in sig.parameters.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    var_kw = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+    out: dict[str, Any] = {}
+    skip = set(skip)
+    for k, v in values.items():
+        if k in skip:
+            continue
+        if k not in params:
+            if var_kw:
+                out[k] = v
+                continue
+            raise _err(source, f"{path}.{k}", f"unknown key.{did_you_mean(k, params)} Valid keys: {', '.join(sorted(params))}.")
+        out[k] = coerce(v, hints.get(k, Any), source, f"{path}.{k}")
+    return out
+
+
+def _named_section(raw: Any, section: str, source: str, resolve: Callable[[str], Callable[..., Any]], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    if raw is None:
+        raise _err(source, section, "missing section; it needs at least `name:`")
+    if not isinstance(raw, dict):
+        raise _err(source, section, f"expected a mapping with `name:`, got {raw!r}")
+    if "name" not in raw or not isinstance(raw["name"], str):
+        raise _err(source, f"{section}.name", "required: the registered name of the component")
+    try:
+        fn = resolve(raw["name"])
+    except ConfigError as e:
+        raise _err(source, f"{section}.name", str(e)) from None
+    out = {"name": raw["name"]}
+    extra = extra or {}
+    for k, tp in extra.items():
+        if k in raw:
+            out[k] = coerce(raw[k], tp, source, f"{section}.{k}")
+    out.update(check_kwargs_against(fn, {k: v for k, v in raw.items() if k != "name"}, source, section, skip=extra))
+    return out
+
+
+def validate(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
+    """Validate a parsed recipe dict; raise ConfigError on the first problem."""
+    from efficient.data import get_dataset_builder
+    from efficient.objectives import get_objective
+    from efficient.zoo import get_entry
+
+    for k in data:
+        if k not in SECTIONS:
+            raise _err(source, str(k), f"unknown section.{did_you_mean(str(k), SECTIONS)} Sections: {', '.join(SECTIONS)}.")
+    model = _named_section(data.get("model"), "model", source, lambda n: get_entry(n).builder, {"pretrained": typing.Optional[str]})
+    dataset = _named_section(data.get("data"), "data", source, get_dataset_builder, DATA_LOADER_KEYS)
+    for k, v in DATA_LOADER_DEFAULTS.items():
+        dataset.setdefault(k, v)
+    if dataset["batch_size"] < 1:
+        raise _err(source, "data.batch_size", f"must be >= 1, got {dataset['batch_size']}")
+    objective = _named_section(data.get("objective") or {"name": "classification"}, "objective", source, get_objective)
+    fixed = {}
+    for s, cls in FIXED_SECTIONS.items():
+        raw = data.get(s) or {}
+        if not isinstance(raw, dict):
+            raise _err(source, s, f"expected a mapping, got {raw!r}")
+        fixed[s] = build_dataclass(cls, raw, source, s)
+    return Recipe(model=model, data=dataset, objective=objective, source=source, **fixed)
+
+
+def load_recipe(path: str | Path, overrides: typing.Sequence[str] = ()) -> Recipe:
+    data = load_yaml(path)
+    data = apply_overrides(data, overrides)
+    return validate(data, str(path))

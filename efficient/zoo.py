@@ -1,0 +1,301 @@
+"""Model registry: `register_model`, `create`, `load` -- names, run dirs and safetensors files.
+
+A zoo entry is a builder function plus metadata (default config, input spec, paper). Entries are
+also registered into `timm.create_model` under the same name with underscores.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import importlib
+import inspect
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from efficient.errors import ConfigError
+
+# Modules whose import registers models. Imported lazily on first registry access so that
+# `import efficient` stays cheap.
+MODEL_MODULES: list[str] = [
+    "efficient.models.spikformer",
+]
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """What a model eats: `shape` per sample (e.g. (3, 32, 32) or (seq_len,)), timesteps, normalisation."""
+
+    shape: tuple[int, ...]
+    timesteps: int | None = None
+    mean: tuple[float, ...] | None = None
+    std: tuple[float, ...] | None = None
+    dtype: str = "float32"  # "long" for token ids
+    num_classes: int | None = None
+
+    def describe(self) -> str:
+        s = "x".join(str(d) for d in self.shape)
+        if self.dtype == "long":
+            s = f"tokens[{s}]"
+        if self.timesteps:
+            s += f", T={self.timesteps}"
+        return s
+
+
+@dataclass
+class ModelEntry:
+    name: str
+    builder: Callable[..., nn.Module]
+    input_spec: InputSpec
+    paper: str = ""
+    description: str = ""
+    default_cfg: dict[str, Any] = field(default_factory=dict)
+    family: str = ""
+
+    def accepted_kwargs(self) -> dict[str, inspect.Parameter]:
+        sig = inspect.signature(self.builder)
+        return {k: p for k, p in sig.parameters.items() if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD}
+
+    def resolved_cfg(self, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+        cfg = {k: p.default for k, p in self.accepted_kwargs().items() if p.default is not inspect.Parameter.empty}
+        cfg.update(self.default_cfg)
+        cfg.update(overrides or {})
+        return cfg
+
+
+_REGISTRY: dict[str, ModelEntry] = {}
+_loaded = False
+
+
+def register_model(
+    name: str,
+    *,
+    input_spec: InputSpec,
+    paper: str = "",
+    description: str = "",
+    family: str = "",
+    **default_cfg: Any,
+) -> Callable[[Callable[..., nn.Module]], Callable[..., nn.Module]]:
+    """Decorator: register `builder(**kwargs) -> nn.Module` under `name` (lowercase, hyphens).
+
+    `default_cfg` are the keyword arguments that define this variant; users override any of them.
+    """
+    if name != name.lower() or "_" in name or " " in name:
+        raise ValueError(f"zoo names are lowercase with hyphens, got {name!r}")
+
+    def deco(builder: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+        if name in _REGISTRY:
+            raise ValueError(f"model {name!r} is registered twice")
+        entry = ModelEntry(name, builder, input_spec, paper, description, dict(default_cfg), family)
+        _REGISTRY[name] = entry
+        _register_timm(entry)
+        return builder
+
+    return deco
+
+
+def _register_timm(entry: ModelEntry) -> None:
+    """Expose the entry through `timm.create_model(name_with_underscores)`."""
+    try:
+        from timm.models import register_model as timm_register
+    except ImportError:  # timm is a dependency, but the zoo itself does not need it
+        return
+
+    def fn(pretrained: bool = False, **kwargs: Any) -> nn.Module:
+        for k in ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir"):
+            kwargs.pop(k, None)
+        if pretrained:
+            raise ValueError("timm cannot fetch weights for efficient models; use efficient.load(name, pretrained=PATH)")
+        return create(entry.name, **kwargs)
+
+    fn.__name__ = entry.name.replace("-", "_")
+    fn.__qualname__ = fn.__name__
+    fn.__module__ = entry.builder.__module__
+    try:
+        timm_register(fn)
+    except Exception:  # a timm model of the same name exists: keep timm's, ours stays in our zoo
+        pass
+
+
+def _ensure_loaded() -> None:
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    for mod in MODEL_MODULES:
+        importlib.import_module(mod)
+
+
+def registry() -> dict[str, ModelEntry]:
+    _ensure_loaded()
+    return _REGISTRY
+
+
+def list_models(pattern: str | None = None) -> list[str]:
+    """Registered zoo names, sorted; `pattern` is a shell glob such as ``"spikformer*"``."""
+    names = sorted(registry())
+    if pattern:
+        names = [n for n in names if fnmatch.fnmatch(n, pattern)]
+    return names
+
+
+def closest(name: str, choices: list[str], n: int = 3) -> list[str]:
+    return difflib.get_close_matches(name, choices, n=n, cutoff=0.4)
+
+
+def get_entry(name: str) -> ModelEntry:
+    reg = registry()
+    if name not in reg:
+        alt = name.replace("_", "-").lower()
+        if alt in reg:
+            return reg[alt]
+        hint = closest(name, list(reg))
+        msg = f"unknown model {name!r}."
+        msg += f" Did you mean: {', '.join(hint)}?" if hint else ""
+        msg += " Run `efficient zoo` for the full list."
+        raise ConfigError(msg)
+    return reg[name]
+
+
+def check_kwargs(entry: ModelEntry, kwargs: dict[str, Any], where: str = "model") -> None:
+    """Fail on keyword arguments the builder does not take, naming the closest valid ones."""
+    accepted = entry.accepted_kwargs()
+    has_var_kw = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(entry.builder).parameters.values())
+    if has_var_kw:
+        return
+    for k in kwargs:
+        if k not in accepted:
+            hint = closest(k, list(accepted))
+            raise ConfigError(
+                f"{where}.{k}: not an option of model {entry.name!r}."
+                + (f" Did you mean {hint[0]!r}?" if hint else "")
+                + f" Valid options: {', '.join(sorted(accepted))}."
+            )
+
+
+def create(name: str, **overrides: Any) -> nn.Module:
+    """Build a zoo model with fresh weights; `overrides` change its config."""
+    entry = get_entry(name)
+    check_kwargs(entry, overrides)
+    cfg = {**entry.default_cfg, **overrides}
+    model = entry.builder(**cfg)
+    model.zoo_name = entry.name  # type: ignore[attr-defined]
+    model.zoo_cfg = entry.resolved_cfg(overrides)  # type: ignore[attr-defined]
+    return model
+
+
+def load(name_or_path: str | Path, pretrained: str | Path | None = None, **overrides: Any) -> nn.Module:
+    """Build a model from a zoo name, a run dir, or a `.safetensors` file with its sidecar config.
+
+    `pretrained` (for zoo names) is a run dir or a `.safetensors` file whose weights are loaded.
+    """
+    p = Path(name_or_path)
+    if p.exists():
+        name, cfg, weights = _resolve_artifact(p)
+        cfg.update(overrides)
+        model = create(name, **cfg)
+        load_weights(model, weights)
+    else:
+        if str(name_or_path).endswith(".safetensors") or "/" in str(name_or_path):
+            raise ConfigError(f"{name_or_path}: no such file or directory (expected a zoo name, a run dir or a .safetensors file)")
+        model = create(str(name_or_path), **overrides)
+    if pretrained is not None:
+        src = Path(pretrained)
+        if not src.exists():
+            raise ConfigError(f"pretrained={pretrained!s}: no such file or directory (give a run dir or a .safetensors file)")
+        _, _, weights = _resolve_artifact(src)
+        load_weights(model, weights)
+    model.eval()
+    return model
+
+
+def _resolve_artifact(p: Path) -> tuple[str, dict[str, Any], Path]:
+    """(zoo name, model config, weights file) for a run dir or a safetensors file."""
+    if p.is_dir():
+        cfg_file = p / "config.yaml"
+        if not cfg_file.exists():
+            raise ConfigError(f"{p}: not a run dir (no config.yaml). Train one with `efficient train RECIPE.yaml`.")
+        import yaml
+
+        with open(cfg_file) as f:
+            run_cfg = yaml.safe_load(f)
+        model_cfg = dict(run_cfg.get("model") or {})
+        name = model_cfg.pop("name")
+        model_cfg.pop("pretrained", None)
+        for cand in (p / "checkpoint" / "best" / "model.safetensors", p / "checkpoint" / "last" / "model.safetensors"):
+            if cand.exists():
+                return name, model_cfg, cand
+        raise ConfigError(f"{p}: run dir has no checkpoint/best or checkpoint/last/model.safetensors; did the run save one?")
+    if p.suffix == ".safetensors":
+        side = p.with_suffix(".json")
+        meta = _safetensors_metadata(p)
+        if "efficient.model" in meta:
+            return meta["efficient.model"], json.loads(meta.get("efficient.config", "{}")), p
+        if side.exists():
+            d = json.loads(side.read_text())
+            return d["name"], dict(d.get("config", {})), p
+        raise ConfigError(f"{p}: safetensors file without model metadata or sidecar {side.name}; pass a zoo name with pretrained=")
+    raise ConfigError(f"{p}: expected a run dir or a .safetensors file")
+
+
+def _safetensors_metadata(p: Path) -> dict[str, str]:
+    from safetensors import safe_open
+
+    with safe_open(str(p), framework="pt") as f:
+        return dict(f.metadata() or {})
+
+
+def load_weights(model: nn.Module, weights: Path) -> None:
+    """Load safetensors weights strictly; a mismatch names the keys that differ."""
+    from safetensors.torch import load_file
+
+    sd = load_file(str(weights))
+    own = model.state_dict()
+    missing = sorted(set(own) - set(sd))
+    unexpected = sorted(set(sd) - set(own))
+    shape_bad = sorted(k for k in set(own) & set(sd) if own[k].shape != sd[k].shape)
+    if missing or unexpected or shape_bad:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        if unexpected:
+            parts.append(f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+        if shape_bad:
+            parts.append("shape mismatch " + ", ".join(f"{k}: file {tuple(sd[k].shape)} vs model {tuple(own[k].shape)}" for k in shape_bad[:5]))
+        raise ConfigError(f"{weights}: weights do not fit {type(model).__name__}: " + "; ".join(parts))
+    model.load_state_dict(sd, strict=True)
+
+
+def save_model(model: nn.Module, path: Path, name: str | None = None, cfg: dict[str, Any] | None = None) -> None:
+    """Write weights as safetensors with the zoo name and config in its metadata (atomic)."""
+    from safetensors.torch import save_file
+
+    from efficient.io import atomic_path
+
+    name = name or getattr(model, "zoo_name", None)
+    cfg = cfg if cfg is not None else getattr(model, "zoo_cfg", {})
+    meta = {"efficient.model": name or "", "efficient.config": json.dumps(cfg, default=str)}
+    sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    with atomic_path(path) as tmp:
+        save_file(sd, str(tmp), metadata=meta)
+
+
+def entry_summary(entry: ModelEntry) -> dict[str, Any]:
+    d = {k: v for k, v in asdict(entry.input_spec).items()}
+    return {"name": entry.name, "paper": entry.paper, "description": entry.description, "input": d, "config": entry.resolved_cfg()}
+
+
+def count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def meta_param_count(name: str, **overrides: Any) -> int:
+    """Parameter count without allocating weights (built on the meta device)."""
+    with torch.device("meta"):
+        m = create(name, **overrides)
+    return count_params(m)

@@ -1,0 +1,1 @@
+"""Triton kernels with torch references and custom ops. Imports nothing from the rest of efficient."""
