@@ -24,6 +24,7 @@ from efficient.errors import ConfigError
 # `import efficient` stays cheap.
 MODEL_MODULES: list[str] = [
     "efficient.models.spikformer",
+    "efficient.models.ee_gpt",
 ]
 
 
