@@ -1,0 +1,16 @@
+"""Cost profiler: MACs, synaptic operations (SOPs), FLOPs and energy of any PyTorch model.
+
+    report = efficient.profile(model, input_shape=(3, 32, 32))
+    report.totals["energy_pj"]; report.to_markdown(); report.plot("energy.png")
+
+Counting happens at the operator level (a torch dispatch mode), so functional and custom ops
+count, and each op is attributed to the module that issued it.
+"""
+
+from __future__ import annotations
+
+from efficient.profiler.api import parse_shape, profile
+from efficient.profiler.energy import PRESETS, EnergyModel, resolve_energy
+from efficient.profiler.report import Comparison, LayerStat, Report
+
+__all__ = ["profile", "Report", "LayerStat", "Comparison", "EnergyModel", "PRESETS", "resolve_energy", "parse_shape"]

@@ -1,0 +1,460 @@
+"""`profile(model, inputs | input_shape, ...) -> Report`: run one counted forward pass and report it."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+from typing import Any, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from efficient.errors import ConfigError
+from efficient.profiler.counting import UNATTRIBUTED, CountingMode, ModuleStack
+from efficient.profiler.energy import EnergyModel, EnergySpec, resolve_energy
+from efficient.profiler.report import LayerStat, Report
+
+MAX_DATA_BATCHES = 16  # batches of `data=` used to measure an exit distribution
+
+
+def profile(
+    model: nn.Module,
+    inputs: Any = None,
+    input_shape: Sequence[int] | str | None = None,
+    *,
+    timesteps: int | None = None,
+    energy: EnergySpec = "45nm-fp32",
+    data: Iterable[Any] | None = None,
+    batch: int = 1,
+    flops_per_mac: float = 2,
+    spike_matmul: str = "operand",
+    exit_threshold: float | None = None,
+    name: str | None = None,
+) -> Report:
+    """Count MACs, synaptic operations and energy of one forward pass of `model`.
+
+    inputs: a tensor, a tuple of positional tensors or a dict of keyword tensors; or give
+      `input_shape` (per sample, without batch: ``(3, 32, 32)`` or ``"3x32x32"``) and `batch`
+      for a seeded random input; or `data` (an iterable of batches; its first batch is used).
+      With none of these, a zoo model uses its registered input shape.
+    timesteps: overrides the model's `timesteps` (or `T`) for this pass.
+    energy: preset name ("45nm-fp32", "45nm-fp16", "45nm-int8"), EnergyModel, or
+      {"e_mac_pj": .., "e_ac_pj": .., "preset": ..}.
+    data: for early-exit models, also used to measure the exit distribution.
+    flops_per_mac: FLOPs = flops_per_mac x dense_macs (2: a multiply and an add, as FlopCounterMode).
+    spike_matmul: spike x spike matmuls charge "operand" = nnz(left operand) x fan-out (default) or
+      "coincidence" = number of (1, 1) products (spikingjelly's SynOpCounter convention).
+    """
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"profile() needs a torch.nn.Module, got {type(model).__name__}")
+    emodel = resolve_energy(energy)
+    if not isinstance(flops_per_mac, (int, float)) or not flops_per_mac > 0:
+        raise ConfigError(f"flops_per_mac must be a positive number, got {flops_per_mac!r}")
+    if spike_matmul not in ("operand", "coincidence"):
+        raise ConfigError(f"spike_matmul must be 'operand' or 'coincidence', got {spike_matmul!r}")
+    if timesteps is not None and (not isinstance(timesteps, int) or timesteps < 1):
+        raise ConfigError(f"timesteps must be a positive integer, got {timesteps!r}")
+    if not isinstance(batch, int) or batch < 1:
+        raise ConfigError(f"batch must be a positive integer, got {batch!r}")
+
+    data_batches = list(itertools.islice(iter(data), MAX_DATA_BATCHES)) if data is not None else None
+    random_input = inputs is None and not data_batches
+    args, kwargs, source = _resolve_inputs(model, inputs, input_shape, batch, data_batches)
+    label = name or getattr(model, "zoo_name", None) or type(model).__name__
+    warnings: list[str] = []
+
+    with _timesteps_override(model, timesteps) as (t_used, repeat_input):
+        if repeat_input:
+            args = tuple(_repeat_time(a, timesteps) for a in args)
+        stack, mode = _run_counted(model, args, kwargs, spike_matmul, source, label)
+
+        layers = _layers(model, stack, emodel)
+        totals = _totals(model, layers, emodel, flops_per_mac, _batch_size(args, kwargs, model))
+        exits = _exits(model, args, kwargs, spike_matmul, emodel, data_batches, exit_threshold, source, label)
+
+    neurons = [layer for layer in layers if layer.is_neuron]
+    steps = max((len(n.firing_rate_per_step or []) for n in neurons if n.neuron and "multi" in n.neuron), default=0)
+    meta = {
+        "model": label,
+        "input": source,
+        "timesteps": t_used if t_used is not None else (steps or None),
+        "energy": emodel.to_dict(),
+        "flops_per_mac": flops_per_mac,
+        "conventions": {
+            "dense_macs": "every matmul/conv/linear multiply-accumulate, counted dense (what fvcore counts)",
+            "macs": "multiply-accumulates of ops whose operands are all real-valued",
+            "sops": "ops with a binary {0,1} operand: nonzeros x fan-out; conv fan-out exact at padded borders",
+            "spike_matmul": {
+                "operand": "spike x spike matmul: nnz(left operand) x fan-out",
+                "coincidence": "spike x spike matmul: number of coinciding (1,1) products",
+            }[spike_matmul],
+            "flops": f"flops = {flops_per_mac:g} x dense_macs",
+            "energy": f"energy_pj = {emodel.e_mac_pj:g} pJ x macs + {emodel.e_ac_pj:g} pJ x sops (compute only, no memory term)",
+            "timesteps": "counts cover all time steps of the pass (T is not multiplied in again)",
+        },
+        "spike_spike_matmul": {
+            "operand_sops": sum(a.spike_spike_operand for a in stack.layers.values()),
+            "coincidence_sops": sum(a.spike_spike_coincidence for a in stack.layers.values()),
+        },
+    }
+    blocks = _blocks(stack)
+    report = Report(totals=totals, layers=layers, meta=meta, blocks=blocks, exits=exits,
+                    modules=_aggregate(model, layers), warnings=warnings)
+    warnings.extend(_warnings(report, stack, mode, random_input))
+    return report
+
+
+# ---------------------------------------------------------------------------------------------
+# inputs
+
+
+def parse_shape(spec: Sequence[int] | str) -> tuple[int, ...]:
+    """'3x32x32' or (3, 32, 32) -> (3, 32, 32); rejects non-positive sizes."""
+    try:
+        dims = tuple(int(d) for d in (spec.lower().replace(",", "x").split("x") if isinstance(spec, str) else spec))
+    except (TypeError, ValueError):
+        raise ConfigError(f"input shape {spec!r}: expected sizes like 3x32x32 (per sample, without batch)") from None
+    if not dims or any(d < 1 for d in dims):
+        raise ConfigError(f"input shape {spec!r}: every size must be a positive integer, e.g. 3x32x32")
+    return dims
+
+
+def _zoo_spec(model: nn.Module) -> Any:
+    name = getattr(model, "zoo_name", None)
+    if not name:
+        return None
+    from efficient.zoo import get_entry
+
+    try:
+        return get_entry(name).input_spec
+    except ConfigError:
+        return None
+
+
+def _device(model: nn.Module) -> torch.device:
+    for p in itertools.chain(model.parameters(), model.buffers()):
+        return p.device
+    return torch.device("cpu")
+
+
+def _first_input(batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch
+    if isinstance(batch, dict):
+        for k in ("input", "inputs", "x", "input_ids", "image", "images"):
+            if k in batch:
+                return batch[k]
+        raise ConfigError(f"data batch is a dict with keys {sorted(batch)}; expected one of input/inputs/x/input_ids/image")
+    if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor):
+        return batch[0]
+    raise ConfigError(f"data batches must be tensors, (inputs, targets) pairs or dicts; got {type(batch).__name__}")
+
+
+def _resolve_inputs(model: nn.Module, inputs: Any, input_shape: Any, batch: int,
+                    data_batches: list[Any] | None) -> tuple[tuple, dict, str]:
+    dev = _device(model)
+    if inputs is not None:
+        if isinstance(inputs, dict):
+            return (), dict(inputs), "inputs: " + ", ".join(f"{k}{_shape(v)}" for k, v in inputs.items())
+        args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        return args, {}, "inputs: " + ", ".join(_shape(a) for a in args)
+    if data_batches:
+        x = _first_input(data_batches[0]).to(dev)
+        return (x,), {}, f"data: first batch {_shape(x)}"
+    spec = _zoo_spec(model)
+    if input_shape is not None:
+        shape = parse_shape(input_shape)
+    elif spec is not None:
+        shape = tuple(spec.shape)
+    else:
+        raise ConfigError(f"profile({type(model).__name__}): give inputs=, input_shape= (per sample, e.g. (3, 32, 32)) or data=")
+    g = torch.Generator().manual_seed(0)
+    if spec is not None and spec.dtype == "long":
+        vocab = int(getattr(model, "vocab_size", 256))
+        x = torch.randint(0, vocab, (batch, *shape), generator=g)
+    else:
+        x = torch.randn((batch, *shape), generator=g)
+    return (x.to(dev),), {}, f"random {_shape(x)}"
+
+
+def _shape(x: Any) -> str:
+    return str(list(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def _batch_size(args: tuple, kwargs: dict, model: nn.Module) -> int:
+    x = args[0] if args else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        return 1
+    t = getattr(model, "timesteps", None) or getattr(model, "T", None)
+    if x.dim() == 5 and isinstance(t, int) and x.shape[0] == t:  # time-major [T, B, C, H, W]
+        return int(x.shape[1])
+    return int(x.shape[0])
+
+
+@contextlib.contextmanager
+def _timesteps_override(model: nn.Module, timesteps: int | None):
+    """Yield (timesteps used, whether the input must be repeated over a new T axis)."""
+    attr = next((a for a in ("timesteps", "T") if isinstance(getattr(model, a, None), int)), None)
+    if timesteps is None:
+        yield (getattr(model, attr) if attr else None), False
+        return
+    if attr is None:
+        yield timesteps, True
+        return
+    old = getattr(model, attr)
+    setattr(model, attr, timesteps)
+    try:
+        yield timesteps, False
+    finally:
+        setattr(model, attr, old)
+
+
+def _repeat_time(x: Any, t: int) -> Any:
+    return x.unsqueeze(0).expand(t, *x.shape).contiguous() if isinstance(x, torch.Tensor) else x
+
+
+# ---------------------------------------------------------------------------------------------
+# the counted pass
+
+
+def _reset_peer_state(model: nn.Module) -> None:
+    """spikingjelly neurons keep membrane state between calls; start from rest like ours do."""
+    for m in model.modules():
+        if type(m).__module__.startswith("spikingjelly") and hasattr(m, "reset") and callable(m.reset):
+            m.reset()
+
+
+def _run_counted(model: nn.Module, args: tuple, kwargs: dict, spike_matmul: str, source: str,
+                 label: str) -> tuple[ModuleStack, CountingMode]:
+    was_training = model.training
+    stack = ModuleStack(model)
+    blocks = _block_modules(model)
+    stack.watch_blocks(blocks)
+    model.eval()
+    _reset_peer_state(model)
+    mode = CountingMode(stack, spike_matmul)
+    try:
+        with torch.no_grad(), stack, mode:
+            model(*args, **kwargs)
+    except (RuntimeError, ValueError, IndexError, TypeError, AssertionError) as e:
+        spec = _zoo_spec(model)
+        expect = f" It expects {spec.describe()} per sample." if spec is not None else ""
+        raise ConfigError(
+            f"profiling {label}: the input ({source}) does not fit the model.{expect} "
+            f"The forward pass failed with {type(e).__name__}: {e}"
+        ) from e
+    finally:
+        model.train(was_training)
+        _reset_peer_state(model)
+    return stack, mode
+
+
+def _block_modules(model: nn.Module) -> dict[str, nn.Module]:
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, (nn.ModuleList, nn.Sequential)):
+        return {f"blocks.{i}": b for i, b in enumerate(blocks)}
+    return {}
+
+
+def _blocks(stack: ModuleStack) -> list[dict[str, Any]]:
+    out = []
+    for i, (name, tokens) in enumerate(sorted(stack.block_tokens.items(), key=lambda kv: int(kv[0].split(".")[1]))):
+        out.append({"block": name, "index": int(name.split(".")[1]), "tokens_in": tokens[0], "calls": len(tokens)})
+    return out
+
+
+def _layers(model: nn.Module, stack: ModuleStack, emodel: EnergyModel) -> list[LayerStat]:
+    mods = dict(model.named_modules())
+    root = stack.root_label
+    out = []
+    for acc in stack.layers.values():
+        if acc.dense_macs == 0 and acc.neuron is None:
+            continue
+        m = mods.get("" if acc.name == root else acc.name)
+        params = sum(p.numel() for p in m.parameters(recurse=False)) if m is not None else 0
+        out.append(LayerStat(
+            name=acc.name,
+            type=acc.type,
+            dense_macs=acc.dense_macs,
+            macs=acc.macs,
+            sops=acc.sops,
+            energy_pj=emodel.energy_pj(acc.macs, acc.sops),
+            input_firing_rate=(acc.in_nnz / acc.in_numel) if acc.in_numel else None,
+            output_firing_rate=(acc.out_nnz / acc.out_numel) if acc.out_numel else None,
+            firing_rate_per_step=acc.per_step,
+            neuron=acc.neuron,
+            ops=", ".join(f"{k} x{v}" for k, v in acc.ops.items()),
+            params=params,
+            neuron_outputs=acc.out_numel,
+        ))
+    return out
+
+
+def _totals(model: nn.Module, layers: list[LayerStat], emodel: EnergyModel, flops_per_mac: float,
+            batch_size: int) -> dict[str, float]:
+    dense = sum(layer.dense_macs for layer in layers)
+    macs = sum(layer.macs for layer in layers)
+    sops = sum(layer.sops for layer in layers)
+    energy = emodel.energy_pj(macs, sops)
+    totals: dict[str, float] = {
+        "params": sum(p.numel() for p in model.parameters()),
+        "dense_macs": dense,
+        "macs": macs,
+        "sops": sops,
+        "flops": flops_per_mac * dense,
+        "flops_per_mac": flops_per_mac,
+        "energy_pj": energy,
+        "energy_mac_pj": emodel.e_mac_pj * macs,
+        "energy_ac_pj": emodel.e_ac_pj * sops,
+        "e_mac_pj": emodel.e_mac_pj,
+        "e_ac_pj": emodel.e_ac_pj,
+        "batch_size": batch_size,
+        "energy_pj_per_sample": energy / batch_size,
+    }
+    neurons = [layer for layer in layers if layer.is_neuron]
+    if neurons:
+        # weighted by neuron outputs: total spikes / total neuron-step outputs
+        outs = sum(n.neuron_outputs for n in neurons)
+        totals["spiking_neurons"] = len(neurons)
+        totals["mean_firing_rate"] = sum((n.output_firing_rate or 0.0) * n.neuron_outputs for n in neurons) / outs if outs else 0.0
+    return totals
+
+
+def _aggregate(model: nn.Module, layers: list[LayerStat], max_depth: int = 3) -> dict[str, dict[str, float]]:
+    """Totals per module prefix (depth <= max_depth) for the top-modules summary."""
+    mods = dict(model.named_modules())
+    agg: dict[str, dict[str, float]] = {}
+    for layer in layers:
+        parts = layer.name.split(".")
+        for d in range(1, min(len(parts), max_depth) + 1):
+            key = ".".join(parts[:d])
+            if key not in mods:
+                break
+            row = agg.setdefault(key, {"type": type(mods[key]).__name__, "params": sum(p.numel() for p in mods[key].parameters()),
+                                       "dense_macs": 0, "macs": 0, "sops": 0, "energy_pj": 0.0})
+            for k in ("dense_macs", "macs", "sops", "energy_pj"):
+                row[k] += getattr(layer, k)
+    return agg
+
+
+# ---------------------------------------------------------------------------------------------
+# early exit
+
+
+def _has_exits(model: nn.Module) -> bool:
+    return hasattr(model, "exit_layers") and hasattr(model, "forced_exit")
+
+
+def _tokens_in(args: tuple, kwargs: dict) -> int:
+    x = args[0] if args else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+    if isinstance(x, torch.Tensor) and not x.dtype.is_floating_point and x.dim() >= 1:
+        return int(x.numel())  # token ids [B, S]
+    if isinstance(x, torch.Tensor) and x.dim() >= 2:
+        return int(math.prod(x.shape[:2]))  # embeddings [B, S, D]
+    return 1
+
+
+def _backbone_prefix(model: nn.Module) -> str | None:
+    for attr in ("blocks", "layers", "h"):
+        if isinstance(getattr(model, attr, None), (nn.ModuleList, nn.Sequential)):
+            return attr
+    tr = getattr(model, "transformer", None)
+    if tr is not None and isinstance(getattr(tr, "h", None), (nn.ModuleList, nn.Sequential)):
+        return "transformer.h"
+    return None
+
+
+def _exits(model: nn.Module, args: tuple, kwargs: dict, spike_matmul: str, emodel: EnergyModel,
+           data_batches: list[Any] | None, threshold: float | None, source: str, label: str) -> dict[str, Any] | None:
+    if not _has_exits(model):
+        return None
+    exit_layers = sorted(int(k) for k in model.exit_layers)
+    num_layers = int(getattr(model, "num_layers", exit_layers[-1]))
+    if num_layers not in exit_layers:
+        exit_layers.append(num_layers)
+    tokens = _tokens_in(args, kwargs)
+    prefix = _backbone_prefix(model)
+    per_exit: dict[int, dict[str, float]] = {}
+    for k in exit_layers:
+        with model.forced_exit(k):
+            stack, _ = _run_counted(model, args, kwargs, spike_matmul, source, label)
+        layers = _layers(model, stack, emodel)
+        dense = sum(layer.dense_macs for layer in layers)
+        macs = sum(layer.macs for layer in layers)
+        sops = sum(layer.sops for layer in layers)
+        backbone = sum(layer.dense_macs for layer in layers
+                       if prefix and (layer.name == prefix or layer.name.startswith(prefix + ".")))
+        per_exit[k] = {
+            "dense_macs": dense, "macs": macs, "sops": sops, "backbone_macs": backbone,
+            "energy_pj": emodel.energy_pj(macs, sops),
+            "macs_per_token": dense / tokens, "energy_pj_per_token": emodel.energy_pj(macs, sops) / tokens,
+        }
+    out: dict[str, Any] = {"exit_layers": exit_layers, "num_layers": num_layers, "tokens": tokens,
+                           "backbone": prefix, "per_exit": per_exit}
+    if data_batches:
+        if not hasattr(model, "exit_distribution"):
+            raise ConfigError(f"{label} has exits but no exit_distribution(batches, threshold); cannot measure exits from data")
+        thr = float(threshold if threshold is not None else getattr(model, "exit_threshold", 0.9))
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                dist = {int(k): float(v) for k, v in model.exit_distribution(data_batches, thr).items()}
+        finally:
+            model.train(was_training)
+        unknown = sorted(set(dist) - set(per_exit))
+        if unknown:
+            raise ConfigError(f"{label}.exit_distribution returned layers {unknown} that are not exits {exit_layers}")
+        total = sum(dist.values())
+        if not math.isclose(total, 1.0, rel_tol=1e-3, abs_tol=1e-3):
+            raise ConfigError(f"{label}.exit_distribution fractions sum to {total:.4f}, expected 1")
+        exp_macs = sum(p * per_exit[k]["macs_per_token"] for k, p in dist.items())
+        exp_energy = sum(p * per_exit[k]["energy_pj_per_token"] for k, p in dist.items())
+        full = per_exit[num_layers]
+        out.update({
+            "threshold": thr,
+            "distribution": dist,
+            "expected_exit_layer": sum(k * p for k, p in dist.items()),
+            "expected_macs_per_token": exp_macs,
+            "expected_energy_pj_per_token": exp_energy,
+            "full_macs_per_token": full["macs_per_token"],
+            "speedup_bound": full["macs_per_token"] / exp_macs if exp_macs else None,
+            "energy_saving": 1 - exp_energy / full["energy_pj_per_token"] if full["energy_pj_per_token"] else None,
+        })
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# warnings
+
+
+def _warnings(report: Report, stack: ModuleStack, mode: CountingMode, random_input: bool) -> list[str]:
+    out = []
+    neurons = report.neurons
+    if neurons:
+        silent = [n.name for n in neurons if not n.output_firing_rate]
+        if len(silent) == len(neurons):
+            out.append(
+                f"all {len(neurons)} spiking neurons were silent (firing rate 0), so SOPs downstream are 0: "
+                "the model is untrained, or eval-mode BatchNorm statistics / thresholds keep membranes "
+                "below threshold. Profile a trained checkpoint on real inputs (inputs= or data=)."
+            )
+        elif silent:
+            shown = ", ".join(silent[:5]) + (" ..." if len(silent) > 5 else "")
+            out.append(f"{len(silent)} of {len(neurons)} spiking neurons never fired: {shown}")
+        if random_input:
+            out.append("inputs were random: firing rates and SOPs depend on the data; pass inputs= or data= for real numbers")
+    un = stack.layers.get(UNATTRIBUTED)
+    if un is not None and (un.dense_macs or un.ops):
+        kinds = ", ".join(f"{k} ({v})" for k, v in stack.unattributed_modules.items()) or "code outside any module"
+        out.append(
+            f"{un.dense_macs} dense MACs ({sum(un.ops.values())} ops) came from modules outside the model's "
+            f"module tree and are listed as {UNATTRIBUTED}: {kinds}. Register them as submodules to attribute them."
+        )
+    if mode.unknown_ops:
+        ops = ", ".join(f"{k} x{v}" for k, v in sorted(mode.unknown_ops.items()))
+        out.append(f"custom ops without a counting rule were charged 0 MACs: {ops}")
+    if report.totals["dense_macs"] == 0:
+        out.append("no matmul/conv/linear ops were seen in the forward pass")
+    return out
