@@ -1,0 +1,191 @@
+"""Spiking self-attention (no softmax) that also emits STATA's token scores in the same pass.
+
+    y = scale * Q K^T V                                   (per t, b, head; Q, K, V binary spikes)
+    s(j) = sum_h <q_{h,anchor}, k_{h,j}>                   anchor score of every non-anchor token j
+    c(j) = sum_h <mean_{i != anchor} q_{h,i}, k_{h,j}>     column mean of Q K^T over the patch queries
+
+c is exactly the column mean of the full Q K^T map (summed over heads) but costs O(N d), so the
+scores need no N x N map. Without an anchor (`anchor=False`) s is c. Layout `[T, B, H, N, d]`.
+Parts: torch reference (the spec), a Triton forward kernel, and a `torch.library` custom op with a
+fake implementation and an analytic backward (plain torch matmuls, shared by both backends).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from efficient.kernels.token_select import HAS_TRITON, _next_pow2, resolve_backend
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+
+# ----------------------------------------------------------------------------- torch reference
+
+
+def attention_ref(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """scale * Q K^T V in the cheaper association order. For spikes every partial sum is an integer,
+    so both orders give bit-identical fp32 results (scale is a power of two in Spikformer)."""
+    n, d = q.shape[-2:]
+    if n > d:
+        return q @ (k.transpose(-2, -1) @ v) * scale
+    return (q @ k.transpose(-2, -1)) @ v * scale
+
+
+def scores_ref(q: Tensor, k: Tensor, anchor: bool) -> tuple[Tensor, Tensor]:
+    """(s, c), each `[T, B, N - anchor]`: anchor-query scores and mean-patch-query scores."""
+    p = int(anchor)
+    kp = k[..., p:, :]
+    c = torch.einsum("tbhd,tbhmd->tbm", q[..., p:, :].mean(-2), kp)
+    s = torch.einsum("tbhd,tbhmd->tbm", q[..., 0, :], kp) if anchor else c
+    return s, c
+
+
+def ssa_ref(q: Tensor, k: Tensor, v: Tensor, scale: float = 0.125, anchor: bool = False, scores: bool = False):
+    y = attention_ref(q, k, v, scale)
+    if not scores:
+        return y, None, None
+    s, c = scores_ref(q, k, anchor)
+    return y, s, c
+
+
+# --------------------------------------------------------------------------------- Triton kernel
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _ssa_fwd_kernel(
+        q_ptr, k_ptr, v_ptr, y_ptr, s_ptr, c_ptr, N, D, scale,
+        P: tl.constexpr, SCORES: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
+    ):
+        # one program per (t, b, head): M = K^T V once, then y = scale * Q M by query blocks
+        pid = tl.program_id(0)
+        base = pid * N * D
+        rn = tl.arange(0, BLOCK_N)
+        rd = tl.arange(0, BLOCK_D)
+        kv_mask = (rn[:, None] < N) & (rd[None, :] < D)
+        kk = tl.load(k_ptr + base + rn[:, None] * D + rd[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        vv = tl.load(v_ptr + base + rn[:, None] * D + rd[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        m = tl.dot(tl.trans(kk), vv, input_precision="ieee")  # [BLOCK_D, BLOCK_D]
+        qsum = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for q0 in range(0, N, BLOCK_Q):
+            rq = q0 + tl.arange(0, BLOCK_Q)
+            qm = (rq[:, None] < N) & (rd[None, :] < D)
+            qq = tl.load(q_ptr + base + rq[:, None] * D + rd[None, :], mask=qm, other=0.0).to(tl.float32)
+            y = tl.dot(qq, m, input_precision="ieee") * scale
+            tl.store(y_ptr + base + rq[:, None] * D + rd[None, :], y.to(y_ptr.dtype.element_ty), mask=qm)
+            if SCORES:
+                qsum += tl.sum(tl.where((rq[:, None] >= P) & qm, qq, 0.0), 0)
+        if SCORES:
+            qbar = qsum / (N - P)
+            c = tl.sum(kk * qbar[None, :], 1)
+            out_mask = (rn >= P) & (rn < N)
+            tl.store(c_ptr + pid * (N - P) + rn - P, c, mask=out_mask)
+            if P == 1:
+                qa = tl.load(q_ptr + base + rd, mask=rd < D, other=0.0).to(tl.float32)
+                s = tl.sum(kk * qa[None, :], 1)
+                tl.store(s_ptr + pid * (N - P) + rn - P, s, mask=out_mask)
+
+
+def ssa_triton(q: Tensor, k: Tensor, v: Tensor, scale: float, anchor: bool, scores: bool) -> tuple[Tensor, Tensor, Tensor]:
+    T, B, H, N, D = q.shape
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    p = int(anchor)
+    y = torch.empty_like(q)
+    m = N - p if scores else 0
+    s_h = torch.empty(T, B, H, m, device=q.device, dtype=torch.float32)
+    c_h = torch.empty(T, B, H, m, device=q.device, dtype=torch.float32)
+    block_n = max(16, _next_pow2(N))
+    _ssa_fwd_kernel[(T * B * H,)](
+        q, k, v, y, s_h, c_h, N, D, scale, P=p, SCORES=scores,
+        BLOCK_N=block_n, BLOCK_D=max(16, _next_pow2(D)), BLOCK_Q=min(64, block_n),
+    )
+    if not scores:
+        return y, s_h.new_empty(0), c_h.new_empty(0)
+    c = c_h.sum(2).to(q.dtype)
+    s = s_h.sum(2).to(q.dtype) if anchor else c
+    return y, s, c
+
+
+# ------------------------------------------------------------------------------------- custom op
+
+
+@torch.library.custom_op("efficient::ssa", mutates_args=())
+def _ssa_op(q: Tensor, k: Tensor, v: Tensor, scale: float, anchor: bool, scores: bool, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    if backend == "triton":
+        y, s, c = ssa_triton(q, k, v, scale, anchor, scores)
+    else:
+        y, s, c = ssa_ref(q, k, v, scale, anchor, scores)
+        if not scores:
+            s = c = q.new_empty(0)
+    # outputs must not alias each other (s is c without an anchor)
+    return y, s.clone() if s is c else s, c
+
+
+@_ssa_op.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, scale: float, anchor: bool, scores: bool, backend: str):
+    T, B, H, N, D = q.shape
+    m = N - int(anchor)
+    shape = (T, B, m) if scores else (0,)
+    return torch.empty_like(q), q.new_empty(shape), q.new_empty(shape)
+
+
+def _ssa_setup(ctx, inputs, output) -> None:
+    q, k, v, scale, anchor, scores, backend = inputs
+    ctx.save_for_backward(q, k, v)
+    ctx.scale, ctx.anchor, ctx.scores = scale, anchor, scores
+
+
+def _ssa_backward(ctx, gy: Tensor, gs: Tensor | None, gc: Tensor | None):
+    """Analytic gradients of y = scale*Q(K^T V) and of the score sums (see module docstring)."""
+    q, k, v = ctx.saved_tensors
+    scale = ctx.scale
+    m = k.transpose(-2, -1) @ v  # [.., d, d]
+    dm = q.transpose(-2, -1) @ gy * scale
+    dq = gy @ m.transpose(-2, -1) * scale
+    dk = v @ dm.transpose(-2, -1)
+    dv = k @ dm
+    if ctx.scores:
+        p = int(ctx.anchor)
+        kp = k[..., p:, :]
+        gs = torch.zeros(0) if gs is None else gs
+        gc = torch.zeros(0) if gc is None else gc
+        if not ctx.anchor and gs.numel():  # s is c: their gradients add
+            gc, gs = (gc + gs if gc.numel() else gs), torch.zeros(0)
+        if gc.numel():
+            qbar = q[..., p:, :].mean(-2)
+            dqbar = torch.einsum("tbm,tbhmd->tbhd", gc, kp)
+            dq = dq.clone()
+            dq[..., p:, :] += dqbar.unsqueeze(-2) / (q.shape[-2] - p)
+            dk = dk.clone()
+            dk[..., p:, :] += torch.einsum("tbm,tbhd->tbhmd", gc, qbar)
+        if gs.numel():
+            dq = dq.clone()
+            dq[..., 0, :] += torch.einsum("tbm,tbhmd->tbhd", gs, kp)
+            dk = dk.clone()
+            dk[..., p:, :] += torch.einsum("tbm,tbhd->tbhmd", gs, q[..., 0, :])
+    return dq, dk, dv, None, None, None, None
+
+
+_ssa_op.register_autograd(_ssa_backward, setup_context=_ssa_setup)
+
+
+# ------------------------------------------------------------------------------------ public API
+
+
+def spiking_attention(
+    q: Tensor, k: Tensor, v: Tensor, scale: float = 0.125, anchor: bool = False, scores: bool = False, backend: str = "auto"
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """`(y, s, c)`: attention output `[T, B, H, N, d]` and, if `scores`, the `[T, B, N - anchor]`
+    anchor / mean-query scores (None otherwise). `anchor` means token 0 is the anchor."""
+    if q.dim() != 5 or q.shape != k.shape or q.shape != v.shape:
+        raise ValueError(f"q, k, v must share a [T, B, H, N, d] shape; got {list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
+    if scores and q.shape[-2] <= int(anchor):
+        raise ValueError("scores need at least one token besides the anchor")
+    y, s, c = _ssa_op(q, k, v, float(scale), bool(anchor), bool(scores), resolve_backend(backend, q))
+    if not scores:
+        return y, None, None
+    return y, s, c
