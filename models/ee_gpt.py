@@ -244,17 +244,19 @@ class EEGPT(nn.Module):
         if idx.dim() != 2 or idx.dtype not in (torch.long, torch.int32, torch.int64):
             raise ValueError(f"EE-GPT takes token ids [B, S] (long), got {tuple(idx.shape)} {idx.dtype}")
 
-    def exit_states(self, idx: torch.Tensor, upto: int | None = None) -> list[ExitState]:
-        """Every exit's pre-projection state for token ids [B, S], shallow to deep (final last).
-        `upto` stops after that exit layer and evaluates only its head."""
+    def exit_states(self, idx: torch.Tensor, layers: Iterable[int] | None = None) -> list[ExitState]:
+        """Pre-projection states of the exits in `layers` (default: all, final included) for token
+        ids [B, S], shallow to deep. Only layers up to the deepest requested exit are computed."""
         self._check_idx(idx)
-        stop = self.num_layers if upto is None else upto
+        want = set(self.exit_layers if layers is None else layers)
+        if not want <= set(self.exit_layers):
+            raise ValueError(f"no exit at layer(s) {sorted(want - set(self.exit_layers))}; this model's exits are {self.exit_layers}")
         h = self.tok_emb(idx)
         cos, sin = self._rope(0, idx.shape[1])
         out, mid = [], None
-        for i in range(stop):
+        for i in range(max(want, default=0)):
             h, mid = self.layers[i](h, cos, sin)
-            if i + 1 in self.exit_layers and (upto is None or i + 1 == upto):
+            if i + 1 in want:
                 out.append(ExitState(i + 1, self.exit_hidden(i + 1, h, mid), self.head_weight(i + 1)))
         return out
 
@@ -264,7 +266,7 @@ class EEGPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Final-head logits [B, S, V]; under `forced_exit(k)` the logits of the exit at k."""
         layer = self.num_layers if self._forced is None else self._forced
-        s = self.exit_states(idx, upto=layer)[-1]
+        s = self.exit_states(idx, [layer])[-1]
         return s.hidden @ s.weight.T
 
     @contextlib.contextmanager

@@ -1,0 +1,144 @@
+"""Exit confidence: max softmax probability and argmax of `hidden @ weight.T` without the logits.
+
+An early-exit decoder asks every exit "how sure are you?" for each new token. The answer needs
+only max_v softmax(z)_v = 1 / sum_v exp(z_v - max z) and the argmax, which an online softmax
+(Milakov & Gimelshein, 2018) gets in one pass over vocab tiles, so the [N, V] logits are never
+stored. Parts: torch reference, chunked torch path (CPU), Triton kernel, custom op `efficient::exit_confidence`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is a dependency; the torch paths work without it
+    triton = None
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+def exit_confidence_reference(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The spec: full fp32 (fp64 for fp64 inputs) logits, softmax, max -> (p_max [N], argmax int64 [N])."""
+    acc = torch.promote_types(hidden.dtype, torch.float32)
+    p = torch.softmax(hidden.to(acc) @ weight.to(acc).T, dim=-1)
+    pmax, arg = p.max(dim=-1)
+    return pmax, arg
+
+
+def exit_confidence_torch(hidden: torch.Tensor, weight: torch.Tensor, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """Online softmax over vocab chunks: memory O(N * chunk) instead of O(N * V)."""
+    N = hidden.shape[0]
+    acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32 math for half inputs, fp64 stays fp64
+    m = torch.full((N,), float("-inf"), device=hidden.device, dtype=acc)
+    s = torch.zeros(N, device=hidden.device, dtype=acc)
+    arg = torch.zeros(N, dtype=torch.long, device=hidden.device)
+    for v0 in range(0, weight.shape[0], chunk):
+        z = (hidden @ weight[v0 : v0 + chunk].T).to(acc)
+        zm, za = z.max(dim=-1)
+        m_new = torch.maximum(m, zm)
+        s = s * torch.exp(m - m_new) + torch.exp(z - m_new[:, None]).sum(-1)
+        arg = torch.where(zm > m, za + v0, arg)  # strict: the first maximum wins, as in torch.max
+        m = m_new
+    return 1.0 / s, arg
+
+
+if triton is not None:
+
+    @triton.jit
+    def _exit_conf_kernel(
+        h_ptr, w_ptr, pmax_ptr, arg_ptr, N, V, D,
+        stride_hn, stride_wv,
+        BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask = rows < N
+        m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+        s = tl.zeros((BLOCK_N,), tl.float32)
+        arg = tl.zeros((BLOCK_N,), tl.int64)
+        for v0 in range(0, V, BLOCK_V):
+            cols = v0 + tl.arange(0, BLOCK_V)
+            cmask = cols < V
+            acc = tl.zeros((BLOCK_N, BLOCK_V), tl.float32)
+            for d0 in range(0, D, BLOCK_D):
+                ds = d0 + tl.arange(0, BLOCK_D)
+                dmask = ds < D
+                h = tl.load(h_ptr + rows[:, None] * stride_hn + ds[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
+                w = tl.load(w_ptr + cols[:, None] * stride_wv + ds[None, :], mask=cmask[:, None] & dmask[None, :], other=0.0)
+                acc += tl.dot(h, tl.trans(w), input_precision="ieee")
+            acc = tl.where(cmask[None, :], acc, float("-inf"))
+            zm = tl.max(acc, axis=1)
+            za = tl.argmax(acc, axis=1).to(tl.int64) + v0
+            m_new = tl.maximum(m, zm)
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(acc - m_new[:, None]), axis=1)
+            arg = tl.where(zm > m, za, arg)
+            m = m_new
+        tl.store(pmax_ptr + rows, 1.0 / s, mask=rmask)
+        tl.store(arg_ptr + rows, arg, mask=rmask)
+
+
+def exit_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if triton is None:
+        raise RuntimeError("exit_confidence backend='triton' needs the triton package")
+    N, D = hidden.shape
+    V = weight.shape[0]
+    hidden, weight = hidden.contiguous(), weight.contiguous()
+    pmax = torch.empty(N, device=hidden.device, dtype=torch.float32)
+    arg = torch.empty(N, device=hidden.device, dtype=torch.long)
+    BLOCK_N, BLOCK_V = 16, 64 if hidden.is_cuda else 32
+    BLOCK_D = min(64, max(16, triton.next_power_of_2(D)))
+    _exit_conf_kernel[(triton.cdiv(N, BLOCK_N),)](
+        hidden, weight, pmax, arg, N, V, D, hidden.stride(0), weight.stride(0),
+        BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_D=BLOCK_D,
+    )
+    return pmax, arg
+
+
+def _pick_backend(backend: str, device: torch.device) -> str:
+    backend = os.environ.get("EFFICIENT_BACKEND", backend) if backend == "auto" else backend
+    if backend not in BACKENDS:
+        raise ValueError(f"exit_confidence: backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and triton is not None else "torch"
+    return backend
+
+
+@torch.library.custom_op("efficient::exit_confidence", mutates_args=())
+def _exit_confidence_op(hidden: torch.Tensor, weight: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if backend == "triton":
+        if hidden.dtype == torch.float64:
+            raise ValueError("exit_confidence: the Triton kernel takes fp32/fp16/bf16; use backend='torch' for fp64")
+        return exit_confidence_triton(hidden, weight)
+    return exit_confidence_torch(hidden, weight)
+
+
+@_exit_confidence_op.register_fake
+def _(hidden, weight, backend):
+    N = hidden.shape[0]
+    return hidden.new_empty(N, dtype=torch.promote_types(hidden.dtype, torch.float32)), hidden.new_empty(N, dtype=torch.long)
+
+
+try:  # let FLOP counters see the projection inside the op (2 flops per MAC)
+    from torch.utils.flop_counter import register_flop_formula
+
+    @register_flop_formula(torch.ops.efficient.exit_confidence)
+    def _flops(hidden_shape, weight_shape, *args, **kwargs) -> int:
+        return 2 * hidden_shape[0] * hidden_shape[1] * weight_shape[0]
+except Exception:  # pragma: no cover - older torch without the registry
+    pass
+
+
+def exit_confidence(hidden: torch.Tensor, weight: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """(p_max [...] in fp32 (fp64 for fp64 inputs), argmax int64 [...]) of softmax(hidden @ weight.T) for hidden [..., D],
+    weight [V, D]. Not differentiable (a decoding-time decision)."""
+    if hidden.shape[-1] != weight.shape[-1] or weight.dim() != 2:
+        raise ValueError(f"exit_confidence: hidden [..., D] and weight [V, D] must share D, got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"exit_confidence: hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype")
+    lead = hidden.shape[:-1]
+    pmax, arg = _exit_confidence_op(hidden.detach().reshape(-1, hidden.shape[-1]), weight.detach(), _pick_backend(backend, hidden.device))
+    return pmax.reshape(lead), arg.reshape(lead)

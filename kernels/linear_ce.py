@@ -1,0 +1,193 @@
+"""Chunked fused linear cross-entropy: mean CE of `hidden @ weight.T` against targets, computed
+row-chunk by row-chunk so a K-exit model never holds K full [N, V] logit tensors.
+
+Each chunk's logits are turned into their gradient (softmax - onehot) in place right after the
+loss is taken, and the input/weight gradients are accumulated in the forward pass (the
+Liger-Kernel recipe), so backward is a scale. Parts: torch reference, chunked torch path, Triton
+row kernel for the in-place CE, custom op `efficient::linear_ce` with autograd.
+
+`confidence_weighted=True` multiplies each token's CE by its detached max softmax probability
+(EE-Tuning's dynamic token weights); no gradient flows through the weight.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+def linear_ce_reference(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, confidence_weighted: bool = False
+) -> torch.Tensor:
+    """The spec, via full logits: sum_i c_i * CE_i / #valid, c_i = detached p_max_i or 1."""
+    acc = torch.promote_types(hidden.dtype, torch.float32)
+    logp = F.log_softmax((hidden @ weight.T).to(acc), dim=-1)
+    valid = target != ignore_index
+    ce = -logp.gather(-1, target.clamp(min=0)[:, None])[:, 0]
+    if confidence_weighted:
+        ce = ce * logp.detach().amax(-1).exp()
+    return torch.where(valid, ce, 0).sum() / valid.sum().clamp(min=1)
+
+
+def _ce_chunk_torch(z: torch.Tensor, t: torch.Tensor, ignore_index: int, conf: bool) -> torch.Tensor:
+    """Per-row CE of logits `z` (fp32, [n, V]); overwrites `z` with d(sum of row losses)/dz."""
+    valid = t != ignore_index
+    tc = t.clamp(min=0)
+    lse = torch.logsumexp(z, dim=-1)
+    loss = lse - z.gather(-1, tc[:, None])[:, 0]
+    c = torch.where(valid, (z.amax(-1) - lse).exp() if conf else torch.ones_like(lse), 0)
+    z.sub_(lse[:, None]).exp_()
+    z[torch.arange(len(t), device=z.device), tc] -= 1
+    z.mul_(c[:, None])
+    return loss * c
+
+
+if triton is not None:
+
+    @triton.jit
+    def _ce_rows_kernel(z_ptr, t_ptr, loss_ptr, stride, V, ignore_index, CONF: tl.constexpr, BLOCK_V: tl.constexpr):
+        """One program per row: online max/sum-exp over the row, then the gradient in place."""
+        row = tl.program_id(0).to(tl.int64)
+        base = z_ptr + row * stride
+        t = tl.load(t_ptr + row)
+        m = float("-inf")
+        s = 0.0
+        for v0 in range(0, V, BLOCK_V):
+            cols = v0 + tl.arange(0, BLOCK_V)
+            z = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(z, 0))
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
+            m = m_new
+        lse = m + tl.log(s)
+        valid = t != ignore_index
+        tc = tl.where(valid, t, 0)
+        zt = tl.load(base + tc).to(tl.float32)
+        c = tl.exp(m - lse) if CONF else 1.0
+        c = tl.where(valid, c, 0.0)
+        tl.store(loss_ptr + row, (lse - zt) * c)
+        for v0 in range(0, V, BLOCK_V):
+            cols = v0 + tl.arange(0, BLOCK_V)
+            z = tl.load(base + cols, mask=cols < V, other=0.0).to(tl.float32)
+            g = (tl.exp(z - lse) - tl.where(cols == tc, 1.0, 0.0)) * c
+            tl.store(base + cols, g, mask=cols < V)
+
+
+def _ce_chunk_triton(z: torch.Tensor, t: torch.Tensor, ignore_index: int, conf: bool) -> torch.Tensor:
+    if triton is None:
+        raise RuntimeError("linear_ce backend='triton' needs the triton package")
+    loss = torch.empty(z.shape[0], device=z.device, dtype=torch.float32)
+    BLOCK_V = min(4096 if z.is_cuda else 128, triton.next_power_of_2(z.shape[1]))
+    _ce_rows_kernel[(z.shape[0],)](z, t, loss, z.stride(0), z.shape[1], ignore_index, CONF=conf, BLOCK_V=BLOCK_V)
+    return loss
+
+
+def _linear_ce_chunked(hidden, weight, target, ignore_index, conf, chunk_size, backend, need_grad):
+    """Loss (0-dim, fp32) and, if `need_grad`, d loss / d hidden and d loss / d weight."""
+    N = hidden.shape[0]
+    acc = torch.promote_types(hidden.dtype, torch.float32)
+    n_valid = (target != ignore_index).sum().clamp(min=1).to(acc)
+    total = torch.zeros((), device=hidden.device, dtype=acc)
+    dh = torch.empty_like(hidden) if need_grad else hidden.new_empty(0)
+    dw = torch.zeros(weight.shape, device=weight.device, dtype=acc) if need_grad else weight.new_empty(0)
+    ce_rows = _ce_chunk_triton if backend == "triton" else _ce_chunk_torch
+    for s in range(0, N, chunk_size):
+        h = hidden[s : s + chunk_size]
+        z = (h @ weight.T).to(acc).contiguous()
+        total += ce_rows(z, target[s : s + chunk_size].contiguous(), ignore_index, conf).sum()
+        if need_grad:
+            g = z.to(hidden.dtype)
+            dh[s : s + chunk_size] = (g @ weight) / n_valid.to(hidden.dtype)
+            dw.addmm_(g.T.to(acc), h.to(acc))
+    if need_grad:
+        dw = (dw / n_valid).to(weight.dtype)
+    return (total / n_valid).to(torch.float32 if acc == torch.float32 else acc), dh, dw
+
+
+def _pick_backend(backend: str, device: torch.device) -> str:
+    backend = os.environ.get("EFFICIENT_BACKEND", backend) if backend == "auto" else backend
+    if backend not in BACKENDS:
+        raise ValueError(f"linear_ce: backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and triton is not None else "torch"
+    return backend
+
+
+@torch.library.custom_op("efficient::linear_ce", mutates_args=())
+def _linear_ce_op(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int, confidence_weighted: bool, chunk_size: int, backend: str, need_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _linear_ce_chunked(hidden, weight, target, ignore_index, confidence_weighted, chunk_size, backend, need_grad)
+
+
+@_linear_ce_op.register_fake
+def _(hidden, weight, target, ignore_index, confidence_weighted, chunk_size, backend, need_grad):
+    acc = torch.promote_types(hidden.dtype, torch.float32)
+    dh = torch.empty_like(hidden) if need_grad else hidden.new_empty(0)
+    dw = torch.empty_like(weight) if need_grad else weight.new_empty(0)
+    return hidden.new_empty((), dtype=acc), dh, dw
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    _, dh, dw = output
+    ctx.save_for_backward(dh, dw)
+
+
+def _backward(ctx, g_loss, g_dh, g_dw):
+    dh, dw = ctx.saved_tensors
+    if dh.numel() == 0:
+        raise RuntimeError("linear_ce was called without gradients enabled; call it with requires_grad inputs to backpropagate")
+    return (g_loss * dh).to(dh.dtype), (g_loss * dw).to(dw.dtype), None, None, None, None, None, None
+
+
+_linear_ce_op.register_autograd(_backward, setup_context=_setup_context)
+
+try:
+    from torch.utils.flop_counter import register_flop_formula
+
+    @register_flop_formula(torch.ops.efficient.linear_ce)
+    def _flops(hidden_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:
+        n, d = hidden_shape
+        need_grad = args[-1] if args else kwargs.get("need_grad", True)
+        return 2 * n * d * weight_shape[0] * (3 if need_grad else 1)
+except Exception:  # pragma: no cover
+    pass
+
+
+def linear_ce(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int = -100,
+    confidence_weighted: bool = False,
+    chunk_size: int = 1024,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Mean cross-entropy of logits `hidden @ weight.T` (hidden [..., D], weight [V, D], target
+    [...] int64) over targets != ignore_index, without storing the logits. Differentiable in
+    hidden and weight."""
+    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"linear_ce: hidden [..., D] and weight [V, D] must share D, got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if target.shape != hidden.shape[:-1]:
+        raise ValueError(f"linear_ce: target shape {tuple(target.shape)} must equal hidden's leading shape {tuple(hidden.shape[:-1])}")
+    if target.dtype not in (torch.long, torch.int32):
+        raise ValueError(f"linear_ce: target must hold integer class ids, got {target.dtype}")
+    if chunk_size < 1:
+        raise ValueError(f"linear_ce: chunk_size must be >= 1, got {chunk_size}")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"linear_ce: hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype")
+    be = _pick_backend(backend, hidden.device)
+    if be == "triton" and hidden.dtype == torch.float64:
+        raise ValueError("linear_ce: the Triton kernel takes fp32/fp16/bf16; use backend='torch' for fp64")
+    need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    loss, _, _ = _linear_ce_op(hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1).long(), ignore_index, confidence_weighted, chunk_size, be, need_grad)
+    return loss
