@@ -325,9 +325,11 @@ class EEGPT(nn.Module):
         that exited after layer `start` (an approximation of the full model's KV)."""
         cos, sin = self._rope(pos, h.shape[1])
         T = h.shape[1]
-        for i in range(start, self.num_layers):
-            _, k, v = self.layers[i].attn.qkv(self.layers[i].norm1(h), cos, sin)
-            cache.k[i][:, :, pos : pos + T], cache.v[i][:, :, pos : pos + T] = k, v
+        slots = [(i, self.layers[i]) for i in range(start, self.num_layers)]
+        slots += [(self.exit_slot(e), self.exits[str(e)].block) for e in self.exit_layers[:-1] if e > start and self.exits[str(e)].block is not None]
+        for slot, layer in slots:
+            _, k, v = layer.attn.qkv(layer.norm1(h), cos, sin)
+            cache.k[slot][:, :, pos : pos + T], cache.v[slot][:, :, pos : pos + T] = k, v
 
     def layer_macs(self) -> dict[str, int]:
         """Multiply-accumulates per token (projections only; attention scores add 2*C*context)."""

@@ -1,0 +1,322 @@
+"""Early-exit decoding for EE-GPT: the exit rule and three KV-cache strategies.
+
+- `recompute` (EE-LLM, PP=1): tokens that exit early leave their deeper layers' KV unfilled; the
+  next token that runs to full depth re-feeds them as one chunk, so deep layers always attend to
+  the full model's KV (exact: equals re-running the whole prefix under the same exit rule).
+- `copy` (CALM's state propagation, the baseline): an exited token's deeper KV is computed from
+  its exited hidden state (approximate).
+- `speculative` (LayerSkip self-speculation): the first exit drafts up to `num_draft` tokens, the
+  remaining layers verify them in one chunk reusing the drafter's hidden states; greedy output is
+  the full model's, sampled output follows the full model's distribution (speculative sampling).
+
+Exit rule (EE-LLM): visit exits shallow to deep, stop at the first with max-prob >= tau.
+tau >= 1 disables exiting (exits are not evaluated); tau <= 0 always takes the first exit.
+Batch size 1.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal, Sequence
+
+import torch
+
+from efficient.errors import ConfigError
+from efficient.kernels.exit_confidence import exit_confidence
+
+Strategy = Literal["recompute", "copy", "speculative"]
+STRATEGIES = ("recompute", "copy", "speculative")
+
+
+def exits_enabled(threshold: float) -> bool:
+    return threshold < 1.0
+
+
+def should_exit(pmax: float, threshold: float) -> bool:
+    """EE-LLM's rule p_max >= tau, with tau >= 1 meaning 'never exit' (see ee_llm.md 4.1)."""
+    return exits_enabled(threshold) and pmax >= threshold
+
+
+@dataclass
+class Sampler:
+    """Greedy when temperature == 0, else temperature / top-k / top-p sampling."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    generator: torch.Generator | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Sampling distribution [..., V] after temperature, top-k and top-p."""
+        z = logits.float() / self.temperature
+        if self.top_k is not None and self.top_k < z.shape[-1]:
+            kth = torch.topk(z, self.top_k, dim=-1).values[..., -1:]
+            z = z.masked_fill(z < kth, float("-inf"))
+        p = torch.softmax(z, dim=-1)
+        if self.top_p is not None and self.top_p < 1:
+            sp, si = torch.sort(p, dim=-1, descending=True)
+            drop = sp.cumsum(-1) - sp > self.top_p  # keep the smallest prefix reaching top_p
+            p = p.scatter(-1, si, sp.masked_fill(drop, 0))
+            p = p / p.sum(-1, keepdim=True)
+        return p
+
+    def draw(self, p: torch.Tensor) -> int:
+        return int(torch.multinomial(p.reshape(-1), 1, generator=self.generator))
+
+    def pick(self, logits: torch.Tensor) -> int:
+        return int(logits.argmax()) if self.greedy else self.draw(self.probs(logits))
+
+
+@dataclass
+class Generation:
+    """Generated ids, the exit layer of each, costs, and the final cache state (for inspection)."""
+
+    prompt: list[int]
+    tokens: list[int]
+    exit_layers: list[int]
+    num_layers: int
+    seconds: float
+    macs: int  # projection MACs actually spent after the prompt (incl. recompute / copy / verify)
+    full_macs: int  # the same for the full model without exits: tokens x (L layers + final head)
+    expected_macs: int  # sum over tokens of (layers to its exit + exit heads evaluated on the way)
+    committed: int = 0  # positions < committed hold full-depth KV
+    cache: Any = None
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, float]:
+        n = max(len(self.tokens), 1)
+        return {
+            "tokens": len(self.tokens),
+            "tokens_per_s": len(self.tokens) / self.seconds if self.seconds > 0 else float("inf"),
+            "mean_exit_layer": sum(self.exit_layers) / n,
+            "mean_exit_depth": sum(self.exit_layers) / n / self.num_layers,
+            "expected_mac_saving": 1 - self.expected_macs / max(self.full_macs, 1),
+            "mac_saving": 1 - self.macs / max(self.full_macs, 1),
+            **self.stats,
+        }
+
+    def exit_histogram(self) -> dict[int, float]:
+        n = max(len(self.exit_layers), 1)
+        return {k: self.exit_layers.count(k) / n for k in sorted(set(self.exit_layers))}
+
+
+class _Costs:
+    """Projection-MAC bookkeeping from `model.layer_macs()`."""
+
+    def __init__(self, model) -> None:
+        m = model.layer_macs()
+        self.layer, self.L = m["layer"], model.num_layers
+        self.head = {int(k[4:]): v for k, v in m.items() if k.startswith("head")}
+        self.C, self.V = model.n_embd, model.vocab_size
+        self.spent = 0
+
+    def layers(self, tokens: int, n: int) -> None:
+        self.spent += tokens * n * self.layer
+
+    def exit(self, layer: int, chunk: int) -> int:
+        """Exit head on the last position; its block / MLP (if any) runs on the whole chunk."""
+        body = self.head[layer] - self.C * self.V
+        cost = chunk * body + self.C * self.V
+        self.spent += cost
+        return body + self.C * self.V
+
+    def full_token(self) -> int:
+        return self.L * self.layer + self.head[self.L]
+
+
+def _as_ids(model, prompt: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    ids = torch.as_tensor(prompt, dtype=torch.long, device=model.tok_emb.weight.device)
+    if ids.dim() == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.dim() != 1 or ids.numel() == 0:
+        raise ConfigError(f"generate: the prompt must be a non-empty 1-D sequence of token ids (batch size 1), got shape {tuple(ids.shape)}")
+    if int(ids.max()) >= model.vocab_size or int(ids.min()) < 0:
+        raise ConfigError(f"generate: prompt ids must lie in [0, {model.vocab_size}), got {int(ids.min())}..{int(ids.max())}")
+    return ids
+
+
+def _prefill(model, ids: torch.Tensor, cache) -> None:
+    """Full-depth KV for `ids` at positions 0..; exit blocks too, so later exits can attend to them."""
+    if len(ids) == 0:
+        return
+    h, mid, depth = model.tok_emb(ids[None]), None, 0
+    for e in model.exit_layers:
+        h, mid = model.run_layers(h, depth, e, cache, 0)
+        depth = e
+        if e < model.num_layers and model.exits[str(e)].block is not None:
+            model.exit_hidden(e, h, mid, cache, 0)
+
+
+@torch.no_grad()
+def generate(
+    model,
+    prompt: torch.Tensor | Sequence[int],
+    max_new_tokens: int,
+    threshold: float = 1.0,
+    strategy: Strategy = "recompute",
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    num_draft: int = 4,
+    max_pending: int | None = None,
+) -> Generation:
+    """Decode `max_new_tokens` tokens after `prompt` with early exits (see the module docstring)."""
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"generate: strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    if max_new_tokens < 1:
+        raise ConfigError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0 or (top_k is not None and top_k < 1) or (top_p is not None and not 0 < top_p <= 1):
+        raise ConfigError(f"generate: need temperature >= 0, top_k >= 1, 0 < top_p <= 1; got {temperature}, {top_k}, {top_p}")
+    if num_draft < 1:
+        raise ConfigError(f"generate: num_draft must be >= 1, got {num_draft}")
+    if max_pending is not None and max_pending < 1:
+        raise ConfigError(f"generate: max_pending must be >= 1 or unset, got {max_pending}")
+    ids = _as_ids(model, prompt)
+    total = len(ids) + max_new_tokens
+    if total > model.seq_len:
+        raise ConfigError(f"generate: prompt ({len(ids)}) + max_new_tokens ({max_new_tokens}) exceeds the model's seq_len {model.seq_len}")
+    if strategy == "speculative" and len(model.exit_layers) < 2:
+        raise ConfigError("generate: speculative decoding drafts with an early exit, and this model has none")
+    gen = torch.Generator(device=ids.device)
+    gen.manual_seed(0 if seed is None else seed)
+    sampler = Sampler(temperature, top_k, top_p, gen)
+    was_training = model.training
+    model.eval()
+    try:
+        cache = model.new_cache(1, total)
+        _prefill(model, ids[:-1], cache)
+        t0 = time.perf_counter()
+        run = _speculative if strategy == "speculative" else _layerwise
+        out = run(model, ids, max_new_tokens, threshold, sampler, cache, strategy=strategy, num_draft=num_draft, max_pending=max_pending)
+        out.seconds = time.perf_counter() - t0
+    finally:
+        model.train(was_training)
+    return out
+
+
+def _layerwise(model, ids, max_new, threshold, sampler, cache, strategy, max_pending, **_) -> Generation:
+    """`recompute` and `copy`: one new token per step, exits visited shallow to deep."""
+    L, costs = model.num_layers, _Costs(model)
+    seq = ids.tolist()
+    c = len(seq) - 1  # positions < c have full-depth KV; positions c..n-1 are pending
+    tokens, exits, expected = [], [], 0
+    for _ in range(max_new):
+        n = len(seq) - 1
+        start = c if strategy == "recompute" else n
+        forced = max_pending is not None and n - c >= max_pending
+        h = model.tok_emb(torch.tensor([seq[start:]], device=ids.device))
+        T, depth, mid, spent_heads = h.shape[1], 0, None, 0
+        for e in model.exit_layers:
+            h, mid = model.run_layers(h, depth, e, cache, start)
+            costs.layers(T, e - depth)
+            depth = e
+            if e < L and not exits_enabled(threshold):
+                continue
+            hid = model.exit_hidden(e, h, mid, cache, start)[:, -1]
+            spent_heads += costs.exit(e, T)
+            w = model.head_weight(e)
+            if e == L:
+                tok, c = sampler.pick(hid @ w.T), n + 1
+                break
+            pmax, arg = exit_confidence(hid, w)
+            if should_exit(float(pmax), threshold) and not forced:
+                tok = int(arg) if sampler.greedy else sampler.pick(hid @ w.T)
+                if strategy == "copy":
+                    model.fill_kv(h, e, cache, n)
+                    costs.spent += 3 * model.n_embd**2 * (L - e)
+                    c = n + 1
+                break
+        expected += costs.layer * e + spent_heads
+        seq.append(tok)
+        tokens.append(tok)
+        exits.append(e)
+    return Generation(ids.tolist(), tokens, exits, L, 0.0, costs.spent, max_new * costs.full_token(), expected, c, cache)
+
+
+def _speculative(model, ids, max_new, threshold, sampler, cache, num_draft, **_) -> Generation:
+    """Draft with the first exit, verify with layers E+1..L over the drafter's hidden states."""
+    L, E, costs = model.num_layers, model.exit_layers[0], _Costs(model)
+    wE, wL = model.head_weight(E), model.head_weight(L)
+    seq = ids.tolist()
+    c = len(seq) - 1
+    tokens, exits, expected = [], [], 0
+    drafted = accepted = rounds = 0
+    while len(tokens) < max_new:
+        budget = max_new - len(tokens)
+        hs, drafts, q = [], [], []
+        tok, pos, unsure = seq[c], c, False
+        while True:  # feed tokens through layers 1..E; each fed token but the last yields a draft
+            h, mid = model.run_layers(model.tok_emb(torch.tensor([[tok]], device=ids.device)), 0, E, cache, pos)
+            costs.layers(1, E)
+            hs.append(h)
+            if unsure or len(drafts) >= min(num_draft, budget - 1):
+                break
+            hid = model.exit_hidden(E, h, mid, cache, pos)[:, -1]
+            costs.exit(E, 1)
+            if sampler.greedy:
+                pmax, arg = exit_confidence(hid, wE)
+                tok = int(arg)
+            else:
+                qp = sampler.probs(hid @ wE.T)[0]
+                tok, pmax = sampler.draw(qp), qp.max()
+                q.append(qp)
+            drafts.append(tok)
+            pos += 1
+            unsure = 0 < threshold < 1 and float(pmax) < threshold  # an unsure draft ends the round
+        H = torch.cat(hs, dim=1)
+        h, _ = model.run_layers(H, E, L, cache, c)
+        costs.layers(H.shape[1], L - E)
+        logits = model.exit_hidden(L, h, None)[0] @ wL.T  # [m+1, V]: full-model predictions
+        costs.spent += H.shape[1] * model.n_embd * model.vocab_size
+        new = []
+        for j, d in enumerate(drafts):
+            if sampler.greedy:
+                ok = int(logits[j].argmax()) == d
+            else:  # speculative sampling (Leviathan et al. 2023): accept with prob min(1, p/q)
+                p = sampler.probs(logits[j])
+                ok = float(torch.rand((), generator=sampler.generator)) * float(q[j][d]) < float(p[d])
+            if not ok:
+                if sampler.greedy:
+                    new.append(int(logits[j].argmax()))
+                else:
+                    resid = (sampler.probs(logits[j]) - q[j]).clamp(min=0)
+                    new.append(sampler.draw(resid / resid.sum()))
+                break
+            new.append(d)
+        else:
+            new.append(sampler.pick(logits[len(drafts)]))
+        a = min(len(new) - 1, len(drafts))  # accepted drafts
+        drafted, accepted, rounds = drafted + len(drafts), accepted + a, rounds + 1
+        for j, t in enumerate(new):
+            exits.append(E if j < a else L)
+            expected += (costs.layer * E + costs.head[E]) if j < a else costs.full_token()
+        seq += new
+        tokens += new
+        c += len(new)
+    stats = {"draft_acceptance": accepted / max(drafted, 1), "tokens_per_round": len(tokens) / max(rounds, 1)}
+    return Generation(ids.tolist(), tokens, exits, L, 0.0, costs.spent, max_new * costs.full_token(), expected, c, cache, stats)
+
+
+@torch.no_grad()
+def generate_reference(model, prompt: torch.Tensor | Sequence[int], max_new_tokens: int, threshold: float = 1.0) -> tuple[list[int], list[int]]:
+    """The spec, without a cache: every step re-runs the whole prefix, then applies the exit rule to
+    the last position (greedy). Returns (tokens, exit layers)."""
+    seq = _as_ids(model, prompt).tolist()
+    tokens, exits = [], []
+    for _ in range(max_new_tokens):
+        states = model.exit_states(torch.tensor([seq], device=model.tok_emb.weight.device))
+        for s in states:
+            logits = s.hidden[0, -1] @ s.weight.T
+            if s.layer == model.num_layers or should_exit(float(torch.softmax(logits.float(), -1).max()), threshold):
+                break
+        tok = int(logits.argmax())
+        seq.append(tok)
+        tokens.append(tok)
+        exits.append(s.layer)
+    return tokens, exits
