@@ -1,0 +1,380 @@
+"""Spiking VGG and Wide-ResNet for robust stable SNNs (Ding et al., ICML 2024), LIF or DLIF neurons.
+
+Images `[B, C, H, W]` in [0, 1] are normalised inside the model (so attacks work in pixel space),
+repeated over T (direct encoding) and run time-major `[T, B, ...]`; conv/BN see `[T*B, ...]`.
+The logits are averaged over T. Architectures follow the paper's code: VGG convs with bias,
+BN and avg-pool, two spiking FC layers; WRN pre-activation blocks with a learnable convex
+combination of shortcut and residual.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Literal, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from efficient.models import neurons
+from efficient.zoo import InputSpec, register_model
+
+PAPER = "Robust Stable Spiking Neural Networks (Ding et al., ICML 2024)"
+# The paper code's CIFAR statistics (std differs from the torchvision-usual 0.247/0.243/0.261).
+CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)
+DIGITS_MEAN, DIGITS_STD = (0.3,), (0.38,)
+
+NeuronKind = Literal["lif", "dlif"]
+
+# Per-layer plans: ints are 3x3 conv-BN-neuron units, "A" a 2x2 average pool.
+VGG_CFGS: dict[str, list[Union[int, str]]] = {
+    "vgg5": [64, "A", 128, 128, "A"],
+    "vgg11": [64, "A", 128, 256, "A", 512, 512, 512, "A", 512, 512],
+    "tiny": [16, "A", 32, "A"],
+}
+
+
+def make_neuron(kind: str, timesteps: int, leak: float, v_threshold: float, width: float, backend: str) -> nn.Module:
+    """The paper's neurons: V[t] = leak*V[t-1]*(1-S[t-1]) + a[t]*I[t], hard reset to 0 (not
+    detached), triangle surrogate of half-width `width`. LIF is DLIF with a[t] fixed at 1."""
+    if kind == "dlif":
+        return neurons.DLIF(timesteps, leak=leak, v_threshold=v_threshold, width=width, backend=backend)
+    if kind == "lif":
+        # V = V - V/tau + X (decay_input=False) is V*leak + X with tau = 1/(1-leak).
+        return neurons.LIF(
+            tau=1.0 / (1.0 - leak), v_threshold=v_threshold, v_reset=0.0, detach_reset=False,
+            decay_input=False, backend=backend,
+        )
+    raise ValueError(f"neuron must be 'lif' or 'dlif', got {kind!r}")
+
+
+def _per_sample(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """Apply a stateless layer to time-major `[T, B, ...]` by merging T into the batch."""
+    return fn(x.flatten(0, 1)).unflatten(0, x.shape[:2])
+
+
+class Normalize(nn.Module):
+    """(x - mean) / std per channel, as a buffer so attacks see raw [0, 1] pixels."""
+
+    def __init__(self, mean: list[float], std: list[float]) -> None:
+        super().__init__()
+        if len(mean) != len(std) or any(s <= 0 for s in std):
+            raise ValueError(f"mean/std must have one entry per channel and std > 0, got mean={mean}, std={std}")
+        self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - self.mean) / self.std
+
+
+class ConvUnit(nn.Module):
+    """3x3 conv -> BN -> spiking neuron on `[T, B, C, H, W]`."""
+
+    def __init__(self, c_in: int, c_out: int, neuron: nn.Module) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(c_in, c_out, 3, padding=1)
+        self.bn = nn.BatchNorm2d(c_out)
+        self.neuron = neuron
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.neuron(_per_sample(lambda z: self.bn(self.conv(z)), x))
+
+
+class ConvexCombination(nn.Module):
+    """sum_i w_i * inputs_i with learnable weights initialised to 1/n (kept on the simplex by AT+Reg)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+        self.comb = nn.Parameter(torch.full((n,), 1.0 / n))
+
+    def forward(self, *xs: torch.Tensor) -> torch.Tensor:
+        if len(xs) != self.n:
+            raise ValueError(f"ConvexCombination({self.n}) got {len(xs)} inputs")
+        return sum(w * x for w, x in zip(self.comb, xs))  # type: ignore[return-value]
+
+
+class _SpikingNet(nn.Module):
+    """Shared input handling: check shape, normalise, repeat over T."""
+
+    timesteps: int
+    in_chans: int
+    img_size: int
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 4 or x.shape[1] != self.in_chans or tuple(x.shape[-2:]) != (self.img_size, self.img_size):
+            raise ValueError(
+                f"{type(self).__name__} expects images [B, {self.in_chans}, {self.img_size}, {self.img_size}] "
+                f"in [0, 1]; got {list(x.shape)}"
+            )
+        x = self.normalize(x)
+        return x.unsqueeze(0).expand(self.timesteps, *x.shape)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits `[B, num_classes]`, averaged over T."""
+        return self.forward_time(x).mean(0)
+
+
+class SpikingVGG(_SpikingNet):
+    """VGG plan of conv units and pools, then Linear-neuron-Linear-neuron-Linear (the last neuron
+    is the 'last spiking layer' whose input current the stability objective compares)."""
+
+    def __init__(
+        self,
+        plan: list[Union[int, str]],
+        fc_dim: int,
+        num_classes: int,
+        in_chans: int,
+        img_size: int,
+        timesteps: int,
+        neuron_fn: Callable[[], nn.Module],
+        mean: list[float],
+        std: list[float],
+    ) -> None:
+        super().__init__()
+        self.timesteps, self.in_chans, self.img_size, self.num_classes = timesteps, in_chans, img_size, num_classes
+        self.normalize = Normalize(mean, std)
+        layers: list[nn.Module] = []
+        c, side = in_chans, img_size
+        for item in plan:
+            if item == "A":
+                if side % 2:
+                    raise ValueError(f"img_size {img_size} is not divisible by 2 at every average pool of the VGG plan")
+                layers.append(nn.AvgPool2d(2))
+                side //= 2
+            else:
+                layers.append(ConvUnit(c, int(item), neuron_fn()))
+                c = int(item)
+        self.features = nn.ModuleList(layers)
+        self.fc1 = nn.Linear(c * side * side, fc_dim)
+        self.neuron1 = neuron_fn()
+        self.fc2 = nn.Linear(fc_dim, fc_dim)
+        self.neuron2 = neuron_fn()
+        self.head = nn.Linear(fc_dim, num_classes)
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    def forward_time(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-timestep logits `[T, B, num_classes]`."""
+        x = self.encode(x)
+        for layer in self.features:
+            x = _per_sample(layer, x) if isinstance(layer, nn.AvgPool2d) else layer(x)
+        x = x.flatten(2)
+        x = self.neuron1(self.fc1(x))
+        x = self.neuron2(self.fc2(x))
+        return self.head(x)
+
+
+class WideBlock(nn.Module):
+    """Pre-activation wide basic block: BN-neuron-conv-BN-neuron-conv, then a convex
+    combination of the shortcut and the residual branch."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int, neuron_fn: Callable[[], nn.Module], drop: float) -> None:
+        super().__init__()
+        self.bn1 = nn.BatchNorm2d(c_in)
+        self.neuron1 = neuron_fn()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.neuron2 = neuron_fn()
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.drop = drop
+        self.equal = c_in == c_out and stride == 1
+        self.shortcut = None if self.equal else nn.Conv2d(c_in, c_out, 1, stride, 0, bias=False)
+        self.convex = ConvexCombination(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.neuron1(_per_sample(self.bn1, x))
+        # Equal shapes: identity on the raw input; otherwise a 1x1 conv on the activated input.
+        skip = x if self.shortcut is None else _per_sample(self.shortcut, a)
+        h = self.neuron2(_per_sample(lambda z: self.bn2(self.conv1(z)), a))
+        if self.drop > 0:
+            h = F.dropout(h, p=self.drop, training=self.training)
+        h = _per_sample(self.conv2, h)
+        return self.convex(skip, h)
+
+
+class SpikingWRN(_SpikingNet):
+    """WRN-depth-k: 3x3 stem, three groups of (depth-4)/6 wide blocks (16k, 32k, 64k channels),
+    final BN-neuron (the last spiking layer), global average pool, linear head."""
+
+    def __init__(
+        self,
+        depth: int,
+        widen: int,
+        num_classes: int,
+        in_chans: int,
+        img_size: int,
+        timesteps: int,
+        neuron_fn: Callable[[], nn.Module],
+        mean: list[float],
+        std: list[float],
+        drop: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if (depth - 4) % 6:
+            raise ValueError(f"WRN depth must be 6n+4 (16, 22, 28, ...), got {depth}")
+        if img_size % 4:
+            raise ValueError(f"WRN img_size must be divisible by 4 (two stride-2 groups), got {img_size}")
+        self.timesteps, self.in_chans, self.img_size, self.num_classes = timesteps, in_chans, img_size, num_classes
+        self.normalize = Normalize(mean, std)
+        n = (depth - 4) // 6
+        widths = [16, 16 * widen, 32 * widen, 64 * widen]
+        self.stem = nn.Conv2d(in_chans, widths[0], 3, 1, 1, bias=False)
+        blocks: list[nn.Module] = []
+        c = widths[0]
+        for g, stride in zip(range(3), (1, 2, 2)):
+            for i in range(n):
+                blocks.append(WideBlock(c, widths[g + 1], stride if i == 0 else 1, neuron_fn, drop))
+                c = widths[g + 1]
+        self.blocks = nn.Sequential(*blocks)
+        self.bn = nn.BatchNorm2d(c)
+        self.neuron = neuron_fn()
+        self.head = nn.Linear(c, num_classes)
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    def forward_time(self, x: torch.Tensor) -> torch.Tensor:
+        x = _per_sample(self.stem, self.encode(x))
+        for blk in self.blocks:
+            x = blk(x)
+        x = self.neuron(_per_sample(self.bn, x))
+        return self.head(x.mean((-2, -1)))
+
+
+def _stats(mean: list[float] | None, std: list[float] | None, in_chans: int) -> tuple[list[float], list[float]]:
+    if mean is None or std is None:
+        m, s = (CIFAR_MEAN, CIFAR_STD) if in_chans == 3 else (DIGITS_MEAN * in_chans, DIGITS_STD * in_chans)
+        mean, std = list(mean or m), list(std or s)
+    if len(mean) != in_chans or len(std) != in_chans:
+        raise ValueError(f"mean/std need {in_chans} entries (one per input channel), got {len(mean)} and {len(std)}")
+    return mean, std
+
+
+def _check(timesteps: int, leak: float, neuron: str) -> None:
+    if timesteps < 1:
+        raise ValueError(f"timesteps must be >= 1, got {timesteps}")
+    if not 0.0 <= leak < 1.0:
+        raise ValueError(f"leak must be in [0, 1), got {leak}")
+    if neuron not in ("lif", "dlif"):
+        raise ValueError(f"neuron must be 'lif' or 'dlif', got {neuron!r}")
+
+
+def _neuron_fn(neuron: str, timesteps: int, leak: float, v_threshold: float, width: float, backend: str) -> Callable[[], nn.Module]:
+    return lambda: make_neuron(neuron, timesteps, leak, v_threshold, width, backend)
+
+
+def _vgg(
+    arch: str,
+    fc_dim: int,
+    neuron: NeuronKind,
+    timesteps: int,
+    num_classes: int,
+    in_chans: int,
+    img_size: int,
+    leak: float,
+    v_threshold: float,
+    width: float,
+    mean: list[float] | None,
+    std: list[float] | None,
+    backend: str,
+) -> SpikingVGG:
+    _check(timesteps, leak, neuron)
+    m, s = _stats(mean, std, in_chans)
+    fn = _neuron_fn(neuron, timesteps, leak, v_threshold, width, backend)
+    return SpikingVGG(VGG_CFGS[arch], fc_dim, num_classes, in_chans, img_size, timesteps, fn, m, s)
+
+
+CIFAR10 = InputSpec((3, 32, 32), timesteps=8, mean=CIFAR_MEAN, std=CIFAR_STD, num_classes=10)
+DIGITS = InputSpec((1, 8, 8), timesteps=8, mean=DIGITS_MEAN, std=DIGITS_STD, num_classes=10)
+
+
+@register_model("stable-snn-vgg11", input_spec=CIFAR10, paper=PAPER, family="stable-snn",
+                description="spiking VGG-11 (8 convs, two 4096 spiking FC), DLIF, T=8; 61.4M params")
+def stable_snn_vgg11(
+    neuron: NeuronKind = "dlif",
+    timesteps: int = 8,
+    num_classes: int = 10,
+    in_chans: int = 3,
+    img_size: int = 32,
+    fc_dim: int = 4096,
+    leak: float = 0.99,
+    v_threshold: float = 1.0,
+    width: float = 1.0,
+    mean: list[float] | None = None,
+    std: list[float] | None = None,
+    backend: str = "auto",
+) -> SpikingVGG:
+    return _vgg("vgg11", fc_dim, neuron, timesteps, num_classes, in_chans, img_size, leak, v_threshold, width, mean, std, backend)
+
+
+@register_model("stable-snn-vgg5", input_spec=CIFAR10, paper=PAPER, family="stable-snn",
+                description="spiking VGG-5 of the paper's ablations (3 convs, two 4096 spiking FC), DLIF, T=8")
+def stable_snn_vgg5(
+    neuron: NeuronKind = "dlif",
+    timesteps: int = 8,
+    num_classes: int = 10,
+    in_chans: int = 3,
+    img_size: int = 32,
+    fc_dim: int = 4096,
+    leak: float = 0.99,
+    v_threshold: float = 1.0,
+    width: float = 1.0,
+    mean: list[float] | None = None,
+    std: list[float] | None = None,
+    backend: str = "auto",
+) -> SpikingVGG:
+    return _vgg("vgg5", fc_dim, neuron, timesteps, num_classes, in_chans, img_size, leak, v_threshold, width, mean, std, backend)
+
+
+@register_model("stable-snn-digits", input_spec=DIGITS, paper=PAPER, family="stable-snn",
+                description="digits-sized spiking VGG (convs 16-32, two 128 spiking FC), 1x8x8, DLIF, T=8")
+def stable_snn_digits(
+    neuron: NeuronKind = "dlif",
+    timesteps: int = 8,
+    num_classes: int = 10,
+    in_chans: int = 1,
+    img_size: int = 8,
+    fc_dim: int = 128,
+    leak: float = 0.99,
+    v_threshold: float = 1.0,
+    width: float = 1.0,
+    mean: list[float] | None = None,
+    std: list[float] | None = None,
+    backend: str = "auto",
+) -> SpikingVGG:
+    return _vgg("tiny", fc_dim, neuron, timesteps, num_classes, in_chans, img_size, leak, v_threshold, width, mean, std, backend)
+
+
+@register_model("stable-snn-wrn16", input_spec=CIFAR10, paper=PAPER, family="stable-snn",
+                description="spiking WRN-16-4 with convex-combination residuals, DLIF, T=8; 2.75M params")
+def stable_snn_wrn16(
+    neuron: NeuronKind = "dlif",
+    timesteps: int = 8,
+    num_classes: int = 10,
+    in_chans: int = 3,
+    img_size: int = 32,
+    depth: int = 16,
+    widen: int = 4,
+    drop: float = 0.0,
+    leak: float = 0.99,
+    v_threshold: float = 1.0,
+    width: float = 1.0,
+    mean: list[float] | None = None,
+    std: list[float] | None = None,
+    backend: str = "auto",
+) -> SpikingWRN:
+    _check(timesteps, leak, neuron)
+    m, s = _stats(mean, std, in_chans)
+    fn = _neuron_fn(neuron, timesteps, leak, v_threshold, width, backend)
+    return SpikingWRN(depth, widen, num_classes, in_chans, img_size, timesteps, fn, m, s, drop)
