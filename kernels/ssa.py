@@ -7,7 +7,9 @@
 c is exactly the column mean of the full Q K^T map (summed over heads) but costs O(N d), so the
 scores need no N x N map. Without an anchor (`anchor=False`) s is c. Layout `[T, B, H, N, d]`.
 Parts: torch reference (the spec), a Triton forward kernel, and a `torch.library` custom op with a
-fake implementation and an analytic backward (plain torch matmuls, shared by both backends).
+fake implementation and an analytic backward (plain torch matmuls). The public function runs the
+reference as plain aten ops on the torch backend (so profilers count its matmuls) and the custom op
+on the Triton backend.
 """
 
 from __future__ import annotations
@@ -185,7 +187,10 @@ def spiking_attention(
         raise ValueError(f"q, k, v must share a [T, B, H, N, d] shape; got {list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
     if scores and q.shape[-2] <= int(anchor):
         raise ValueError("scores need at least one token besides the anchor")
-    y, s, c = _ssa_op(q, k, v, float(scale), bool(anchor), bool(scores), resolve_backend(backend, q))
+    if resolve_backend(backend, q) == "torch":
+        # plain aten ops: autograd differentiates the reference and op counters see its matmuls
+        return ssa_ref(q, k, v, float(scale), bool(anchor), bool(scores))
+    y, s, c = _ssa_op(q, k, v, float(scale), bool(anchor), bool(scores), "triton")
     if not scores:
         return y, None, None
     return y, s, c

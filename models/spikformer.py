@@ -1,36 +1,68 @@
-"""Spikformer (Zhou et al., ICLR 2023): SPS stem, spiking self-attention without softmax, spiking MLP.
+"""Spikformer (Zhou et al., ICLR 2023) with STATA token sparsification (Zhuge et al., ICML 2024).
 
+Spikformer: SPS conv stem -> blocks of spiking self-attention (binary Q, K, V, no softmax) and a
+spiking MLP on an integer-valued residual stream -> mean over tokens, then time -> linear head.
 Tensors are time-major `[T, B, N, C]` (tokens last-but-one, as in the CIFAR reference code).
-The input image `[B, C, H, W]` is repeated over T (direct encoding); the head averages tokens,
-then time, then applies a linear classifier.
+
+STATA (our reconstruction, see seeds/stata.md): a learnable anchor token per timestep sits at token
+index 0; in each pruning block the anchor's query scores the patch tokens (s_t(i) = <q_anchor,
+k_i>), the scores are standardized per timestep and averaged over time, and the top ceil(rho*N)
+tokens -- one set for every t, so membrane state stays aligned -- are physically gathered, so the
+following layers run on fewer tokens. The anchor is never pruned and never pooled. The last
+forward's scores are kept on the model (`stata_scores`) for the alignment losses in
+`efficient.objectives.stata`.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 from torch import nn
 
+from efficient.errors import ConfigError
+from efficient.kernels.ssa import spiking_attention
+from efficient.kernels.token_select import gather_tokens, select_tokens
 from efficient.models.neurons import LIF
 from efficient.zoo import InputSpec, register_model
 
 PAPER = "Spikformer: When Spiking Neural Network Meets Transformer (Zhou et al., ICLR 2023)"
+STATA_PAPER = "Towards Efficient Spiking Transformer: a Token Sparsification Framework (Zhuge et al., ICML 2024)"
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 DIGITS_MEAN, DIGITS_STD = (0.3,), (0.38,)
+
+Anchor = Literal["per_timestep", "shared", "off"]
+PrunePoint = Literal["after_attn", "after_block"]
+Score = Literal["standardized", "raw"]
 
 
 def _lif(cfg: dict, **kw) -> LIF:
     return LIF(**{**cfg, **kw})
 
 
+def kept_count(ratio: float, n: int) -> int:
+    """ceil(ratio * n), robust to float round-off (0.7 * 50 must give 35, not 36)."""
+    return max(1, math.ceil(ratio * n - 1e-9))
+
+
+def warmup_keep_ratio(target: float, epoch: float, start: float, span: float) -> float:
+    """EViT's keep-rate warm-up: 1 before `start`, then cosine from 1 down to `target` over `span` epochs."""
+    if epoch < start:
+        return 1.0
+    if span <= 0:
+        return target
+    u = min(1.0, (epoch - start) / span)
+    return target + (1.0 - target) * 0.5 * (1.0 + math.cos(math.pi * u))
+
+
 class LinearBNLIF(nn.Module):
     """Linear -> BatchNorm over channels -> LIF, on `[T, B, N, C]` (the Spikformer 'x_linear/x_bn/x_lif' unit)."""
 
-    def __init__(self, d_in: int, d_out: int, lif_cfg: dict, v_threshold: float = 1.0) -> None:
+    def __init__(self, d_in: int, d_out: int, lif_cfg: dict, v_threshold: float = 1.0, bias: bool = True) -> None:
         super().__init__()
-        self.linear = nn.Linear(d_in, d_out)
+        self.linear = nn.Linear(d_in, d_out, bias=bias)
         self.bn = nn.BatchNorm1d(d_out)
         self.lif = _lif(lif_cfg, v_threshold=v_threshold)
 
@@ -48,12 +80,19 @@ class SPS(nn.Module):
     def __init__(self, img_size: int, in_chans: int, dim: int, pool_stages: int, lif_cfg: dict) -> None:
         super().__init__()
         if not 1 <= pool_stages <= 4:
-            raise ValueError(f"pool_stages must be in 1..4 (got {pool_stages})")
-        if img_size % (2**pool_stages):
-            raise ValueError(f"img_size {img_size} is not divisible by 2**pool_stages = {2**pool_stages}")
+            raise ConfigError(f"pool_stages must be in 1..4 (got {pool_stages})")
+        stride = 2**pool_stages
+        if img_size < stride or img_size % stride:
+            raise ConfigError(
+                f"img_size {img_size} does not fit the SPS stem: with pool_stages={pool_stages} it must be a "
+                f"positive multiple of {stride} (the token grid is img_size/{stride} per side); "
+                f"resize the images or change pool_stages"
+            )
+        if dim % 8:
+            raise ConfigError(f"embed_dim must be divisible by 8 for the SPS stem (D/8 .. D channels), got {dim}")
         chans = [in_chans, dim // 8, dim // 4, dim // 2, dim]
         self.img_size, self.in_chans = img_size, in_chans
-        self.grid = img_size // 2**pool_stages
+        self.grid = img_size // stride
         self.convs = nn.ModuleList(nn.Conv2d(chans[i], chans[i + 1], 3, 1, 1, bias=False) for i in range(4))
         self.bns = nn.ModuleList(nn.BatchNorm2d(chans[i + 1]) for i in range(4))
         self.lifs = nn.ModuleList(_lif(lif_cfg) for _ in range(4))
@@ -82,14 +121,15 @@ class SPS(nn.Module):
 class SSA(nn.Module):
     """Spiking self-attention: binary Q, K, V; A = scale * Q K^T with no softmax; LIF_0.5(A V)."""
 
-    def __init__(self, dim: int, heads: int, lif_cfg: dict, scale: float = 0.125, attn_threshold: float = 0.5) -> None:
+    def __init__(self, dim: int, heads: int, lif_cfg: dict, scale: float = 0.125, attn_threshold: float = 0.5,
+                 qkv_bias: bool = True, kernel_backend: str = "auto") -> None:
         super().__init__()
         if dim % heads:
-            raise ValueError(f"dim {dim} is not divisible by heads {heads}")
-        self.heads, self.scale = heads, scale
-        self.q = LinearBNLIF(dim, dim, lif_cfg)
-        self.k = LinearBNLIF(dim, dim, lif_cfg)
-        self.v = LinearBNLIF(dim, dim, lif_cfg)
+            raise ConfigError(f"embed_dim {dim} is not divisible by num_heads {heads}")
+        self.heads, self.scale, self.kernel_backend = heads, scale, kernel_backend
+        self.q = LinearBNLIF(dim, dim, lif_cfg, bias=qkv_bias)
+        self.k = LinearBNLIF(dim, dim, lif_cfg, bias=qkv_bias)
+        self.v = LinearBNLIF(dim, dim, lif_cfg, bias=qkv_bias)
         self.attn_lif = _lif(lif_cfg, v_threshold=attn_threshold)
         self.proj = LinearBNLIF(dim, dim, lif_cfg)
 
@@ -100,15 +140,15 @@ class SSA(nn.Module):
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.split_heads(self.q(x)), self.split_heads(self.k(x)), self.split_heads(self.v(x))
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, anchor: bool = False, scores: bool = False):
+        """Output `[T, B, N, D]` and, if `scores`, STATA's anchor / mean-query scores (one fused pass)."""
         T, B, H, N, d = q.shape
-        # (Q K^T) V order, as the CIFAR reference; same result as Q (K^T V) up to float rounding.
-        y = (q @ k.transpose(-2, -1)) @ v * self.scale
+        y, s, c = spiking_attention(q, k, v, self.scale, anchor=anchor, scores=scores, backend=self.kernel_backend)
         y = y.transpose(2, 3).reshape(T, B, N, H * d)
-        return self.proj(self.attn_lif(y))
+        return self.proj(self.attn_lif(y)), s, c
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.attend(*self.qkv(x))
+        return self.attend(*self.qkv(x))[0]
 
 
 class MLP(nn.Module):
@@ -122,18 +162,39 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, heads: int, mlp_ratio: float, lif_cfg: dict) -> None:
-        super().__init__()
-        self.attn = SSA(dim, heads, lif_cfg)
-        self.mlp = MLP(dim, int(dim * mlp_ratio), lif_cfg)
+    """x += SSA(x); [prune]; x += MLP(x). `prune(x, s, c)` (from the model) gathers the kept tokens."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(x)
-        return x + self.mlp(x)
+    def __init__(self, dim: int, heads: int, mlp_ratio: float, lif_cfg: dict, qkv_bias: bool = True,
+                 reference_norms: bool = False, kernel_backend: str = "auto") -> None:
+        super().__init__()
+        self.attn = SSA(dim, heads, lif_cfg, qkv_bias=qkv_bias, kernel_backend=kernel_backend)
+        self.mlp = MLP(dim, int(dim * mlp_ratio), lif_cfg)
+        if reference_norms:
+            # The reference code builds two LayerNorms per block that its forward never calls; the
+            # published parameter counts (9.33M for 4-384) include them. Frozen, off the compute path.
+            self.norm1, self.norm2 = nn.LayerNorm(dim).requires_grad_(False), nn.LayerNorm(dim).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor, prune=None, anchor: bool = False, point: str = "after_attn") -> torch.Tensor:
+        q, k, v = self.attn.qkv(x)
+        a, s, c = self.attn.attend(q, k, v, anchor=anchor, scores=prune is not None)
+        x = x + a
+        if prune is not None and point == "after_attn":
+            x = prune(x, s, c)
+        x = x + self.mlp(x)
+        if prune is not None and point == "after_block":
+            x = prune(x, s, c)
+        return x
 
 
 class Spikformer(nn.Module):
-    """Spikformer classifier. Input `[B, C, H, W]` (repeated over T) or `[T, B, C, H, W]`."""
+    """Spikformer classifier. Input `[B, C, H, W]` (repeated over T) or `[T, B, C, H, W]`.
+
+    STATA switches: `anchor` (per_timestep | shared | off), `prune_blocks` (1-based block indices),
+    `keep_ratio` (one rho for every pruning block, or one per block), `prune_point`, `fuse_pruned`
+    (EViT-style fused token), `keep_warmup_start` / `keep_warmup_epochs` (cosine warm-up of rho,
+    driven by `set_progress`), `score` (standardized | raw, for ablation), `std_eps`.
+    With `anchor="off"` the mean patch query scores the tokens.
+    """
 
     def __init__(
         self,
@@ -150,16 +211,64 @@ class Spikformer(nn.Module):
         surrogate: str = "sigmoid",
         alpha: float = 4.0,
         backend: str = "auto",
+        qkv_bias: bool = True,
+        reference_norms: bool = False,
+        anchor: Anchor = "off",
+        prune_blocks: list[int] | None = None,
+        keep_ratio: float | list[float] = 1.0,
+        prune_point: PrunePoint = "after_attn",
+        fuse_pruned: bool = False,
+        keep_warmup_start: float = 0.0,
+        keep_warmup_epochs: float = 0.0,
+        score: Score = "standardized",
+        std_eps: float = 1e-6,
     ) -> None:
         super().__init__()
         if timesteps < 1:
-            raise ValueError(f"timesteps must be >= 1 (got {timesteps})")
+            raise ConfigError(f"timesteps must be >= 1 (got {timesteps})")
+        if depth < 1:
+            raise ConfigError(f"depth must be >= 1 (got {depth})")
         lif_cfg = dict(tau=tau, v_reset=0.0, detach_reset=True, surrogate=surrogate, alpha=alpha, backend=backend)
+        kb = backend if backend in ("auto", "triton", "torch") else "auto"
         self.timesteps, self.num_classes, self.embed_dim = timesteps, num_classes, embed_dim
         self.patch_embed = SPS(img_size, in_chans, embed_dim, pool_stages, lif_cfg)
-        self.blocks = nn.ModuleList(Block(embed_dim, num_heads, mlp_ratio, lif_cfg) for _ in range(depth))
+        self.blocks = nn.ModuleList(
+            Block(embed_dim, num_heads, mlp_ratio, lif_cfg, qkv_bias, reference_norms, kb) for _ in range(depth)
+        )
         self.head = nn.Linear(embed_dim, num_classes)
         self.apply(self._init_weights)
+
+        # ---- STATA
+        self.kernel_backend, self.prune_point, self.fuse_pruned = kb, prune_point, fuse_pruned
+        self.standardize, self.std_eps = score == "standardized", std_eps
+        self.warmup = (float(keep_warmup_start), float(keep_warmup_epochs))
+        if keep_warmup_start < 0 or keep_warmup_epochs < 0:
+            raise ConfigError("keep_warmup_start and keep_warmup_epochs must be >= 0")
+        blocks = sorted(prune_blocks or [])
+        bad = [b for b in blocks if not 1 <= b <= depth]
+        if bad or len(set(blocks)) != len(blocks):
+            raise ConfigError(
+                f"prune_blocks {list(prune_blocks or [])}: block indices are 1-based, distinct and at most depth={depth}"
+                + (f"; {bad} is out of range" if bad else "")
+            )
+        ratios = list(keep_ratio) if isinstance(keep_ratio, (list, tuple)) else [keep_ratio] * len(blocks)
+        if isinstance(keep_ratio, (list, tuple)) and len(ratios) != len(blocks):
+            raise ConfigError(f"keep_ratio has {len(ratios)} values for {len(blocks)} prune_blocks; give one ratio or one per block")
+        for r in ratios if ratios else [keep_ratio]:
+            if not (isinstance(r, (int, float)) and 0 < r <= 1):
+                raise ConfigError(f"keep_ratio must be in (0, 1] (the fraction of tokens a pruning block keeps), got {r}")
+        self.prune_at = {b - 1: r for b, r in zip(blocks, ratios)}  # 0-based block -> target rho
+        self.anchor_mode = anchor
+        self.n_prefix = 0 if anchor == "off" else 1
+        self.n_patches = self.patch_embed.grid**2
+        self.token_schedule()  # validates: raises if a block would keep zero tokens
+        if anchor != "off":
+            self.anchor = nn.Parameter(torch.zeros(timesteps if anchor == "per_timestep" else 1, embed_dim))
+            nn.init.trunc_normal_(self.anchor, std=0.02)
+        self._epoch: float | None = None
+        self.record_scores = False  # also keep scores in eval mode (training always keeps them)
+        self.stata_scores: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.stata_stats: dict = {}
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:
@@ -171,6 +280,40 @@ class Spikformer(nn.Module):
             nn.init.ones_(m.weight)
             nn.init.zeros_(m.bias)
 
+    # ------------------------------------------------------------------ keep-ratio schedule
+
+    def set_progress(self, epoch: float) -> None:
+        """Called by the trainer before every step (fractional epoch): drives the keep-ratio warm-up."""
+        self._epoch = float(epoch)
+
+    def keep_ratios(self) -> dict[int, float]:
+        """Current rho per pruning block (0-based): the warm-up value while training, rho* in eval."""
+        if not self.training or self._epoch is None:
+            return dict(self.prune_at)
+        start, span = self.warmup
+        return {b: warmup_keep_ratio(r, self._epoch, start, span) for b, r in self.prune_at.items()}
+
+    def token_schedule(self, ratios: dict[int, float] | None = None) -> list[tuple[int, int]]:
+        """(tokens into attention, tokens into the MLP) per block, anchor and fused token included."""
+        ratios = self.prune_at if ratios is None else ratios
+        p = self.n_prefix
+        cand, out = self.n_patches, []
+        for i in range(len(self.blocks)):
+            n_attn = cand + p
+            if i in ratios:
+                if ratios[i] * cand < 1:
+                    raise ConfigError(
+                        f"keep schedule leaves zero tokens: block {i + 1} keeps {ratios[i]:g} x {cand} candidate tokens "
+                        f"= {ratios[i] * cand:.2f} < 1; raise keep_ratio or prune in fewer blocks"
+                    )
+                k = kept_count(ratios[i], cand)
+                cand = k + (1 if self.fuse_pruned and k < cand else 0)
+            n_mlp = cand + p if self.prune_point == "after_attn" else n_attn
+            out.append((n_attn, n_mlp))
+        return out
+
+    # ---------------------------------------------------------------------------- forward
+
     def encode_input(self, x: torch.Tensor) -> torch.Tensor:
         sps = self.patch_embed
         if x.dim() == 4:
@@ -180,17 +323,54 @@ class Spikformer(nn.Module):
                 f"Spikformer expects images [B, {sps.in_chans}, {sps.img_size}, {sps.img_size}] "
                 f"(or [T, B, ...]); got {list(x.shape)}"
             )
+        if self.anchor_mode == "per_timestep" and x.shape[0] != self.timesteps:
+            raise ValueError(f"this model has one anchor per timestep (T={self.timesteps}); got T={x.shape[0]}")
         return x
 
+    def _prune(self, x: torch.Tensor, s: torch.Tensor, c: torch.Tensor, ratio: float) -> torch.Tensor:
+        """Keep the top ceil(ratio*N) candidates by standardized anchor score, the same set at every t."""
+        p = self.n_prefix
+        cand = x[:, :, p:]
+        n = cand.shape[2]
+        k = kept_count(ratio, n)
+        if self.training or self.record_scores:
+            self.stata_scores.append((s, c))
+        st = self.stata_stats
+        st["degenerate"] += int((s.detach().float().std(-1, correction=0) == 0).all(0).sum())
+        if k == n:  # nothing to prune: keep order and shape exactly (identity at rho = 1)
+            return x
+        idx, z = select_tokens(s, k, self.std_eps, self.standardize, self.kernel_backend)
+        parts = [x[:, :, :p], gather_tokens(cand, idx, self.kernel_backend)]
+        if self.fuse_pruned:  # EViT: one token = softmax(z)-weighted sum of the pruned tokens
+            w = z.scatter(1, idx, float("-inf")).softmax(-1).to(x.dtype)  # [B, N], zero on kept tokens
+            parts.append(torch.einsum("bn,tbnd->tbd", w, cand).unsqueeze(2))
+        st.setdefault("kept_idx", []).append(idx)
+        return torch.cat(parts, 2)
+
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Token features `[T, B, N', D]` after the last block (anchor at index 0 if present)."""
         x = self.patch_embed(self.encode_input(x))
-        for blk in self.blocks:
-            x = blk(x)
+        T, B, _, D = x.shape
+        if self.n_prefix:
+            x = torch.cat([self.anchor[:, None, None, :].expand(T, B, 1, D).to(x.dtype), x], 2)
+        self.stata_scores = []
+        self.stata_stats = {"tokens_in": [], "degenerate": 0}
+        ratios = self.keep_ratios()
+        self.stata_stats["keep_ratio"] = min(ratios.values(), default=1.0)
+        for i, blk in enumerate(self.blocks):
+            self.stata_stats["tokens_in"].append(x.shape[2])
+            prune = None
+            if i in ratios:
+                r = ratios[i]
+                prune = lambda x_, s_, c_, r=r: self._prune(x_, s_, c_, r)  # noqa: E731
+            x = blk(x, prune, anchor=self.n_prefix == 1, point=self.prune_point)
+        self.stata_stats["tokens_out"] = x.shape[2]
         return x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.forward_features(x)
-        return self.head(x.mean(2).mean(0))
+        # mean over tokens (anchor excluded), then over time
+        return self.head(x[:, :, self.n_prefix:].mean(2).mean(0))
 
 
 def _spikformer(**kw) -> Spikformer:
@@ -201,6 +381,14 @@ CIFAR10 = InputSpec((3, 32, 32), timesteps=4, mean=CIFAR_MEAN, std=CIFAR_STD, nu
 DIGITS = InputSpec((1, 16, 16), timesteps=4, mean=DIGITS_MEAN, std=DIGITS_STD, num_classes=10)
 IMAGENET = InputSpec((3, 224, 224), timesteps=4, mean=IMAGENET_MEAN, std=IMAGENET_STD, num_classes=1000)
 
+CIFAR_CFG = dict(embed_dim=384, depth=4, num_heads=12, img_size=32, pool_stages=2, num_classes=10, reference_norms=True)
+# the ImageNet reference code has bias-free q/k/v projections
+IMAGENET_CFG = dict(embed_dim=512, depth=8, num_heads=8, img_size=224, pool_stages=4, num_classes=1000,
+                    qkv_bias=False, reference_norms=True)
+TINY_CFG = dict(embed_dim=64, depth=2, num_heads=4, img_size=16, in_chans=1, pool_stages=1, num_classes=10)
+# paper-like STATA default (seeds/stata.md): anchor per timestep, EViT's rho = 0.7 and keep-rate warm-up
+STATA_CFG = dict(anchor="per_timestep", keep_ratio=0.7, keep_warmup_start=10.0, keep_warmup_epochs=60.0)
+
 
 @register_model(
     "spikformer-4-384",
@@ -208,9 +396,21 @@ IMAGENET = InputSpec((3, 224, 224), timesteps=4, mean=IMAGENET_MEAN, std=IMAGENE
     paper=PAPER,
     description="CIFAR-10 config: 4 blocks, D=384, 12 heads, T=4",
     family="spikformer",
-    embed_dim=384, depth=4, num_heads=12, img_size=32, pool_stages=2, num_classes=10,
+    **CIFAR_CFG,
 )
 def spikformer_4_384(**kw) -> Spikformer:
+    return _spikformer(**kw)
+
+
+@register_model(
+    "spikformer-stata",
+    input_spec=CIFAR10,
+    paper=STATA_PAPER,
+    description="spikformer-4-384 + STATA: anchor per timestep, prune blocks 2,3 at rho=0.7 (65->46->33 tokens)",
+    family="spikformer",
+    **CIFAR_CFG, **STATA_CFG, prune_blocks=[2, 3],
+)
+def spikformer_stata(**kw) -> Spikformer:
     return _spikformer(**kw)
 
 
@@ -220,9 +420,21 @@ def spikformer_4_384(**kw) -> Spikformer:
     paper=PAPER,
     description="ImageNet config: 8 blocks, D=512, 8 heads, 224px, T=4",
     family="spikformer",
-    embed_dim=512, depth=8, num_heads=8, img_size=224, pool_stages=4, num_classes=1000,
+    **IMAGENET_CFG,
 )
 def spikformer_8_512(**kw) -> Spikformer:
+    return _spikformer(**kw)
+
+
+@register_model(
+    "spikformer-8-512-stata",
+    input_spec=IMAGENET,
+    paper=STATA_PAPER,
+    description="spikformer-8-512 + STATA: prune blocks 4,6,8 at rho=0.7 (197->139->98->69 tokens)",
+    family="spikformer",
+    **IMAGENET_CFG, **STATA_CFG, prune_blocks=[4, 6, 8],
+)
+def spikformer_8_512_stata(**kw) -> Spikformer:
     return _spikformer(**kw)
 
 
@@ -232,7 +444,19 @@ def spikformer_8_512(**kw) -> Spikformer:
     paper=PAPER,
     description="digits-sized: 2 blocks, D=64, 4 heads, 16px grayscale, 8x8 tokens, T=4",
     family="spikformer",
-    embed_dim=64, depth=2, num_heads=4, img_size=16, in_chans=1, pool_stages=1, num_classes=10,
+    **TINY_CFG,
 )
 def spikformer_tiny(**kw) -> Spikformer:
+    return _spikformer(**kw)
+
+
+@register_model(
+    "spikformer-tiny-stata",
+    input_spec=DIGITS,
+    paper=STATA_PAPER,
+    description="spikformer-tiny + STATA: anchor per timestep, prune blocks 1,2 at rho=0.5 (65->33->17 tokens)",
+    family="spikformer",
+    **TINY_CFG, anchor="per_timestep", prune_blocks=[1, 2], keep_ratio=0.5,
+)
+def spikformer_tiny_stata(**kw) -> Spikformer:
     return _spikformer(**kw)
