@@ -1,0 +1,101 @@
+"""STATA objective: classification CE + lambda_intra * L_intra + lambda_inter * L_inter.
+
+The alignment terms (our reconstruction, seeds/stata.md) act on the scores a STATA model keeps from
+its last forward (`model.stata_scores`: one (s, c) pair per pruning block, each `[T, B, N]`):
+
+    p_t = softmax(standardize(s_t) / tau)      anchor scores, with gradient (anchor query, patch keys)
+    q_t = softmax(standardize(c_t) / tau)      mean-patch-query scores = QK^T column mean, no gradient
+    L_intra = mean_t KL(q_t || p_t)            the anchor learns where the whole map attends
+    L_inter = mean_t KL(mean_t' p_t' || p_t)   the timesteps agree on one ranking (one kept set)
+
+Timesteps whose scores are constant (std 0 on either side) are masked out; the terms are averaged
+over valid (t, sample) pairs, then over pruning blocks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from efficient.objectives import register_objective
+from efficient.objectives.classification import Classification
+
+
+def standardize(s: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row z-score over the last axis (population std) and the mask of rows with std > 0.
+    Differentiable everywhere (the std is clamped before the sqrt, so constant rows give z = 0)."""
+    mu = s.mean(-1, keepdim=True)
+    var = (s - mu).pow(2).mean(-1, keepdim=True)
+    z = (s - mu) / (var.clamp_min(1e-12).sqrt() + eps)
+    return z, var.squeeze(-1) > 0
+
+
+def alignment_losses(s: torch.Tensor, c: torch.Tensor, tau: float = 1.0, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """(L_intra, L_inter) for one pruning block; `s`, `c` are `[T, B, N]` anchor / mean-query scores."""
+    zs, valid_s = standardize(s.float(), eps)
+    zc, valid_c = standardize(c.detach().float(), eps)
+    logp = F.log_softmax(zs / tau, -1)
+    q = F.softmax(zc / tau, -1)
+    m_intra = (valid_s & valid_c).float()
+    kl_intra = (torch.xlogy(q, q) - q * logp).sum(-1)  # [T, B]
+    intra = (kl_intra * m_intra).sum() / m_intra.sum().clamp_min(1.0)
+    m = valid_s.float()
+    pbar = (logp.detach().exp() * m[..., None]).sum(0) / m.sum(0).clamp_min(1.0)[..., None]  # [B, N]
+    kl_inter = (torch.xlogy(pbar, pbar) - pbar * logp).sum(-1)  # [T, B]
+    inter = (kl_inter * m).sum() / m.sum().clamp_min(1.0)
+    return intra, inter
+
+
+@register_objective("stata")
+class Stata(Classification):
+    """CE (label smoothing / mixup as `classification`) plus STATA's intra- and inter-timestep alignment."""
+
+    def __init__(
+        self,
+        label_smoothing: float = 0.0,
+        mixup: float = 0.0,
+        cutmix: float = 0.0,
+        mixup_prob: float = 1.0,
+        mixup_off_epoch: int | None = None,
+        lambda_intra: float = 0.1,
+        lambda_inter: float = 0.1,
+        align_tau: float = 1.0,
+        std_eps: float = 1e-6,
+    ) -> None:
+        super().__init__(label_smoothing, mixup, cutmix, mixup_prob, mixup_off_epoch)
+        if lambda_intra < 0 or lambda_inter < 0:
+            raise ValueError(f"objective.lambda_intra / lambda_inter must be >= 0, got {lambda_intra}, {lambda_inter}")
+        if align_tau <= 0:
+            raise ValueError(f"objective.align_tau must be > 0, got {align_tau}")
+        self.lambda_intra, self.lambda_inter, self.tau, self.eps = lambda_intra, lambda_inter, align_tau, std_eps
+
+    def alignment(self, model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean over pruning blocks of (L_intra, L_inter) from the model's last forward."""
+        scores = getattr(getattr(model, "module", model), "stata_scores", None) or []
+        if not scores:
+            z = torch.zeros(())
+            return z, z
+        terms = [alignment_losses(s, c, self.tau, self.eps) for s, c in scores]
+        return torch.stack([t[0] for t in terms]).mean(), torch.stack([t[1] for t in terms]).mean()
+
+    def loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        x, y = self.prepare(batch)
+        logits = model(x)
+        ce = self.classification_loss(logits, y)
+        loss = ce
+        logs: dict[str, float] = {"ce": ce.item()}
+        if self.lambda_intra > 0 or self.lambda_inter > 0:
+            intra, inter = self.alignment(model)
+            loss = ce + self.lambda_intra * intra.to(ce.device) + self.lambda_inter * inter.to(ce.device)
+            logs.update({"stata/intra": intra.item(), "stata/inter": inter.item()})
+        stats = getattr(getattr(model, "module", model), "stata_stats", {}) or {}
+        for k in ("keep_ratio", "tokens_out", "degenerate"):
+            if k in stats:
+                logs[f"stata/{k}"] = float(stats[k])
+        logs["loss"] = loss.item()
+        if y.dim() == 1:
+            logs["acc"] = (logits.argmax(-1) == y).float().mean().item()
+        return loss, logs
