@@ -1,0 +1,671 @@
+"""Multi-step leaky integrate-and-fire (LIF / PLIF / DLIF) over time-major input `[T, ...]`.
+
+One file, four parts (see DESIGN.md, "Conventions"):
+
+1. `lif_reference`: the spec, a readable autograd loop over T.
+2. Triton kernels: forward and backward each loop over T inside one kernel; the forward saves only
+   the pre-reset potential H (fp32), the backward recomputes spikes and surrogate from it.
+3. One `torch.library` custom op pair, `efficient::lif_forward` / `efficient::lif_backward`, with
+   fake implementations (so `torch.compile` traces models without graph breaks), an autograd
+   formula and a flop formula. Its CPU/CUDA implementation is chosen by `impl`: the Triton
+   kernels, or the same loop written in torch and compiled with inductor into one fused C++/OpenMP
+   loop (the fast CPU path), or that loop run eagerly.
+4. `lif`: the public entry point; `backend="auto"|"triton"|"torch"|"compile"`, env
+   `EFFICIENT_BACKEND` overrides `auto`.
+
+Dynamics (spikingjelly's LIFNode / ParametricLIFNode formulas, in the same floating-point order):
+
+    charge   decay_input:  H[t] = V[t-1] + (X[t] - (V[t-1] - V_reset)) / tau
+             no decay:     H[t] = V[t-1] - (V[t-1] - V_reset) / tau + X[t]
+             leak (DLIF):  H[t] = lambda * V[t-1] + X[t]          (stable-SNN, Ding et al. 2024)
+    fire     S[t] = Theta(H[t] - V_th)            (Theta(0) = 1: a spike fires at equality)
+    reset    hard: V[t] = V_reset if S[t] else H[t];  soft (v_reset=None): V[t] = H[t] - S[t] * V_th
+    V[-1] = V_reset (hard) or 0 (soft). PLIF replaces `/ tau` by `* rate` with rate = sigmoid(w).
+
+The backward uses a surrogate dS/dH = g(H - V_th): sigmoid `alpha*sig(alpha*u)*(1-sig(alpha*u))`,
+atan `(alpha/2) / (1 + (pi/2*alpha*u)^2)`, triangle `max(0, alpha - alpha^2*|u|)` (spikingjelly's
+PiecewiseQuadratic; the stable-SNN triangle of width w is alpha = 1/w). `detach_reset` cuts the
+gradient through the reset's use of S.
+
+NaN input is not an error by default (checking costs a pass and a device sync): a NaN membrane
+never fires (every comparison with NaN is false), so it stays NaN and its gradient is NaN. Pass
+`check_finite=True` to `lif` to raise instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import shutil
+import types
+import warnings
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+try:  # Triton is optional on CPU-only installs; the "triton" backend then raises a clear error.
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised only without triton
+    HAS_TRITON = False
+
+__all__ = [
+    "BACKENDS",
+    "SURROGATES",
+    "lif",
+    "lif_reference",
+    "resolve_backend",
+    "surrogate_grad",
+]
+
+BACKENDS = ("auto", "triton", "torch", "compile")
+SURROGATES = {"sigmoid": 0, "atan": 1, "triangle": 2}
+# charge modes; the float constant `c` of the op is tau for the first two, lambda for LEAK
+CHARGE_DECAY_INPUT, CHARGE_NO_DECAY, CHARGE_LEAK = 0, 1, 2
+# op implementations: "triton" kernels, "inductor" = compiled torch loop, "loop" = same loop eagerly
+IMPLS = ("triton", "inductor", "loop")
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. torch reference (the spec)
+# ---------------------------------------------------------------------------------------------
+
+
+def surrogate_grad(u: Tensor, surrogate: int, alpha: float) -> Tensor:
+    """dS/dH at u = H - V_th for surrogate id 0 sigmoid, 1 atan, 2 triangle (spikingjelly formulas)."""
+    if surrogate == 0:
+        sg = torch.sigmoid(u * alpha)
+        return (1.0 - sg) * sg * alpha
+    if surrogate == 1:
+        a = alpha / 2
+        z = (math.pi * a) * u
+        return a / (1 + z * z)
+    if surrogate == 2:
+        return (alpha - (alpha * alpha) * u.abs()).clamp_min(0.0)
+    raise ValueError(f"unknown surrogate id {surrogate}; expected one of {SURROGATES}")
+
+
+class _Heaviside(torch.autograd.Function):
+    """S = Theta(u) forward, surrogate derivative backward."""
+
+    @staticmethod
+    def forward(ctx, u: Tensor, surrogate: int, alpha: float) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(u)
+        ctx.surrogate, ctx.alpha = surrogate, alpha
+        return (u >= 0).to(u.dtype)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):  # type: ignore[override]
+        (u,) = ctx.saved_tensors
+        return g * surrogate_grad(u, ctx.surrogate, ctx.alpha), None, None
+
+
+def _charge(x: Tensor, v: Tensor, rate, c, v_reset: float, charge: int) -> Tensor:
+    """H from input x and previous membrane v; `rate` (PLIF) multiplies where `c` = tau divides."""
+    if charge == CHARGE_LEAK:
+        return c * v + x
+    if charge == CHARGE_DECAY_INPUT:
+        d = x - (v - v_reset)
+        return v + (d * rate if rate is not None else d / c)
+    d = v - v_reset
+    return v - (d * rate if rate is not None else d / c) + x
+
+
+def lif_reference(
+    x: Tensor,
+    tau: float = 2.0,
+    v_threshold: float = 1.0,
+    v_reset: Optional[float] = 0.0,
+    detach_reset: bool = True,
+    decay_input: bool = True,
+    surrogate: str = "sigmoid",
+    alpha: float = 4.0,
+    *,
+    rate: Optional[Tensor] = None,
+    leak: Optional[float] = None,
+    spike_dtype: Optional[torch.dtype] = None,
+) -> tuple[Tensor, Tensor]:
+    """Plain autograd loop over T. Returns (spikes in `spike_dtype` or x.dtype, H in fp32).
+
+    `rate` (a tensor, PLIF's 1/tau) replaces `/ tau` by `* rate`; `leak` selects the DLIF charge
+    `H = leak * V + X` (tau, rate and decay_input are then unused).
+    """
+    sid = _surrogate_id(surrogate)
+    charge, c = _charge_mode(tau, decay_input, leak)
+    vr = 0.0 if v_reset is None else float(v_reset)
+    xf = x.float()
+    v = torch.full_like(xf[0], vr)
+    spikes, hs = [], []
+    for t in range(x.shape[0]):
+        h = _charge(xf[t], v, rate, c, vr, charge)
+        s = _Heaviside.apply(h - v_threshold, sid, float(alpha))
+        sr = s.detach() if detach_reset else s
+        v = h - sr * v_threshold if v_reset is None else sr * vr + (1.0 - sr) * h
+        spikes.append(s)
+        hs.append(h)
+    return torch.stack(spikes).to(spike_dtype or x.dtype), torch.stack(hs)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Triton kernels
+# ---------------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _surrogate_tl(u, alpha, SURROGATE: tl.constexpr):
+        if SURROGATE == 0:
+            sg = 1.0 / (1.0 + tl.exp(-(u * alpha)))
+            out = (1.0 - sg) * sg * alpha
+        elif SURROGATE == 1:
+            a = alpha * 0.5
+            z = (3.141592653589793 * a) * u
+            out = a / (1.0 + z * z)
+        else:
+            out = tl.maximum(alpha - (alpha * alpha) * tl.abs(u), 0.0)
+        return out
+
+    @triton.jit
+    def _lif_fwd_kernel(
+        x_ptr, rate_ptr, s_ptr, h_ptr, N, T, c, v_th, v_reset,
+        CHARGE: tl.constexpr, HAS_RATE: tl.constexpr, HARD: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < N
+        v = tl.zeros([BLOCK], dtype=tl.float32) + v_reset  # v_reset is 0.0 for soft reset
+        if HAS_RATE:
+            k = tl.load(rate_ptr).to(tl.float32)
+        for _t in range(T):
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            if CHARGE == 2:
+                h = c * v + x
+            elif CHARGE == 0:
+                if HAS_RATE:
+                    h = v + (x - (v - v_reset)) * k
+                else:
+                    h = v + (x - (v - v_reset)) / c
+            else:
+                if HAS_RATE:
+                    h = v - (v - v_reset) * k + x
+                else:
+                    h = v - (v - v_reset) / c + x
+            spike = h >= v_th
+            tl.store(h_ptr + offs, h, mask=mask)
+            tl.store(s_ptr + offs, spike.to(s_ptr.dtype.element_ty), mask=mask)
+            if HARD:
+                v = tl.where(spike, v_reset, h)
+            else:
+                v = tl.where(spike, h - v_th, h)
+            x_ptr += N
+            h_ptr += N
+            s_ptr += N
+
+    @triton.jit
+    def _lif_bwd_kernel(
+        gs_ptr, gm_ptr, h_ptr, rate_ptr, gx_ptr, grate_ptr, N, T, c, v_th, v_reset, alpha,
+        CHARGE: tl.constexpr, HAS_RATE: tl.constexpr, HAS_GM: tl.constexpr, HARD: tl.constexpr,
+        DETACH: tl.constexpr, SURROGATE: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        # pointers arrive at step T-1 and walk back one step (N elements) per iteration
+        pid = tl.program_id(0)
+        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < N
+        carry = tl.zeros([BLOCK], dtype=tl.float32)  # dL/dV[t] coming from step t+1
+        if HAS_RATE:
+            k = tl.load(rate_ptr).to(tl.float32)
+            gk = tl.zeros([BLOCK], dtype=tl.float32)
+        for i in range(T):
+            h = tl.load(h_ptr + offs, mask=mask, other=0.0)
+            gs = tl.load(gs_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            sg = _surrogate_tl(h - v_th, alpha, SURROGATE)
+            if HARD:
+                rg = tl.where(h >= v_th, 0.0, 1.0)
+                if not DETACH:
+                    rg += (v_reset - h) * sg
+                gh = gs * sg + carry * rg
+            else:
+                if DETACH:
+                    gh = gs * sg + carry
+                else:
+                    gh = gs * sg + carry * (1.0 - v_th * sg)
+            if HAS_GM:
+                gh += tl.load(gm_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                gm_ptr -= N
+            if CHARGE == 0:
+                if HAS_RATE:
+                    gx = gh * k
+                else:
+                    gx = gh / c
+            else:
+                gx = gh
+            tl.store(gx_ptr + offs, gx.to(gx_ptr.dtype.element_ty), mask=mask)
+            if CHARGE == 2:
+                carry = gh * c
+            elif HAS_RATE:
+                carry = gh - gh * k
+            else:
+                carry = gh - gh / c
+            if HAS_RATE:
+                # dH/drate needs V[t-1]: the reset of H[t-1], or the initial V at t = 0
+                first = i == T - 1
+                hp = tl.load(h_ptr - N + offs, mask=mask & (not first), other=0.0)
+                if HARD:
+                    vp = tl.where(hp >= v_th, v_reset, hp)
+                else:
+                    vp = tl.where(hp >= v_th, hp - v_th, hp)
+                vp = tl.where(first, v_reset, vp)
+                if CHARGE == 0:
+                    dk = (h - vp) / k  # = X[t] - (V[t-1] - V_reset), without saving X
+                else:
+                    dk = v_reset - vp
+                gk += tl.where(mask, gh * dk, 0.0)
+            h_ptr -= N
+            gs_ptr -= N
+            gx_ptr -= N
+        if HAS_RATE:
+            tl.store(grate_ptr + pid, tl.sum(gk, axis=0))
+
+
+_BLOCK = 1024
+
+
+def _triton_ready(x: Tensor) -> None:
+    if not HAS_TRITON:
+        raise RuntimeError("backend='triton' needs the triton package; use backend='torch' or 'compile'")
+    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            f"backend='triton' runs on CUDA tensors (got device {x.device}); on CPU use backend='auto' "
+            "or 'compile', or set TRITON_INTERPRET=1 before importing triton to run the interpreter"
+        )
+
+
+def _triton_forward(x, rate, c, v_th, v_reset, charge, spike_dtype):
+    _triton_ready(x)
+    T, N = x.shape
+    s = torch.empty((T, N), dtype=spike_dtype, device=x.device)
+    h = torch.empty((T, N), dtype=torch.float32, device=x.device)
+    hard = v_reset is not None
+    grid = (triton.cdiv(N, _BLOCK),)
+    _lif_fwd_kernel[grid](
+        x, rate if rate is not None else h, s, h, N, T, float(c), float(v_th),
+        float(v_reset) if hard else 0.0,
+        CHARGE=charge, HAS_RATE=rate is not None, HARD=hard, BLOCK=_BLOCK,
+    )
+    return s, h
+
+
+def _triton_backward(gs, gm, h, rate, c, v_th, v_reset, charge, surrogate, alpha, detach, x_dtype):
+    _triton_ready(h)
+    T, N = h.shape
+    gx = torch.empty((T, N), dtype=x_dtype, device=h.device)
+    nblocks = triton.cdiv(N, _BLOCK)
+    grate = torch.zeros(nblocks if rate is not None else 1, dtype=torch.float32, device=h.device)
+    hard = v_reset is not None
+    last = T - 1  # kernels walk backwards from the last step
+    _lif_bwd_kernel[(nblocks,)](
+        gs[last], gm[last] if gm is not None else h[last], h[last],
+        rate if rate is not None else h, gx[last], grate, N, T, float(c), float(v_th),
+        float(v_reset) if hard else 0.0, float(alpha),
+        CHARGE=charge, HAS_RATE=rate is not None, HAS_GM=gm is not None, HARD=hard,
+        DETACH=detach, SURROGATE=surrogate, BLOCK=_BLOCK,
+    )
+    return gx, grate.sum()
+
+
+# ---------------------------------------------------------------------------------------------
+# fused torch loops: the CPU path (compiled by inductor into one OpenMP loop nest) and its eager twin
+# ---------------------------------------------------------------------------------------------
+
+
+def _loop_forward(x, rate, c, v_th, v_reset, *, charge: int, hard: bool, spike_dtype: torch.dtype):
+    """x [T, N] -> (spikes [T, N], H [T, N] fp32); scalars arrive as 0-d fp32 tensors."""
+    v = torch.zeros_like(x[0], dtype=torch.float32) + v_reset
+    hs, ss = [], []
+    for t in range(x.shape[0]):
+        h = _charge(x[t].float(), v, rate, c, v_reset, charge)
+        spike = h >= v_th
+        v = torch.where(spike, v_reset, h) if hard else torch.where(spike, h - v_th, h)
+        hs.append(h)
+        ss.append(spike.to(spike_dtype))
+    return torch.stack(ss), torch.stack(hs)
+
+
+def _loop_backward(
+    gs, gm, h, rate, c, v_th, v_reset, alpha, *,
+    charge: int, hard: bool, detach: bool, surrogate: int, x_dtype: torch.dtype,
+):
+    """Reverse-time recurrence of the backward; returns (grad x [T, N], grad rate 0-d)."""
+    T = h.shape[0]
+    carry = torch.zeros_like(h[0])
+    gxs = [None] * T
+    gk = h.new_zeros(())
+    for t in range(T - 1, -1, -1):
+        ht = h[t]
+        sg = surrogate_grad(ht - v_th, surrogate, alpha)
+        if hard:
+            rg = (ht < v_th).to(ht.dtype)
+            if not detach:
+                rg = rg + (v_reset - ht) * sg
+            gh = gs[t].float() * sg + carry * rg
+        elif detach:
+            gh = gs[t].float() * sg + carry
+        else:
+            gh = gs[t].float() * sg + carry * (1.0 - v_th * sg)
+        if gm is not None:
+            gh = gh + gm[t].float()
+        if charge == CHARGE_DECAY_INPUT:
+            gx = gh * rate if rate is not None else gh / c
+        else:
+            gx = gh
+        gxs[t] = gx.to(x_dtype)
+        if charge == CHARGE_LEAK:
+            carry = gh * c
+        else:
+            carry = gh - (gh * rate if rate is not None else gh / c)
+        if rate is not None:
+            if t > 0:
+                hp = h[t - 1]
+                vp = torch.where(hp >= v_th, v_reset, hp) if hard else torch.where(hp >= v_th, hp - v_th, hp)
+            else:
+                vp = torch.zeros_like(ht) + v_reset
+            dk = (ht - vp) / rate if charge == CHARGE_DECAY_INPUT else v_reset - vp
+            gk = gk + (gh * dk).sum()
+    return torch.stack(gxs), gk
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(fn_name: str, static: tuple):
+    """One inductor-compiled loop per static configuration (own dynamo cache, so no recompile limit)."""
+    base = {"forward": _loop_forward, "backward": _loop_backward}[fn_name]
+    # dynamo keys its cache (and recompile limit) by code object: give each configuration its own
+    code = base.__code__.replace(co_name=f"{base.__name__}_{len(_compiled_names)}")
+    _compiled_names.append(code.co_name)
+    fn = types.FunctionType(code, base.__globals__, code.co_name, base.__defaults__, base.__closure__)
+    fn.__kwdefaults__ = dict(static)
+    return torch.compile(fn, dynamic=True, fullgraph=True)
+
+
+_compiled_names: list[str] = []
+
+
+def _scalars(device, *values):
+    return [torch.tensor(float(v), dtype=torch.float32, device=device) for v in values]
+
+
+def _run_forward(x, rate, c, v_th, v_reset, charge, spike_dtype, impl):
+    if impl == "triton":
+        return _triton_forward(x, rate, c, v_th, v_reset, charge, spike_dtype)
+    hard = v_reset is not None
+    static = (("charge", charge), ("hard", hard), ("spike_dtype", spike_dtype))
+    args = (x, rate, *_scalars(x.device, c, v_th, v_reset if hard else 0.0))
+    if impl == "inductor":
+        return _compiled("forward", static)(*args)
+    return _loop_forward(*args, **dict(static))
+
+
+def _run_backward(gs, gm, h, rate, c, v_th, v_reset, charge, surrogate, alpha, detach, x_dtype, impl):
+    if impl == "triton":
+        return _triton_backward(gs, gm, h, rate, c, v_th, v_reset, charge, surrogate, alpha, detach, x_dtype)
+    hard = v_reset is not None
+    static = (
+        ("charge", charge), ("hard", hard), ("detach", detach), ("surrogate", surrogate), ("x_dtype", x_dtype),
+    )
+    args = (gs, gm, h, rate, *_scalars(h.device, c, v_th, v_reset if hard else 0.0, alpha))
+    if impl == "inductor":
+        return _compiled("backward", static)(*args)
+    return _loop_backward(*args, **dict(static))
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. custom op: efficient::lif_forward / efficient::lif_backward
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("efficient::lif_forward", mutates_args=())
+def lif_forward_op(
+    x: Tensor,
+    rate: Optional[Tensor],
+    c: float,
+    v_threshold: float,
+    v_reset: Optional[float],
+    charge: int,
+    surrogate: int,
+    alpha: float,
+    detach_reset: bool,
+    spike_dtype: torch.dtype,
+    impl: str,
+) -> tuple[Tensor, Tensor]:
+    """x [T, N] contiguous -> (spikes [T, N] spike_dtype, H [T, N] fp32).
+
+    `c` is tau (or lambda for the LEAK charge); surrogate/alpha/detach_reset are used by the backward.
+    """
+    return _run_forward(x, rate, c, v_threshold, v_reset, charge, spike_dtype, impl)
+
+
+@lif_forward_op.register_fake
+def _(x, rate, c, v_threshold, v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl):
+    return x.new_empty(x.shape, dtype=spike_dtype), x.new_empty(x.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("efficient::lif_backward", mutates_args=())
+def lif_backward_op(
+    grad_spikes: Tensor,
+    grad_h: Optional[Tensor],
+    h: Tensor,
+    rate: Optional[Tensor],
+    c: float,
+    v_threshold: float,
+    v_reset: Optional[float],
+    charge: int,
+    surrogate: int,
+    alpha: float,
+    detach_reset: bool,
+    x_dtype: torch.dtype,
+    impl: str,
+) -> tuple[Tensor, Tensor]:
+    """Gradients of lif_forward from H alone: (grad x [T, N] in x_dtype, grad rate 0-d fp32)."""
+    gs = grad_spikes.contiguous()
+    gm = grad_h.contiguous() if grad_h is not None else None
+    return _run_backward(gs, gm, h, rate, c, v_threshold, v_reset, charge, surrogate, alpha, detach_reset, x_dtype, impl)
+
+
+@lif_backward_op.register_fake
+def _(grad_spikes, grad_h, h, rate, c, v_threshold, v_reset, charge, surrogate, alpha, detach_reset, x_dtype, impl):
+    return h.new_empty(h.shape, dtype=x_dtype), h.new_empty((), dtype=torch.float32)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, rate, c, v_th, v_reset, charge, surrogate, alpha, detach, spike_dtype, impl = inputs
+    ctx.save_for_backward(output[1], rate)  # only H (fp32) and the 0-d rate: x is not kept
+    ctx.params = (c, v_th, v_reset, charge, surrogate, alpha, detach)
+    ctx.x_dtype, ctx.impl = x.dtype, impl
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, grad_spikes, grad_h):
+    h, rate = ctx.saved_tensors
+    if grad_spikes is None:
+        grad_spikes = torch.zeros_like(h)
+    gx, grate = lif_backward_op(grad_spikes, grad_h, h, rate, *ctx.params, ctx.x_dtype, ctx.impl)
+    grate = grate.to(rate.dtype).reshape(rate.shape) if rate is not None and ctx.needs_input_grad[1] else None
+    return gx, grate, None, None, None, None, None, None, None, None, None
+
+
+lif_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _elementwise_flops(numel: int, per_element: int) -> int:
+    return int(numel) * per_element
+
+
+try:  # flop formulas let torch.utils.flop_counter (and the profiler) see the neuron's arithmetic
+    from torch.utils.flop_counter import register_flop_formula
+
+    # forward per element and step: charge 4, compare 1, reset select 1;
+    # backward: surrogate ~6, reset gradient ~3, accumulate ~4.
+    @register_flop_formula(torch.ops.efficient.lif_forward)
+    def _lif_forward_flops(x_shape, *args, out_shape=None, **kwargs) -> int:
+        return _elementwise_flops(math.prod(x_shape), 6)
+
+    @register_flop_formula(torch.ops.efficient.lif_backward)
+    def _lif_backward_flops(gs_shape, *args, out_shape=None, **kwargs) -> int:
+        return _elementwise_flops(math.prod(gs_shape), 13)
+
+except (ImportError, RuntimeError):  # pragma: no cover - older torch, or re-import of this module
+    pass
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. public entry point
+# ---------------------------------------------------------------------------------------------
+
+
+def _surrogate_id(surrogate: str) -> int:
+    try:
+        return SURROGATES[surrogate]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown surrogate {surrogate!r}; choose one of {sorted(SURROGATES)}") from None
+
+
+def _charge_mode(tau: float, decay_input: bool, leak: Optional[float]) -> tuple[int, float]:
+    if leak is not None:
+        return CHARGE_LEAK, float(leak)
+    return (CHARGE_DECAY_INPUT if decay_input else CHARGE_NO_DECAY), float(tau)
+
+
+@functools.lru_cache(maxsize=None)
+def _have_cxx_compiler() -> bool:
+    return any(shutil.which(cc) for cc in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if cc)
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """Concrete backend for `backend` on `device`: 'auto' -> env EFFICIENT_BACKEND if set, else
+    'triton' on CUDA and 'compile' on CPU (or 'torch', with a warning, without a C++ compiler)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
+    if backend == "auto":
+        env = os.environ.get("EFFICIENT_BACKEND", "").strip()
+        if env and env != "auto":
+            if env not in BACKENDS:
+                raise ValueError(f"environment EFFICIENT_BACKEND={env!r} is not one of {BACKENDS}")
+            return env
+        if device.type == "cuda" and HAS_TRITON:
+            return "triton"
+        if device.type == "cpu" and not _have_cxx_compiler():
+            warnings.warn("no C++ compiler found: the LIF CPU path falls back to the eager torch reference",
+                          stacklevel=3)
+            return "torch"
+        return "compile"
+    return backend
+
+
+def _validate(x: Tensor, check_finite: bool) -> None:
+    if not isinstance(x, Tensor):
+        raise ValueError(f"LIF input must be a torch.Tensor [T, ...], got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise ValueError(
+            f"LIF input must be floating point (float32/bfloat16/float16), got dtype {x.dtype}; "
+            "convert it first, e.g. x.float()"
+        )
+    if x.dim() < 2:
+        raise ValueError(
+            f"LIF input must be time-major [T, ...] with at least 2 dims (time and neurons), got shape "
+            f"{tuple(x.shape)}; for one neuron population use x.unsqueeze(-1)"
+        )
+    if x.shape[0] == 0:
+        raise ValueError(f"LIF input has T=0 time steps (shape {tuple(x.shape)}); need T >= 1")
+    if check_finite and not torch.isfinite(x).all():
+        bad = (~torch.isfinite(x.reshape(x.shape[0], -1))).any(1).nonzero().flatten().tolist()
+        raise ValueError(f"LIF input has NaN/inf values at time steps {bad}")
+
+
+def lif(
+    x: Tensor,
+    tau: float = 2.0,
+    v_threshold: float = 1.0,
+    v_reset: Optional[float] = 0.0,
+    detach_reset: bool = True,
+    decay_input: bool = True,
+    surrogate: str = "sigmoid",
+    alpha: float = 4.0,
+    *,
+    rate: Optional[Tensor] = None,
+    leak: Optional[float] = None,
+    spike_dtype: Optional[torch.dtype] = None,
+    return_membrane: bool = False,
+    backend: str = "auto",
+    check_finite: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Multi-step LIF over `x` [T, ...] from zero state (V[-1] = V_reset, or 0 for soft reset).
+
+    Returns spikes shaped like x (dtype `spike_dtype`, default x.dtype); with
+    `return_membrane=True` also H, the pre-reset membrane [T, ...] in fp32 (differentiable).
+    `rate` = PLIF's learnable 1/tau (0-d tensor); `leak` = DLIF's fixed lambda (H = lambda*V + X).
+    """
+    _validate(x, check_finite)
+    sid = _surrogate_id(surrogate)
+    charge, c = _charge_mode(tau, decay_input, leak)
+    if charge != CHARGE_LEAK and rate is None and not c > 0:
+        raise ValueError(f"tau must be > 0 (got {tau})")
+    if rate is not None and leak is not None:
+        raise ValueError("pass either rate (PLIF) or leak (DLIF), not both")
+    if rate is not None and rate.numel() != 1:
+        raise ValueError(f"rate must be a single value (0-d tensor), got shape {tuple(rate.shape)}")
+    spike_dtype = spike_dtype or x.dtype
+    vr = None if v_reset is None else float(v_reset)
+    chosen = resolve_backend(backend, x.device)
+    if chosen == "torch" or x.numel() == 0:
+        s, h = lif_reference(
+            x, c, v_threshold, vr, detach_reset, decay_input, surrogate, alpha,
+            rate=rate, leak=leak, spike_dtype=spike_dtype,
+        )
+    else:
+        impl = "triton" if chosen == "triton" else "inductor"
+        if impl == "inductor" and x.device.type == "cpu" and not _have_cxx_compiler():
+            raise RuntimeError("backend='compile' needs a C++ compiler on CPU (g++ or clang++); use backend='torch'")
+        T = x.shape[0]
+        x2 = x.reshape(T, -1)
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        r = rate.reshape(()).float() if rate is not None else None
+        s, h = torch.ops.efficient.lif_forward(
+            x2, r, c, float(v_threshold), vr, charge, sid, float(alpha), bool(detach_reset), spike_dtype, impl
+        )
+        s, h = s.view(x.shape), h.view(x.shape)
+    return (s, h) if return_membrane else s
+
+
+def lif_op_direct(
+    x: Tensor,
+    tau: float = 2.0,
+    v_threshold: float = 1.0,
+    v_reset: Optional[float] = 0.0,
+    detach_reset: bool = True,
+    decay_input: bool = True,
+    surrogate: str = "sigmoid",
+    alpha: float = 4.0,
+    *,
+    rate: Optional[Tensor] = None,
+    leak: Optional[float] = None,
+    spike_dtype: Optional[torch.dtype] = None,
+    impl: str = "loop",
+) -> tuple[Tensor, Tensor]:
+    """The custom op with an explicit implementation ("triton", "inductor" or "loop"), for tests
+    and benchmarks; same arguments as `lif`, returns (spikes, H)."""
+    if impl not in IMPLS:
+        raise ValueError(f"unknown impl {impl!r}; choose one of {IMPLS}")
+    _validate(x, False)
+    charge, c = _charge_mode(tau, decay_input, leak)
+    T = x.shape[0]
+    x2 = x.reshape(T, -1).contiguous()
+    r = rate.reshape(()).float() if rate is not None else None
+    s, h = torch.ops.efficient.lif_forward(
+        x2, r, c, float(v_threshold), None if v_reset is None else float(v_reset), charge,
+        _surrogate_id(surrogate), float(alpha), bool(detach_reset), spike_dtype or x.dtype, impl,
+    )
+    return s.view(x.shape), h.view(x.shape)
