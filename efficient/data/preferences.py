@@ -272,3 +272,32 @@ def synthetic_prefs(
     if format == "unpaired":
         return _bundle(pairs_to_unpaired(train), val, "unpaired", "pairs", max_len, meta)
     return _bundle(train, val, "pairs", "pairs", max_len, meta)
+
+
+@torch.no_grad()
+def sample_completions(model: torch.nn.Module, prompts: list[str], length: int, seed: int = 0, temperature: float = 1.0) -> list[str]:
+    """Sample `length` bytes after each prompt (prompts of equal length; full recompute per step,
+    fine for the short synthetic completions)."""
+    from efficient.objectives.preference import final_logits
+
+    if len({len(p.encode()) for p in prompts}) != 1:
+        raise ValueError("sample_completions needs prompts of equal byte length")
+    g = torch.Generator().manual_seed(seed)
+    dev = next(model.parameters()).device
+    ids = torch.tensor([_bytes(p) for p in prompts], dtype=torch.long, device=dev)
+    n_prompt = ids.shape[1]
+    was_training = model.training
+    model.eval()
+    for _ in range(length):
+        logits = final_logits(model(ids))[:, -1].float().cpu() / temperature
+        nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=g).to(dev)
+        ids = torch.cat([ids, nxt], 1)
+    model.train(was_training)
+    return [bytes(row[n_prompt:].tolist()).decode("utf-8", errors="replace") for row in ids.cpu()]
+
+
+def win_rate(rewards_a: list[float], rewards_b: list[float]) -> float:
+    """P(a beats b) + P(tie) / 2 over paired samples."""
+    if len(rewards_a) != len(rewards_b) or not rewards_a:
+        raise ValueError("win_rate needs two equally long, non-empty reward lists")
+    return sum((x > y) + 0.5 * (x == y) for x, y in zip(rewards_a, rewards_b)) / len(rewards_a)

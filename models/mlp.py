@@ -1,0 +1,77 @@
+"""Small fully connected image classifiers: the students, teachers and merge parents of the
+training recipes (weak-to-strong, CCA Merge, PU learning, InterLUDE) on digits.
+
+`MLP` is a chain Linear -> act -> ... -> Linear; `linears()` lists the chain in order, which is
+what `efficient.merge` aligns, and `features(x)` returns the last hidden layer (the embedding a
+head, a fusion or a probe works on).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+
+from efficient.data.vision import DIGITS_MEAN, DIGITS_STD
+from efficient.zoo import InputSpec, register_model
+
+Activation = Literal["relu", "gelu", "tanh", "identity"]
+_ACTS = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh, "identity": nn.Identity}
+
+
+class MLP(nn.Module):
+    """Flatten -> [Linear -> act] * len(hidden) -> Linear head."""
+
+    def __init__(self, in_features: int, hidden: list[int], num_classes: int, activation: Activation = "relu", dropout: float = 0.0) -> None:
+        super().__init__()
+        if not hidden or any(h < 1 for h in hidden):
+            raise ValueError(f"hidden must be a non-empty list of positive widths, got {hidden}")
+        if activation not in _ACTS:
+            raise ValueError(f"activation must be one of {sorted(_ACTS)}, got {activation!r}")
+        self.in_features, self.num_classes = in_features, num_classes
+        layers: list[nn.Module] = []
+        d = in_features
+        for h in hidden:
+            layers += [nn.Linear(d, h), _ACTS[activation]()]
+            if dropout:
+                layers.append(nn.Dropout(dropout))
+            d = h
+        self.body = nn.Sequential(*layers)
+        self.head = nn.Linear(d, num_classes)
+        self.embed_dim = d
+
+    def linears(self) -> list[nn.Linear]:
+        return [m for m in self.body if isinstance(m, nn.Linear)] + [self.head]
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() > 2:
+            x = x.flatten(1)
+        if x.shape[1] != self.in_features:
+            raise ValueError(f"MLP expects {self.in_features} input features per sample, got {tuple(x.shape[1:])}")
+        return self.body(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+def _digits_mlp(hidden: list[int], img_size: int = 16, in_chans: int = 1, num_classes: int = 10, activation: Activation = "relu", dropout: float = 0.0) -> MLP:
+    return MLP(in_chans * img_size * img_size, list(hidden), num_classes, activation, dropout)
+
+
+DIGITS = InputSpec((1, 16, 16), mean=DIGITS_MEAN, std=DIGITS_STD, num_classes=10)
+
+
+@register_model("mlp-tiny", input_spec=DIGITS, description="digits MLP, one hidden layer of 16 (a weak teacher)", family="mlp", hidden=[16])
+def mlp_tiny(hidden: list[int] = [16], img_size: int = 16, in_chans: int = 1, num_classes: int = 10, activation: Activation = "relu", dropout: float = 0.0) -> MLP:  # noqa: B006
+    return _digits_mlp(hidden, img_size, in_chans, num_classes, activation, dropout)
+
+
+@register_model("mlp-small", input_spec=DIGITS, description="digits MLP, two hidden layers of 64 (merge parents, SSL/PU students)", family="mlp", hidden=[64, 64])
+def mlp_small(hidden: list[int] = [64, 64], img_size: int = 16, in_chans: int = 1, num_classes: int = 10, activation: Activation = "relu", dropout: float = 0.0) -> MLP:  # noqa: B006
+    return _digits_mlp(hidden, img_size, in_chans, num_classes, activation, dropout)
+
+
+@register_model("mlp-base", input_spec=DIGITS, description="digits MLP, two hidden layers of 256 (a strong student)", family="mlp", hidden=[256, 256])
+def mlp_base(hidden: list[int] = [256, 256], img_size: int = 16, in_chans: int = 1, num_classes: int = 10, activation: Activation = "relu", dropout: float = 0.0) -> MLP:  # noqa: B006
+    return _digits_mlp(hidden, img_size, in_chans, num_classes, activation, dropout)
