@@ -25,6 +25,7 @@ from efficient.errors import ConfigError
 MODEL_MODULES: list[str] = [
     "efficient.models.spikformer",
     "efficient.models.ee_gpt",
+    "efficient.models.mlp",
 ]
 
 
