@@ -58,6 +58,7 @@ __all__ = [
     "SURROGATES",
     "lif",
     "lif_reference",
+    "check_input",
     "resolve_backend",
     "surrogate_grad",
 ]
@@ -129,7 +130,7 @@ def lif_reference(
     leak: Optional[float] = None,
     spike_dtype: Optional[torch.dtype] = None,
 ) -> tuple[Tensor, Tensor]:
-    """Plain autograd loop over T. Returns (spikes in `spike_dtype` or x.dtype, H in fp32).
+    """Plain autograd loop over T. Returns (spikes in `spike_dtype` or x.dtype, H in fp32 or float64).
 
     `rate` (a tensor, PLIF's 1/tau) replaces `/ tau` by `* rate`; `leak` selects the DLIF charge
     `H = leak * V + X` (tau, rate and decay_input are then unused).
@@ -137,7 +138,7 @@ def lif_reference(
     sid = _surrogate_id(surrogate)
     charge, c = _charge_mode(tau, decay_input, leak)
     vr = 0.0 if v_reset is None else float(v_reset)
-    xf = x.float()
+    xf = x if x.dtype == torch.float64 else x.float()  # fp32 compute; float64 kept for gradcheck
     v = torch.full_like(xf[0], vr)
     spikes, hs = [], []
     for t in range(x.shape[0]):
@@ -538,9 +539,12 @@ def _charge_mode(tau: float, decay_input: bool, leak: Optional[float]) -> tuple[
     return (CHARGE_DECAY_INPUT if decay_input else CHARGE_NO_DECAY), float(tau)
 
 
-@functools.lru_cache(maxsize=None)
+# looked up once at import: resolve_backend also runs inside torch.compile tracing
+_HAVE_CXX = any(shutil.which(cc) for cc in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if cc)
+
+
 def _have_cxx_compiler() -> bool:
-    return any(shutil.which(cc) for cc in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if cc)
+    return _HAVE_CXX
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -564,7 +568,8 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def _validate(x: Tensor, check_finite: bool) -> None:
+def check_input(x: Tensor, check_finite: bool = False) -> None:
+    """Raise ValueError for input a LIF cannot take: not a float tensor [T>=1, ...], or non-finite values."""
     if not isinstance(x, Tensor):
         raise ValueError(f"LIF input must be a torch.Tensor [T, ...], got {type(x).__name__}")
     if not x.is_floating_point():
@@ -607,7 +612,7 @@ def lif(
     `return_membrane=True` also H, the pre-reset membrane [T, ...] in fp32 (differentiable).
     `rate` = PLIF's learnable 1/tau (0-d tensor); `leak` = DLIF's fixed lambda (H = lambda*V + X).
     """
-    _validate(x, check_finite)
+    check_input(x, check_finite)
     sid = _surrogate_id(surrogate)
     charge, c = _charge_mode(tau, decay_input, leak)
     if charge != CHARGE_LEAK and rate is None and not c > 0:
@@ -659,7 +664,7 @@ def lif_op_direct(
     and benchmarks; same arguments as `lif`, returns (spikes, H)."""
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; choose one of {IMPLS}")
-    _validate(x, False)
+    check_input(x, False)
     charge, c = _charge_mode(tau, decay_input, leak)
     T = x.shape[0]
     x2 = x.reshape(T, -1).contiguous()

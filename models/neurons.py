@@ -1,31 +1,55 @@
-"""Multi-step spiking neurons over time-major input `[T, ...]`, stateless across calls."""
+"""Multi-step spiking neurons over time-major input `[T, ...]`, stateless across calls.
+
+Each forward starts from the resting membrane (no `reset_net`), runs all T steps in one call of
+`efficient.kernels.lif` (Triton on CUDA, a compiled fused loop on CPU; see `backend`) and returns
+spikes shaped like the input. `SpikingNeuron` is the common base class the profiler looks for.
+"""
 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import nn
 
+from efficient.kernels.lif import BACKENDS, SURROGATES, check_input, lif
 
-class _SigmoidSpike(torch.autograd.Function):
-    """Heaviside forward, sigmoid(alpha*x)' backward (spikingjelly's `surrogate.Sigmoid`)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, alpha: float) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(x)
-        ctx.alpha = alpha
-        return (x >= 0).to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
-        (x,) = ctx.saved_tensors
-        s = torch.sigmoid(ctx.alpha * x)
-        return g * ctx.alpha * s * (1 - s), None
+__all__ = ["SpikingNeuron", "LIF", "PLIF", "DLIF"]
 
 
-class LIF(nn.Module):
-    """Leaky integrate-and-fire, multi-step: `H = V + (X - (V - V_reset)) / tau`, spike, reset."""
+def _check_choice(name: str, value: str, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not supported; choose one of {sorted(choices)}")
+
+
+class SpikingNeuron(nn.Module):
+    """Base of multi-step neurons: forward(x [T, ...]) -> spikes [T, ...] of x's dtype.
+
+    `forward(x, return_membrane=True)` also returns H, the pre-reset membrane (fp32, differentiable);
+    with `store_membrane=True` the last H is kept in `self.membrane` (it holds the autograd graph).
+    """
+
+    store_membrane: bool = False
+    membrane: Optional[torch.Tensor] = None
+
+    def _run(self, x: torch.Tensor, return_membrane: bool, **kw) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        want = return_membrane or self.store_membrane
+        out = lif(x, return_membrane=want, backend=self.backend, **kw)
+        if not want:
+            return out
+        spikes, h = out
+        if self.store_membrane:
+            self.membrane = h
+        return (spikes, h) if return_membrane else spikes
+
+
+class LIF(SpikingNeuron):
+    """Leaky integrate-and-fire (spikingjelly LIFNode dynamics, `step_mode="m"`).
+
+    H = V + (X - (V - V_reset)) / tau (decay_input) or V - (V - V_reset) / tau + X; spike when
+    H >= v_threshold; reset to v_reset (hard) or subtract v_threshold (v_reset=None, soft).
+    """
 
     def __init__(
         self,
@@ -37,32 +61,127 @@ class LIF(nn.Module):
         surrogate: str = "sigmoid",
         alpha: float = 4.0,
         backend: str = "auto",
+        store_membrane: bool = False,
+        spike_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        if tau <= 1.0:
-            raise ValueError(f"LIF tau must be > 1 (got {tau})")
-        self.tau, self.v_threshold, self.v_reset = float(tau), float(v_threshold), v_reset
-        self.detach_reset, self.decay_input = detach_reset, decay_input
+        if not tau > 1.0:
+            raise ValueError(f"LIF tau must be > 1 (got {tau}); tau <= 1 makes the membrane unstable")
+        _check_choice("surrogate", surrogate, SURROGATES)
+        _check_choice("backend", backend, BACKENDS)
+        self.tau, self.v_threshold = float(tau), float(v_threshold)
+        self.v_reset = None if v_reset is None else float(v_reset)
+        self.detach_reset, self.decay_input = bool(detach_reset), bool(decay_input)
         self.surrogate, self.alpha, self.backend = surrogate, float(alpha), backend
+        self.store_membrane, self.spike_dtype = store_membrane, spike_dtype
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        v = torch.zeros_like(x[0]) if self.v_reset is None else torch.full_like(x[0], self.v_reset)
-        vr = 0.0 if self.v_reset is None else self.v_reset
-        out = []
-        for t in range(x.shape[0]):
-            if self.decay_input:
-                h = v + (x[t] - (v - vr)) / self.tau
-            else:
-                h = v - (v - vr) / self.tau + x[t]
-            s = _SigmoidSpike.apply(h - self.v_threshold, self.alpha)
-            sr = s.detach() if self.detach_reset else s
-            v = h - sr * self.v_threshold if self.v_reset is None else h * (1 - sr) + sr * self.v_reset
-            out.append(s)
-        return torch.stack(out)
+    def forward(self, x: torch.Tensor, return_membrane: bool = False):
+        return self._run(
+            x, return_membrane, tau=self.tau, v_threshold=self.v_threshold, v_reset=self.v_reset,
+            detach_reset=self.detach_reset, decay_input=self.decay_input, surrogate=self.surrogate,
+            alpha=self.alpha, spike_dtype=self.spike_dtype,
+        )
 
     def extra_repr(self) -> str:
         return (
             f"tau={self.tau}, v_threshold={self.v_threshold}, v_reset={self.v_reset}, "
             f"detach_reset={self.detach_reset}, decay_input={self.decay_input}, "
             f"surrogate={self.surrogate}(alpha={self.alpha}), backend={self.backend}"
+        )
+
+
+class PLIF(SpikingNeuron):
+    """Parametric LIF (Fang et al. 2021; spikingjelly ParametricLIFNode): one learnable time
+    constant per layer, 1/tau = sigmoid(w) with w initialised to -log(init_tau - 1)."""
+
+    def __init__(
+        self,
+        init_tau: float = 2.0,
+        v_threshold: float = 1.0,
+        v_reset: float | None = 0.0,
+        detach_reset: bool = True,
+        decay_input: bool = True,
+        surrogate: str = "sigmoid",
+        alpha: float = 4.0,
+        backend: str = "auto",
+        store_membrane: bool = False,
+        spike_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if not init_tau > 1.0:
+            raise ValueError(f"PLIF init_tau must be > 1 (got {init_tau})")
+        _check_choice("surrogate", surrogate, SURROGATES)
+        _check_choice("backend", backend, BACKENDS)
+        self.w = nn.Parameter(torch.tensor(-math.log(init_tau - 1.0)))
+        self.v_threshold = float(v_threshold)
+        self.v_reset = None if v_reset is None else float(v_reset)
+        self.detach_reset, self.decay_input = bool(detach_reset), bool(decay_input)
+        self.surrogate, self.alpha, self.backend = surrogate, float(alpha), backend
+        self.store_membrane, self.spike_dtype = store_membrane, spike_dtype
+
+    @property
+    def tau(self) -> float:
+        return float(1.0 / torch.sigmoid(self.w.detach()))
+
+    def forward(self, x: torch.Tensor, return_membrane: bool = False):
+        return self._run(
+            x, return_membrane, v_threshold=self.v_threshold, v_reset=self.v_reset,
+            detach_reset=self.detach_reset, decay_input=self.decay_input, surrogate=self.surrogate,
+            alpha=self.alpha, spike_dtype=self.spike_dtype, rate=torch.sigmoid(self.w),
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"tau={self.tau:.4g} (learnable), v_threshold={self.v_threshold}, v_reset={self.v_reset}, "
+            f"detach_reset={self.detach_reset}, decay_input={self.decay_input}, "
+            f"surrogate={self.surrogate}(alpha={self.alpha}), backend={self.backend}"
+        )
+
+
+class DLIF(SpikingNeuron):
+    """Stable-SNN neuron (Ding et al., ICML 2024): V[t] = leak * V[t-1] * (1 - S[t-1]) + gain[t] * I[t].
+
+    `gain` (one learnable scalar per time step, initialised to 1) scales the input current I = x;
+    hard reset to 0 with the reset path *not* detached; triangle surrogate of half-width `width`:
+    dS/dV = max(0, width - |V - v_threshold|) / width**2. A forward hook on this module sees I
+    (before the gain), which is what the stable-SNN MPPD objective records.
+    """
+
+    def __init__(
+        self,
+        timesteps: int,
+        leak: float = 0.5,
+        v_threshold: float = 1.0,
+        width: float = 1.0,
+        backend: str = "auto",
+        store_membrane: bool = False,
+    ) -> None:
+        super().__init__()
+        if int(timesteps) < 1:
+            raise ValueError(f"DLIF timesteps must be >= 1 (got {timesteps})")
+        if not width > 0:
+            raise ValueError(f"DLIF width must be > 0 (got {width})")
+        _check_choice("backend", backend, BACKENDS)
+        self.timesteps, self.leak, self.v_threshold = int(timesteps), float(leak), float(v_threshold)
+        self.width, self.backend, self.store_membrane = float(width), backend, store_membrane
+        self.gain = nn.Parameter(torch.ones(self.timesteps))
+
+    def forward(self, x: torch.Tensor, return_membrane: bool = False):
+        check_input(x, False)
+        if x.shape[0] != self.timesteps:
+            raise ValueError(
+                f"DLIF was built for timesteps={self.timesteps} but got input of shape {tuple(x.shape)}; "
+                f"expected [T={self.timesteps}, ...] (time-major)"
+            )
+        current = x * self.gain.view(-1, *([1] * (x.dim() - 1))).to(x.dtype)
+        return self._run(
+            current, return_membrane, v_threshold=self.v_threshold, v_reset=0.0, detach_reset=False,
+            surrogate="triangle", alpha=1.0 / self.width, leak=self.leak,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"timesteps={self.timesteps}, leak={self.leak}, v_threshold={self.v_threshold}, "
+            f"width={self.width}, gain=learnable[{self.timesteps}], reset=hard(0, not detached), "
+            f"surrogate=triangle, backend={self.backend}"
         )

@@ -1,0 +1,274 @@
+"""efficient.kernels.lif: parity with spikingjelly 2.0, the custom op vs the reference, gradcheck,
+saved memory, dtypes and bad input. Triton kernels are checked in test_lif_triton.py."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from efficient.kernels import lif as K
+
+sj_neuron = pytest.importorskip("spikingjelly.activation_based.neuron")
+from spikingjelly.activation_based import functional as sj_functional  # noqa: E402
+from spikingjelly.activation_based import surrogate as sj_surrogate  # noqa: E402
+
+SJ_SURROGATES = {
+    "sigmoid": (sj_surrogate.Sigmoid, 4.0),
+    "atan": (sj_surrogate.ATan, 2.0),
+    "triangle": (sj_surrogate.PiecewiseQuadratic, 1.5),  # spikingjelly's triangle-shaped derivative
+}
+COMBOS = list(itertools.product([0.0, None], [True, False], [True, False], sorted(SJ_SURROGATES)))
+
+
+def _input(shape=(6, 3, 11), seed=0, scale=1.5, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * scale + 0.6).to(dtype)
+
+
+def _post_reset(s, h, v_th, v_reset, detach_reset):
+    """V[t] from our (S, H), differentiable like spikingjelly's v_seq."""
+    sr = s.detach() if detach_reset else s
+    return h - sr * v_th if v_reset is None else sr * v_reset + (1.0 - sr) * h
+
+
+def _run_sj(node, x, g, gv):
+    sj_functional.reset_net(node)
+    xs = x.clone().requires_grad_()
+    s = node(xs)
+    ((s * g).sum() + (node.v_seq * gv).sum()).backward()
+    return s.detach(), node.v_seq.detach(), xs.grad
+
+
+def _run_ours(x, g, gv, v_th, v_reset, detach_reset, **kw):
+    xs = x.clone().requires_grad_()
+    s, h = kw.pop("fn")(xs, v_threshold=v_th, v_reset=v_reset, detach_reset=detach_reset, **kw)
+    v = _post_reset(s, h, v_th, v_reset, detach_reset)
+    ((s * g).sum() + (v * gv).sum()).backward()
+    return s.detach(), v.detach(), xs.grad
+
+
+def _reference(x, **kw):
+    return K.lif_reference(x, **kw)
+
+
+def _op_loop(x, **kw):
+    return K.lif_op_direct(x, impl="loop", **kw)
+
+
+@pytest.mark.parametrize("v_reset,detach_reset,decay_input,surrogate", COMBOS)
+def test_lif_matches_spikingjelly(v_reset, detach_reset, decay_input, surrogate):
+    sg_cls, alpha = SJ_SURROGATES[surrogate]
+    tau, v_th = 3.0, 0.8
+    x, g, gv = _input(), _input(seed=1), _input(seed=2)
+    node = sj_neuron.LIFNode(
+        tau=tau, decay_input=decay_input, v_threshold=v_th, v_reset=v_reset,
+        surrogate_function=sg_cls(alpha=alpha), detach_reset=detach_reset, step_mode="m", store_v_seq=True,
+    )
+    s_sj, v_sj, gx_sj = _run_sj(node, x, g, gv)
+    assert 0 < s_sj.mean() < 1, "input should make some but not all neurons spike"
+    for fn in (_reference, _op_loop):
+        s, v, gx = _run_ours(x, g, gv, v_th, v_reset, detach_reset, fn=fn, tau=tau,
+                             decay_input=decay_input, surrogate=surrogate, alpha=alpha)
+        assert torch.equal(s, s_sj), fn.__name__
+        torch.testing.assert_close(v, v_sj, rtol=0, atol=1e-5)
+        torch.testing.assert_close(gx, gx_sj, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("v_reset,decay_input,detach_reset", [(0.0, True, False), (None, False, True), (None, True, False)])
+def test_plif_matches_spikingjelly(v_reset, decay_input, detach_reset):
+    x, g = _input(seed=3), _input(seed=4)
+    node = sj_neuron.ParametricLIFNode(
+        init_tau=2.5, decay_input=decay_input, v_threshold=1.0, v_reset=v_reset,
+        surrogate_function=sj_surrogate.ATan(alpha=2.0), detach_reset=detach_reset, step_mode="m",
+    )
+    xs = x.clone().requires_grad_()
+    s_sj = node(xs)
+    (s_sj * g).sum().backward()
+    for impl in ("torch", "loop"):
+        w = torch.nn.Parameter(torch.tensor(-math.log(2.5 - 1.0)))
+        assert torch.equal(w.detach(), node.w.detach())
+        xo = x.clone().requires_grad_()
+        kw = dict(v_threshold=1.0, v_reset=v_reset, detach_reset=detach_reset, decay_input=decay_input,
+                  surrogate="atan", alpha=2.0, rate=w.sigmoid())
+        s = K.lif(xo, backend="torch", **kw) if impl == "torch" else K.lif_op_direct(xo, impl="loop", **kw)[0]
+        (s * g).sum().backward()
+        assert torch.equal(s.detach(), s_sj.detach())
+        torch.testing.assert_close(xo.grad, xs.grad, rtol=0, atol=1e-5)
+        torch.testing.assert_close(w.grad, node.w.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_cpu_path_matches_reference():
+    """The `auto` CPU path (inductor-compiled fused loop inside the custom op), Spikformer's config."""
+    x, g, gm = _input((4, 2, 5, 7), seed=5), _input((4, 2, 5, 7), seed=6), _input((4, 2, 5, 7), seed=7)
+    outs = []
+    for backend in ("torch", "compile"):
+        xs = x.clone().requires_grad_()
+        s, h = K.lif(xs, return_membrane=True, backend=backend)
+        ((s * g).sum() + (h * gm).sum()).backward()
+        outs.append((s.detach(), h.detach(), xs.grad))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    torch.testing.assert_close(outs[1][2], outs[0][2], rtol=0, atol=1e-6)
+    assert K.resolve_backend("auto", torch.device("cpu")) == "compile"
+
+
+def test_op_saves_only_fp32_membrane():
+    x = _input((5, 4, 6)).requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        K.lif_op_direct(x, impl="loop")
+    big = [t for t in saved if t.numel() > 1]
+    assert len(big) == 1 and big[0].dtype == torch.float32 and big[0].shape == (5, 24)
+    assert big[0].untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs_compute_in_fp32(dtype):
+    x = _input((4, 3, 5), dtype=dtype)
+    xo = x.clone().requires_grad_()
+    s, h = K.lif_op_direct(xo, impl="loop", detach_reset=False)
+    s.float().sum().backward()
+    assert s.dtype == dtype and h.dtype == torch.float32 and xo.grad.dtype == dtype
+    xr = x.float().requires_grad_()
+    s_ref, h_ref = K.lif_reference(xr, detach_reset=False)
+    s_ref.sum().backward()
+    assert torch.equal(s.float(), s_ref) and torch.equal(h, h_ref)
+    torch.testing.assert_close(xo.grad.float(), xr.grad.to(dtype).float(), rtol=0, atol=0)
+
+
+def test_spike_dtype_option():
+    s = K.lif(_input((3, 4)), spike_dtype=torch.bool, backend="torch")
+    s2 = K.lif_op_direct(_input((3, 4)), spike_dtype=torch.bool)[0]
+    assert s.dtype == torch.bool and torch.equal(s, s2)
+
+
+def test_opcheck_custom_op():
+    x = _input((3, 5)).requires_grad_()
+    args = (x, None, 2.0, 1.0, 0.0, K.CHARGE_DECAY_INPUT, 0, 4.0, False, torch.float32, "loop")
+    torch.library.opcheck(torch.ops.efficient.lif_forward.default, args)
+    w = torch.tensor(0.2, requires_grad=True)
+    args = (x, w, 2.0, 1.0, None, K.CHARGE_NO_DECAY, 1, 2.0, True, torch.float32, "loop")
+    torch.library.opcheck(torch.ops.efficient.lif_forward.default, args)
+
+
+def test_flop_formula_registered():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x = _input((4, 10)).requires_grad_()
+    with FlopCounterMode(display=False) as counter:
+        K.lif_op_direct(x)[0].sum().backward()
+    counts = counter.get_flop_counts()["Global"]
+    assert counts[torch.ops.efficient.lif_forward] == 6 * 40
+    assert counts[torch.ops.efficient.lif_backward] == 13 * 40
+
+
+# ---- gradcheck of the reference (float64) -----------------------------------------------------
+
+
+@pytest.mark.parametrize("v_reset,decay_input", [(0.0, True), (None, False), (0.2, False)])
+def test_reference_gradcheck_membrane(v_reset, decay_input):
+    """With a detached reset, H is a piecewise-affine function of x: finite differences apply."""
+    x = _input((4, 2, 3), seed=8).double().requires_grad_()
+    rate = torch.tensor(0.4, dtype=torch.float64, requires_grad=True)
+
+    def h_of(x, rate):
+        return K.lif_reference(x, v_threshold=0.7, v_reset=v_reset, detach_reset=True,
+                               decay_input=decay_input, rate=rate)[1]
+
+    assert torch.autograd.gradcheck(h_of, (x, rate), eps=1e-7, atol=1e-6)
+    assert torch.autograd.gradcheck(lambda x: K.lif_reference(x, 3.0, leak=None, v_reset=v_reset)[1], (x,), eps=1e-7)
+
+
+@pytest.mark.parametrize("surrogate,alpha", [("sigmoid", 4.0), ("atan", 2.0), ("triangle", 1.5)])
+def test_surrogate_is_derivative_of_its_primitive(surrogate, alpha):
+    u = torch.linspace(-2, 2, 101, dtype=torch.float64).requires_grad_()
+    primitive = {
+        "sigmoid": lambda u: torch.sigmoid(alpha * u),
+        "atan": lambda u: torch.atan(math.pi / 2 * alpha * u) / math.pi + 0.5,
+        "triangle": lambda u: torch.where(
+            u.abs() > 1 / alpha, (u > 0).double(),
+            torch.where(u <= 0, (alpha * u + 1) ** 2 / 2, 1 - (alpha * u - 1) ** 2 / 2)),
+    }[surrogate]
+    (grad,) = torch.autograd.grad(primitive(u).sum(), u)
+    torch.testing.assert_close(K.surrogate_grad(u.detach(), K.SURROGATES[surrogate], alpha), grad)
+
+
+# ---- semantics --------------------------------------------------------------------------------
+
+
+def test_spike_at_equality_and_zero_state_each_call():
+    x = torch.tensor([[2.0], [0.0], [2.0]])  # tau=2, hard reset: H = 1.0 (== v_th) -> spike
+    s, h = K.lif(x, return_membrane=True, backend="torch")
+    assert s.flatten().tolist() == [1.0, 0.0, 1.0] and h.flatten().tolist() == [1.0, 0.0, 1.0]
+    s2 = K.lif_op_direct(x)[0]
+    assert torch.equal(s, s2)
+
+
+def test_gradient_through_membrane_output():
+    x = _input((5, 3), seed=9)
+    gm = _input((5, 3), seed=10)
+    outs = []
+    for fn in (lambda x: K.lif_reference(x, detach_reset=False), lambda x: K.lif_op_direct(x, detach_reset=False)):
+        xs = x.clone().requires_grad_()
+        s, h = fn(xs)
+        ((h * gm).sum() + s.sum()).backward()
+        outs.append(xs.grad)
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-6)
+
+
+def test_env_overrides_auto(monkeypatch):
+    monkeypatch.setenv("EFFICIENT_BACKEND", "torch")
+    assert K.resolve_backend("auto", torch.device("cpu")) == "torch"
+    assert K.resolve_backend("compile", torch.device("cpu")) == "compile"
+    monkeypatch.setenv("EFFICIENT_BACKEND", "cuda-magic")
+    with pytest.raises(ValueError, match="EFFICIENT_BACKEND"):
+        K.resolve_backend("auto", torch.device("cpu"))
+
+
+# ---- bad input ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "x,match",
+    [
+        (torch.randn(5), "at least 2 dims"),
+        (torch.randn(()), "at least 2 dims"),
+        (torch.randn(0, 3), "T=0"),
+        (torch.ones(3, 4, dtype=torch.int64), "floating point"),
+        (torch.ones(3, 4, dtype=torch.bool), "floating point"),
+    ],
+)
+@pytest.mark.parametrize("backend", ["torch", "compile"])
+def test_bad_input_raises_clear_error(x, match, backend):
+    with pytest.raises(ValueError, match=match):
+        K.lif(x, backend=backend)
+
+
+def test_bad_options_raise():
+    x = _input((3, 4))
+    with pytest.raises(ValueError, match="surrogate"):
+        K.lif(x, surrogate="gaussian")
+    with pytest.raises(ValueError, match="backend"):
+        K.lif(x, backend="cuda")
+    with pytest.raises(RuntimeError, match="CUDA tensors"):
+        K.lif_op_direct(x, impl="triton")
+    with pytest.raises(ValueError, match="rate"):
+        K.lif(x, rate=torch.ones(2))
+
+
+def test_nan_input_documented_behaviour():
+    x = _input((4, 3))
+    x[1, 0] = float("nan")
+    for s, h in (K.lif(x, return_membrane=True, backend="torch"), K.lif_op_direct(x)):
+        assert s[1:, 0].eq(0).all(), "a NaN membrane never fires"
+        assert h[1:, 0].isnan().all(), "and stays NaN (no spike, so no reset)"
+        assert not h[:, 1:].isnan().any(), "other neurons are unaffected"
+    with pytest.raises(ValueError, match=r"NaN/inf values at time steps \[1\]"):
+        K.lif(x, check_finite=True)
+
+
+def test_empty_neuron_dims_return_empty():
+    x = torch.randn(3, 0, 4)
+    assert K.lif(x).shape == (3, 0, 4)
