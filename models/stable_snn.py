@@ -36,13 +36,15 @@ VGG_CFGS: dict[str, list[Union[int, str]]] = {
 def make_neuron(kind: str, timesteps: int, leak: float, v_threshold: float, width: float, backend: str) -> nn.Module:
     """The paper's neurons: V[t] = leak*V[t-1]*(1-S[t-1]) + a[t]*I[t], hard reset to 0 (not
     detached), triangle surrogate of half-width `width`. LIF is DLIF with a[t] fixed at 1."""
+    if not width > 0:
+        raise ValueError(f"surrogate width must be > 0, got {width}")
     if kind == "dlif":
         return neurons.DLIF(timesteps, leak=leak, v_threshold=v_threshold, width=width, backend=backend)
     if kind == "lif":
         # V = V - V/tau + X (decay_input=False) is V*leak + X with tau = 1/(1-leak).
         return neurons.LIF(
             tau=1.0 / (1.0 - leak), v_threshold=v_threshold, v_reset=0.0, detach_reset=False,
-            decay_input=False, backend=backend,
+            decay_input=False, surrogate="triangle", alpha=1.0 / width, backend=backend,
         )
     raise ValueError(f"neuron must be 'lif' or 'dlif', got {kind!r}")
 

@@ -31,10 +31,9 @@ Perturbation = Literal["none", "gaussian", "fgsm"]
 
 def spiking_layers(model: nn.Module) -> list[nn.Module]:
     """Spiking neuron modules of `model` in module order."""
-    from efficient.models import neurons
+    from efficient.models.neurons import SpikingNeuron
 
-    base = getattr(neurons, "SpikingNeuron", neurons.LIF)  # TEMP until the base class lands
-    return [m for m in model.modules() if isinstance(m, base)]
+    return [m for m in model.modules() if isinstance(m, SpikingNeuron)]
 
 
 def last_spiking_layer(model: nn.Module) -> nn.Module:
