@@ -192,7 +192,7 @@ class Spikformer(nn.Module):
     STATA switches: `anchor` (per_timestep | shared | off), `prune_blocks` (1-based block indices),
     `keep_ratio` (one rho for every pruning block, or one per block), `prune_point`, `fuse_pruned`
     (EViT-style fused token), `keep_warmup_start` / `keep_warmup_epochs` (cosine warm-up of rho,
-    driven by `set_progress`), `score` (standardized | raw, for ablation), `std_eps`.
+    driven by `set_progress`), `score` (standardized | raw, for ablation), `std_eps`, `anchor_init_std`.
     With `anchor="off"` the mean patch query scores the tokens.
     """
 
@@ -222,6 +222,7 @@ class Spikformer(nn.Module):
         keep_warmup_epochs: float = 0.0,
         score: Score = "standardized",
         std_eps: float = 1e-6,
+        anchor_init_std: float = 1.0,
     ) -> None:
         super().__init__()
         if timesteps < 1:
@@ -264,7 +265,9 @@ class Spikformer(nn.Module):
         self.token_schedule()  # validates: raises if a block would keep zero tokens
         if anchor != "off":
             self.anchor = nn.Parameter(torch.zeros(timesteps if anchor == "per_timestep" else 1, embed_dim))
-            nn.init.trunc_normal_(self.anchor, std=0.02)
+            # unit scale, like the spike-count residual stream: a 0.02-scale anchor (ViT's CLS init) never
+            # makes its query fire, so every timestep abstains and selection degenerates to index order
+            nn.init.trunc_normal_(self.anchor, std=anchor_init_std, a=-2 * anchor_init_std, b=2 * anchor_init_std)
         self._epoch: float | None = None
         self.record_scores = False  # also keep scores in eval mode (training always keeps them)
         self.stata_scores: list[tuple[torch.Tensor, torch.Tensor]] = []

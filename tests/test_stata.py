@@ -1,0 +1,322 @@
+"""STATA on Spikformer: the properties of seeds/stata.md section 8 on tiny models (CPU, torch backend)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import efficient
+from efficient.errors import ConfigError
+from efficient.models.spikformer import Spikformer, kept_count, warmup_keep_ratio
+from efficient.objectives.classification import Classification
+from efficient.objectives.stata import Stata, alignment_losses, standardize
+from efficient.zoo import count_params, create
+
+SMALL = dict(embed_dim=16, num_heads=2, timesteps=2, backend="torch")  # spikformer-tiny geometry: 16px, 8x8 = 64 tokens
+
+
+def tiny(**kw) -> Spikformer:
+    return create("spikformer-tiny-stata", **{**SMALL, **kw})
+
+
+def digits_like(b: int = 3) -> torch.Tensor:
+    return torch.rand(b, 1, 16, 16) * 2
+
+
+def same_weights(dst: torch.nn.Module, src: torch.nn.Module) -> torch.nn.Module:
+    dst.load_state_dict(src.state_dict())
+    return dst
+
+
+# ----------------------------------------------------------------------------- identity (8.1)
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_keep_ratio_one_is_bitwise_the_unpruned_model(train: bool):
+    m = tiny(keep_ratio=1.0)
+    ref = same_weights(tiny(prune_blocks=[]), m)
+    m.train(train), ref.train(train)
+    x = digits_like()
+    assert torch.equal(m(x), ref(x))
+
+
+def test_keep_ratio_one_and_zero_lambdas_give_the_dense_loss():
+    m = tiny(keep_ratio=1.0).train()
+    ref = same_weights(tiny(prune_blocks=[]), m).train()
+    batch = (digits_like(4), torch.tensor([0, 1, 2, 3]))
+    loss, logs = Stata(lambda_intra=0.0, lambda_inter=0.0).loss(m, batch)
+    loss_ref, _ = Classification().loss(ref, batch)
+    assert torch.equal(loss, loss_ref) and "stata/intra" not in logs
+
+
+def test_anchor_off_without_pruning_is_exactly_the_dense_zoo_model():
+    dense = create("spikformer-tiny", **SMALL)
+    off = same_weights(tiny(anchor="off", prune_blocks=[]), dense)
+    assert count_params(off) == count_params(dense)
+    x = digits_like()
+    assert torch.equal(off.eval()(x), dense.eval()(x))
+
+
+def test_published_parameter_counts():
+    from efficient.zoo import meta_param_count
+
+    assert round(meta_param_count("spikformer-4-384") / 1e6, 2) == 9.33  # Spikformer paper, CIFAR-10
+    # STATA adds only the anchor (T x D)
+    assert meta_param_count("spikformer-stata") - meta_param_count("spikformer-4-384") == 4 * 384
+
+
+# --------------------------------------------------------------------------- token counts (8.2)
+
+
+def test_default_cifar_schedule_is_65_46_33():
+    m = create("spikformer-stata", embed_dim=32, num_heads=2, timesteps=1, backend="torch")
+    assert m.token_schedule() == [(65, 65), (65, 46), (46, 33), (33, 33)]
+    m.eval()(torch.randn(1, 3, 32, 32))
+    assert m.stata_stats["tokens_in"] == [65, 65, 46, 33] and m.stata_stats["tokens_out"] == 33
+
+
+@pytest.mark.parametrize("fuse, point", [(False, "after_attn"), (True, "after_attn"), (False, "after_block")])
+def test_tokens_entering_each_block_follow_the_schedule(fuse: bool, point: str):
+    m = tiny(depth=3, prune_blocks=[1, 3], keep_ratio=[0.6, 0.5], fuse_pruned=fuse, prune_point=point).eval()
+    m(digits_like(2))
+    sched = m.token_schedule()
+    assert m.stata_stats["tokens_in"] == [a for a, _ in sched]
+    k1 = math.ceil(0.6 * 64)
+    assert sched[1][0] == 1 + k1 + fuse  # anchor + kept (+ fused token)
+    cand2 = k1 + fuse
+    assert m.stata_stats["tokens_out"] == 1 + math.ceil(0.5 * cand2) + fuse
+
+
+def test_kept_count_is_ceil_without_float_noise():
+    assert kept_count(0.7, 64) == 45 and kept_count(0.7, 45) == 32 and kept_count(0.7, 50) == 35
+
+
+# -------------------------------------------- same set over time, anchor kept, physical gather (8.3, 8.4)
+
+
+def test_kept_set_is_shared_by_all_timesteps_and_anchor_survives():
+    m = tiny(timesteps=3, prune_blocks=[1], keep_ratio=0.5).eval()
+    seen = {}
+    blk = m.blocks[0]
+    h1 = blk.register_forward_pre_hook(lambda mod, args: seen.__setitem__("x_in", args[0]))
+    h2 = blk.attn.proj.register_forward_hook(lambda mod, args, out: seen.__setitem__("attn", out))
+    h3 = blk.mlp.register_forward_pre_hook(lambda mod, args: seen.__setitem__("kept", args[0]))
+    m(digits_like(2))
+    for h in (h1, h2, h3):
+        h.remove()
+    pre = seen["x_in"] + seen["attn"]  # residual stream at the pruning point
+    kept = seen["kept"]
+    idx = m.stata_stats["kept_idx"][0]  # [B, k], one set per sample
+    assert kept.shape[2] == 1 + 32 < pre.shape[2]  # tokens physically removed
+    assert torch.equal(kept[:, :, 0], pre[:, :, 0])  # the anchor is never pruned
+    for b in range(2):
+        assert torch.equal(kept[:, b, 1:], pre[:, b, 1:][:, idx[b]])  # the same tokens at every t
+        assert torch.equal(idx[b], idx[b].sort().values)  # original order kept
+
+
+def test_anchor_is_never_pooled():
+    m = tiny().eval()
+    x = digits_like()
+    base = m(x)
+
+    def bump(index: int):
+        def hook(mod, args, out):
+            out = out.clone()
+            out[:, :, index] += 100.0
+            return out
+
+        return m.blocks[-1].register_forward_hook(hook)
+
+    h = bump(0)
+    assert torch.equal(m(x), base)  # anchor features do not reach the logits
+    h.remove()
+    h = bump(1)
+    assert not torch.allclose(m(x), base)  # a patch token does
+    h.remove()
+
+
+# ------------------------------------------------------------------------------ fusion (8.7)
+
+
+def test_fused_token_is_softmax_z_weighted_sum_of_pruned_tokens():
+    m = tiny(fuse_pruned=True).eval()
+    T, B, N, D = 2, 2, 10, 4
+    x = torch.randn(T, B, N + 1, D)
+    s = torch.randn(T, B, N)
+    m.stata_stats = {"degenerate": 0}
+    out = m._prune(x, s, s, 0.5)
+    from efficient.kernels.token_select import select_tokens_ref
+
+    idx, z = select_tokens_ref(s, 5)
+    pruned = [sorted(set(range(N)) - set(idx[b].tolist())) for b in range(B)]
+    assert out.shape == (T, B, 1 + 5 + 1, D)
+    for b in range(B):
+        w = torch.softmax(z[b, pruned[b]], 0)
+        expect = torch.einsum("n,tnd->td", w, x[:, b, 1:][:, pruned[b]])
+        torch.testing.assert_close(out[:, b, -1], expect)
+
+
+def test_pruned_tokens_get_no_gradient_from_later_blocks():
+    m = tiny(prune_blocks=[1], keep_ratio=0.5).train()
+    grads = {}
+
+    def keep_grad(mod, args, out):
+        out.retain_grad()
+        grads["attn_out"] = out
+        return out
+
+    h = m.blocks[0].attn.proj.register_forward_hook(keep_grad)
+    # gradients that reach the pruning point only through the MLP and later blocks: the loss is the
+    # logits, and the attention branch of block 1 feeds the pruning point directly
+    m(digits_like(2)).sum().backward()
+    h.remove()
+    g = grads["attn_out"].grad  # [T, B, 65, D]; residual: grad at x_pre equals grad at attn out
+    idx = m.stata_stats["kept_idx"][0]
+    for b in range(2):
+        pruned = sorted(set(range(64)) - set(idx[b].tolist()))
+        assert torch.count_nonzero(g[:, b, 1:][:, pruned]) == 0
+        assert torch.count_nonzero(g[:, b, 1:][:, idx[b]]) > 0
+
+
+# ------------------------------------------------------------------- alignment losses (8.8)
+
+
+def test_alignment_losses_zero_cases_and_non_negative():
+    torch.manual_seed(1)
+    s = torch.randn(3, 4, 9)
+    intra, inter = alignment_losses(s, s.clone())
+    assert intra.item() == pytest.approx(0.0, abs=1e-6)
+    same_t = torch.randn(1, 4, 9).expand(3, 4, 9)
+    assert alignment_losses(same_t, torch.randn(3, 4, 9))[1].item() == pytest.approx(0.0, abs=1e-6)
+    for _ in range(5):
+        a, b = alignment_losses(torch.randn(3, 4, 9) * 3, torch.randn(3, 4, 9))
+        assert a.item() > 0 and b.item() > 0
+
+
+def test_constant_timesteps_are_masked_and_gradients_stay_finite():
+    s = torch.randn(2, 3, 8, requires_grad=True)
+    s_const = torch.cat([s[:1], torch.zeros(1, 3, 8)])  # t=1: anchor silent
+    intra, inter = alignment_losses(s_const, torch.randn(2, 3, 8))
+    (intra + inter).backward()
+    assert torch.isfinite(s.grad).all() and s.grad.abs().sum() > 0
+    z, valid = standardize(torch.zeros(2, 5))
+    assert torch.equal(z, torch.zeros(2, 5)) and not valid.any()
+
+
+def test_patch_queries_get_no_gradient_from_intra_loss():
+    from efficient.kernels.ssa import scores_ref
+
+    q = (torch.rand(2, 3, 2, 7, 4) < 0.5).float().requires_grad_()
+    k = (torch.rand(2, 3, 2, 7, 4) < 0.5).float().requires_grad_()
+    s, c = scores_ref(q, k, anchor=True)
+    intra, _ = alignment_losses(s, c)
+    intra.backward()
+    assert torch.count_nonzero(q.grad[..., 1:, :]) == 0
+    assert torch.count_nonzero(q.grad[..., 0, :]) > 0 and torch.count_nonzero(k.grad) > 0
+
+
+def test_alignment_losses_reach_the_anchor():
+    m = tiny().train()
+    m(digits_like(4))
+    assert len(m.stata_scores) == 2
+    intra, inter = Stata().alignment(m)
+    (intra + inter).backward()
+    assert m.anchor.grad is not None and m.anchor.grad.abs().sum() > 0
+
+
+def test_stata_objective_logs_and_backward():
+    m = tiny().train()
+    m.set_progress(0.0)
+    loss, logs = Stata(label_smoothing=0.1).loss(m, (digits_like(4), torch.tensor([1, 2, 3, 4])))
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert {"ce", "stata/intra", "stata/inter", "stata/keep_ratio", "stata/tokens_out", "acc"} <= set(logs)
+    assert logs["loss"] >= logs["ce"]
+
+
+# ------------------------------------------------------------------------- schedule (8.9)
+
+
+def test_keep_ratio_warmup_schedule():
+    rhos = [warmup_keep_ratio(0.7, e / 10, start=2.0, span=5.0) for e in range(0, 100)]
+    assert all(r == 1.0 for r in rhos[:20])
+    assert rhos[-1] == pytest.approx(0.7) and warmup_keep_ratio(0.7, 7.0, 2.0, 5.0) == pytest.approx(0.7)
+    assert all(b <= a + 1e-12 for a, b in zip(rhos, rhos[1:]))
+    m = tiny(keep_warmup_start=1.0, keep_warmup_epochs=2.0).train()
+    m.set_progress(0.5)
+    assert m.keep_ratios() == {0: 1.0, 1: 1.0}
+    m.set_progress(2.0)
+    assert m.keep_ratios()[0] == pytest.approx(0.75)
+    m.eval()
+    assert m.keep_ratios() == {0: 0.5, 1: 0.5}  # inference uses rho*
+
+
+def test_warmup_changes_the_token_count_in_training():
+    m = tiny(keep_warmup_start=1.0, keep_warmup_epochs=2.0).train()
+    m.set_progress(0.0)
+    m(digits_like(2))
+    assert m.stata_stats["tokens_in"] == [65, 65] and m.stata_stats["tokens_out"] == 65
+    m.set_progress(10.0)
+    m(digits_like(2))
+    assert m.stata_stats["tokens_in"] == [65, 33] and m.stata_stats["tokens_out"] == 17
+
+
+# ------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(img_size=30), "does not fit the SPS stem"),
+        (dict(keep_ratio=0.0), r"keep_ratio must be in \(0, 1\]"),
+        (dict(keep_ratio=1.5), r"keep_ratio must be in \(0, 1\]"),
+        (dict(prune_blocks=[2, 5]), "at most depth=4"),
+        (dict(prune_blocks=[0]), "1-based"),
+        (dict(keep_ratio=[0.5]), "one ratio or one per block"),
+        (dict(prune_blocks=[1, 2, 3], keep_ratio=0.02), "leaves zero tokens"),
+    ],
+)
+def test_bad_configs_fail_at_build_time(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        create("spikformer-stata", **{"embed_dim": 16, "num_heads": 2, "backend": "torch", **kw})
+
+
+def test_bad_keys_fail_in_recipe_validation():
+    from efficient.config import validate
+
+    good = {"model": {"name": "spikformer-tiny-stata", "keep_ratio": 0.6, "prune_blocks": [1]}, "data": {"name": "digits"}}
+    rec = validate(good)
+    assert rec.model["prune_blocks"] == [1]
+    with pytest.raises(ConfigError, match="anchor"):
+        validate({"model": {"name": "spikformer-tiny-stata", "anchor": "every_step"}, "data": {"name": "digits"}})
+
+
+def test_wrong_image_at_forward_names_the_expected_shape():
+    with pytest.raises(ValueError, match=r"\[B, 3, 32, 32\]"):
+        create("spikformer-stata", embed_dim=16, num_heads=2, backend="torch")(torch.randn(1, 3, 28, 28))
+
+
+# ------------------------------------------------------------------------------------ loading
+
+
+def test_load_stata_forward_and_pretrained_run_dir(tmp_path):
+    m = efficient.load("spikformer-stata", backend="torch")
+    assert m(torch.randn(1, 3, 32, 32)).shape == (1, 10)
+    # a run dir as the trainer writes it: config.yaml + checkpoint/last/model.safetensors
+    import yaml
+
+    from efficient.zoo import save_model
+
+    src = create("spikformer-tiny-stata", keep_ratio=0.6)
+    run = tmp_path / "run"
+    (run / "checkpoint" / "last").mkdir(parents=True)
+    (run / "config.yaml").write_text(yaml.safe_dump({"model": {"name": "spikformer-tiny-stata", "keep_ratio": 0.6}}))
+    save_model(src, run / "checkpoint" / "last" / "model.safetensors")
+    loaded = efficient.load("spikformer-tiny-stata", pretrained=run, keep_ratio=0.6)
+    again = efficient.load(run)
+    x = digits_like(2)
+    src.eval()
+    assert torch.equal(loaded(x), src(x)) and torch.equal(again(x), src(x))
+    assert again.token_schedule()[1][0] == 1 + math.ceil(0.6 * 64)
