@@ -239,6 +239,16 @@ def _layerwise(model, ids, max_new, threshold, sampler, cache, strategy, max_pen
     return Generation(ids.tolist(), tokens, exits, L, 0.0, costs.spent, max_new * costs.full_token(), expected, c, cache)
 
 
+def speculative_accept(p: torch.Tensor, q: torch.Tensor, draft: int, sampler: Sampler) -> tuple[bool, int]:
+    """Speculative sampling (Leviathan et al., 2023): keep the draft d ~ q with prob min(1, p(d)/q(d)),
+    else draw from norm(max(p - q, 0)); the result is distributed exactly as p."""
+    u = float(torch.rand((), generator=sampler.generator))
+    if u * float(q[draft]) < float(p[draft]):
+        return True, draft
+    resid = (p - q).clamp(min=0)
+    return False, sampler.draw(resid / resid.sum())
+
+
 def _speculative(model, ids, max_new, threshold, sampler, cache, num_draft, **_) -> Generation:
     """Draft with the first exit, verify with layers E+1..L over the drafter's hidden states."""
     L, E, costs = model.num_layers, model.exit_layers[0], _Costs(model)
@@ -277,18 +287,12 @@ def _speculative(model, ids, max_new, threshold, sampler, cache, num_draft, **_)
         new = []
         for j, d in enumerate(drafts):
             if sampler.greedy:
-                ok = int(logits[j].argmax()) == d
-            else:  # speculative sampling (Leviathan et al. 2023): accept with prob min(1, p/q)
-                p = sampler.probs(logits[j])
-                ok = float(torch.rand((), generator=sampler.generator)) * float(q[j][d]) < float(p[d])
+                ok, tok = int(logits[j].argmax()) == d, int(logits[j].argmax())
+            else:
+                ok, tok = speculative_accept(sampler.probs(logits[j]), q[j], d, sampler)
+            new.append(tok)
             if not ok:
-                if sampler.greedy:
-                    new.append(int(logits[j].argmax()))
-                else:
-                    resid = (sampler.probs(logits[j]) - q[j]).clamp(min=0)
-                    new.append(sampler.draw(resid / resid.sum()))
                 break
-            new.append(d)
         else:
             new.append(sampler.pick(logits[len(drafts)]))
         a = min(len(new) - 1, len(drafts))  # accepted drafts

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from efficient.errors import ConfigError
 
@@ -36,8 +37,12 @@ def run(args: argparse.Namespace) -> int:
 
     from efficient.data.text import decode, encode
     from efficient.decoding import generate
-    from efficient.zoo import load
+    from efficient.zoo import get_entry, load
 
+    if not Path(args.model).exists():  # a zoo name: check the vocabulary before building (1.3B+ configs)
+        vocab = get_entry(args.model).resolved_cfg().get("vocab_size")
+        if vocab != 256:
+            raise ConfigError(f"generate: {args.model} has a {vocab}-token vocabulary; only byte-level (256) models have a tokenizer here")
     model = load(args.model)
     if not hasattr(model, "exit_layers"):
         raise ConfigError(f"generate: {args.model} is not an early-exit language model (try ee-gpt-tiny)")

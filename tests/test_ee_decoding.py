@@ -1,0 +1,181 @@
+"""Early-exit decoding: exactness of KV recomputation and self-speculation, the exit rule, the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from efficient.decoding import Sampler, generate, generate_reference, should_exit, speculative_accept
+from efficient.errors import ConfigError
+from efficient.models.ee_gpt import EEGPT
+
+PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9]]
+N = 10  # new tokens per generation: tiny, the machine running CI is small
+
+
+def tiny(**kw) -> EEGPT:
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=64, n_layer=4, n_embd=32, n_head=2, seq_len=64, exit_layers=[1, 2], init_std=0.3)
+    return EEGPT(**{**cfg, **kw}).double().eval()
+
+
+def full_greedy(m: EEGPT, prompt: list[int], n: int) -> list[int]:
+    """The full model without exits, greedy, no cache: argmax of the final head, prefix re-run each step."""
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(m(torch.tensor([seq]))[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def model() -> EEGPT:
+    return tiny()
+
+
+@pytest.fixture(scope="module")
+def references(model):
+    return [full_greedy(model, p, N) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("strategy", ["recompute", "copy", "speculative"])
+def test_threshold_one_is_the_full_model(model, references, strategy):
+    for p, ref in zip(PROMPTS, references):
+        g = generate(model, p, N, threshold=1.0, strategy=strategy)
+        assert g.tokens == ref
+        if strategy != "speculative":
+            assert g.exit_layers == [4] * N and g.summary()["mac_saving"] == 0.0
+
+
+@pytest.mark.parametrize("threshold,num_draft", [(0.0, 1), (0.0, 3), (0.5, 4)])
+def test_speculative_greedy_is_lossless(model, references, threshold, num_draft):
+    accepted = 0
+    for p, ref in zip(PROMPTS, references):
+        g = generate(model, p, N, threshold=threshold, strategy="speculative", num_draft=num_draft)
+        assert g.tokens == ref
+        accepted += g.exit_layers.count(1)
+    assert accepted > 0  # some drafts were kept, so the acceptance path ran
+
+
+# thresholds that give a mix of early and full-depth tokens for each head on this random model
+@pytest.mark.parametrize("head,tau", [("norm", 0.35), ("norm_mlp", 0.18), ("norm_block", 0.35), ("minimal", 0.9)])
+def test_recompute_equals_no_cache_reference(head, tau):
+    m = tiny(exit_head=head)
+    ref_tokens, ref_exits = generate_reference(m, PROMPTS[1], N, threshold=tau)
+    g = generate(m, PROMPTS[1], N, threshold=tau, strategy="recompute")
+    assert g.tokens == ref_tokens and g.exit_layers == ref_exits
+    assert set(g.exit_layers) & {1, 2} and 4 in g.exit_layers  # early and full-depth tokens both occur, so recomputation happened
+
+
+@pytest.mark.parametrize("head", ["norm", "norm_block"])
+def test_recompute_cache_equals_full_forward_cache(head):
+    m = tiny(exit_head=head)
+    prompt = PROMPTS[1]
+    g = generate(m, prompt, N, threshold=0.35, strategy="recompute")
+    c = g.committed
+    seq = torch.tensor([prompt + g.tokens])
+    # tokens at positions < c that exited early had their deep KV filled by a later chunk
+    early = [i for i, e in enumerate(g.exit_layers) if e < 4 and len(prompt) + i < c]
+    assert early, "no early exit before the last full-depth step; the check would be vacuous"
+    ref = m.new_cache(1, seq.shape[1])
+    h, mid, depth = m.tok_emb(seq[:, :c]), None, 0
+    for e in m.exit_layers:
+        h, mid = m.run_layers(h, depth, e, ref, 0)
+        depth = e
+        if e < 4:
+            m.exit_hidden(e, h, mid, ref, 0)
+    slots = range(len(ref.k)) if head == "norm_block" else range(m.num_layers)
+    for s in slots:
+        torch.testing.assert_close(g.cache.k[s][:, :, :c], ref.k[s][:, :, :c], atol=1e-5, rtol=0)
+        torch.testing.assert_close(g.cache.v[s][:, :, :c], ref.v[s][:, :, :c], atol=1e-5, rtol=0)
+
+
+def test_threshold_zero_takes_first_exit_with_its_head(model):
+    p = PROMPTS[0]
+    g = generate(model, p, 8, threshold=0.0, strategy="recompute")
+    assert g.exit_layers == [1] * 8
+    # each token is the argmax of exit 1's head applied to the layer-1 state of the whole sequence
+    lg = model.all_logits(torch.tensor([p + g.tokens]))[1][0]
+    assert g.tokens == [int(lg[len(p) - 1 + i].argmax()) for i in range(8)]
+
+
+def test_raising_threshold_never_turns_continue_into_exit(model):
+    torch.manual_seed(1)
+    taus = torch.linspace(-0.1, 1.1, 25).tolist()
+    for pmax in torch.rand(200).tolist() + [0.0, 1.0]:
+        decisions = [should_exit(pmax, t) for t in taus]
+        assert all(a or not b for a, b in zip(decisions, decisions[1:]))  # exit at tau2 => exit at tau1 < tau2
+    # through the model: the first token's exit layer is non-decreasing in tau
+    layers = [generate_reference(model, PROMPTS[0], 1, t)[1][0] for t in (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)]
+    assert layers == sorted(layers) and layers[0] == 1 and layers[-1] == 4
+
+
+def test_copy_strategy_exits_and_fills_deep_kv(model):
+    g = generate(model, PROMPTS[1], N, threshold=0.35, strategy="copy")
+    i = next(i for i, e in enumerate(g.exit_layers) if e < 4)
+    e, n = g.exit_layers[i], len(PROMPTS[1]) - 1 + i  # first early exit and the position it was fed at
+    # its layer-3 key is the projection of the exited state (output of layer e), as CALM propagates it;
+    # the full-depth prefix is exact, so a no-cache run of layers 1..e reproduces that state
+    seq = torch.tensor([PROMPTS[1] + g.tokens])
+    h = model.tok_emb(seq[:, : n + 1])
+    cos, sin = model.rope_cos[: n + 1], model.rope_sin[: n + 1]
+    for layer in model.layers[:e]:
+        h, _ = layer(h, cos, sin)
+    _, k, _ = model.layers[2].attn.qkv(model.layers[2].norm1(h), cos, sin)
+    torch.testing.assert_close(g.cache.k[2][:, :, n], k[:, :, n])
+
+
+def test_recompute_max_pending_forces_full_depth(model):
+    g = generate(model, PROMPTS[0], 10, threshold=0.0, strategy="recompute", max_pending=3)
+    assert g.exit_layers == [1, 1, 1, 4] * 2 + [1, 1]
+
+
+def test_speculative_sampling_keeps_target_distribution():
+    p = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    q = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    s = Sampler(temperature=1.0, generator=torch.Generator().manual_seed(0))
+    counts = torch.zeros(4)
+    for _ in range(4000):
+        d = s.draw(q)
+        counts[speculative_accept(p, q, d, s)[1]] += 1
+    assert torch.allclose(counts / 4000, p, atol=0.03)
+
+
+def test_sampled_generation_is_seeded(model):
+    a = generate(model, PROMPTS[0], 6, threshold=0.4, strategy="speculative", temperature=1.0, top_k=20, seed=3)
+    b = generate(model, PROMPTS[0], 6, threshold=0.4, strategy="speculative", temperature=1.0, top_k=20, seed=3)
+    c = generate(model, PROMPTS[0], 6, threshold=0.4, strategy="recompute", temperature=0.8, top_p=0.9, seed=3)
+    assert a.tokens == b.tokens and len(c.tokens) == 6 and all(0 <= t < 64 for t in c.tokens)
+
+
+def test_sampler_top_k_top_p():
+    s = Sampler(temperature=1.0, top_k=2)
+    assert (s.probs(torch.tensor([3.0, 1.0, 2.0, 0.0])) > 0).tolist() == [True, False, True, False]
+    s = Sampler(temperature=1.0, top_p=0.5)
+    assert (s.probs(torch.tensor([3.0, 1.0, 2.0, 0.0])) > 0).tolist() == [True, False, False, False]
+
+
+def test_generate_errors(model):
+    with pytest.raises(ConfigError, match="strategy"):
+        generate(model, [1], 2, strategy="skip")
+    with pytest.raises(ConfigError, match="seq_len 64"):
+        generate(model, [1] * 60, 5)
+    with pytest.raises(ConfigError, match=r"\[0, 64\)"):
+        generate(model, [70], 2)
+    with pytest.raises(ConfigError, match="non-empty"):
+        generate(model, [], 2)
+    with pytest.raises(ConfigError, match="max_new_tokens"):
+        generate(model, [1], 0)
+    with pytest.raises(ConfigError, match="has none"):
+        generate(tiny(exit_layers=[]), [1], 2, strategy="speculative")
+
+
+def test_generate_cli(capsys):
+    from efficient.cli import main
+
+    rc = main(["generate", "ee-gpt-tiny", "--prompt", "ab", "--max-new-tokens", "3", "--exit-threshold", "0", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["exit_layers"] == [1, 1, 1] and out["summary"]["tokens"] == 3
+    assert out["summary"]["mean_exit_depth"] == 0.25 and out["summary"]["expected_mac_saving"] > 0.5
+    assert main(["generate", "ee-gpt-1.3b", "--prompt", "a"]) == 2  # no tokenizer for a 32k vocab
