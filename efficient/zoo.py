@@ -26,6 +26,7 @@ MODEL_MODULES: list[str] = [
     "efficient.models.spikformer",
     "efficient.models.ee_gpt",
     "efficient.models.mlp",
+    "efficient.models.stable_snn",
 ]
 
 
