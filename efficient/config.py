@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import inspect
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -21,6 +22,28 @@ from typing import Any, Callable, Literal, Union
 import yaml
 
 from efficient.errors import ConfigError
+
+class RecipeLoader(yaml.SafeLoader):
+    """SafeLoader that reads `1e-3` as a float (YAML 1.2 style); PyYAML alone makes it a string."""
+
+
+RecipeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+][0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def yaml_load(text: str) -> Any:
+    return yaml.load(text, Loader=RecipeLoader)  # noqa: S506 - RecipeLoader is a SafeLoader
+
 
 SECTIONS = ("model", "data", "objective", "optim", "schedule", "train", "eval", "profile")
 
@@ -164,7 +187,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 def parse_yaml(text: str, source: str = "<recipe>") -> dict[str, Any]:
     try:
-        data = yaml.safe_load(text)
+        data = yaml_load(text)
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
@@ -188,7 +211,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if not key or any(not p or not p.replace("_", "").replace("-", "").isalnum() for p in parts):
         raise ConfigError(f"override {item!r}: {key!r} is not a key path like optim.lr")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = yaml_load(raw) if raw.strip() else None
     except yaml.YAMLError:
         value = raw  # not YAML: keep as the literal string
     return parts, value
@@ -314,7 +337,7 @@ def check_kwargs_against(fn: Callable[..., Any], values: dict[str, Any], source:
     """Type-check `values` against the keyword parameters of `fn` (its annotations)."""
     sig = inspect.signature(fn)
     try:
-        hints = typing.get_type_hints(fn)
+        hints = typing.get_type_hints(fn.__init__ if isinstance(fn, type) else fn)
     except Exception:
         hints = {}
     params = {k: p for k, p in sig.parameters.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
@@ -362,7 +385,7 @@ def validate(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
     for k in data:
         if k not in SECTIONS:
             raise _err(source, str(k), f"unknown section.{did_you_mean(str(k), SECTIONS)} Sections: {', '.join(SECTIONS)}.")
-    model = _named_section(data.get("model"), "model", source, lambda n: get_entry(n).builder, {"pretrained": typing.Optional[str]})
+    model = _named_section(data.get("model"), "model", source, lambda n: get_entry(n).options_fn(), {"pretrained": typing.Optional[str]})
     dataset = _named_section(data.get("data"), "data", source, get_dataset_builder, DATA_LOADER_KEYS)
     for k, v in DATA_LOADER_DEFAULTS.items():
         dataset.setdefault(k, v)

@@ -11,6 +11,7 @@ import fnmatch
 import importlib
 import inspect
 import json
+import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -25,8 +26,8 @@ from efficient.errors import ConfigError
 MODEL_MODULES: list[str] = [
     "efficient.models.spikformer",
     "efficient.models.ee_gpt",
-    "efficient.models.mlp",
     "efficient.models.stable_snn",
+    "efficient.models.mlp",
 ]
 
 
@@ -60,8 +61,20 @@ class ModelEntry:
     default_cfg: dict[str, Any] = field(default_factory=dict)
     family: str = ""
 
+    def options_fn(self) -> Callable[..., Any]:
+        """The callable whose typed signature lists this model's options: the builder, or, for a
+        `def builder(**kw) -> ModelClass`, the annotated class's constructor."""
+        params = inspect.signature(self.builder).parameters.values()
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            return self.builder
+        try:
+            ret = typing.get_type_hints(self.builder).get("return")
+        except Exception:
+            ret = None
+        return ret if isinstance(ret, type) and issubclass(ret, nn.Module) else self.builder
+
     def accepted_kwargs(self) -> dict[str, inspect.Parameter]:
-        sig = inspect.signature(self.builder)
+        sig = inspect.signature(self.options_fn())
         return {k: p for k, p in sig.parameters.items() if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD}
 
     def resolved_cfg(self, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -168,7 +181,7 @@ def get_entry(name: str) -> ModelEntry:
 def check_kwargs(entry: ModelEntry, kwargs: dict[str, Any], where: str = "model") -> None:
     """Fail on keyword arguments the builder does not take, naming the closest valid ones."""
     accepted = entry.accepted_kwargs()
-    has_var_kw = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(entry.builder).parameters.values())
+    has_var_kw = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(entry.options_fn()).parameters.values())
     if has_var_kw:
         return
     for k in kwargs:

@@ -1,0 +1,1 @@
+"""Subcommands of the `efficient` CLI, one module each."""

@@ -1,0 +1,64 @@
+"""Evaluate a trained run on its validation split: `efficient eval RUN_DIR [--checkpoint best|last]`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", help="a run directory written by `efficient train`")
+    p.add_argument("--checkpoint", choices=["best", "last"], default="best")
+    p.add_argument("--format", choices=["table", "json"], default="table")
+    p.add_argument("overrides", nargs="*", help="key.path=value overrides (e.g. data.root=/data)")
+
+
+def evaluate_run(run_dir: Path, which: str = "best", overrides: list[str] | None = None) -> dict[str, float]:
+    import torch
+    from torch.utils.data import DataLoader
+
+    from efficient import zoo
+    from efficient.config import load_recipe
+    from efficient.data import build_data
+    from efficient.errors import ConfigError
+    from efficient.objectives import build_objective
+    from efficient.train.engine import resolve_device, to_device
+
+    recipe = load_recipe(run_dir / "config.yaml", overrides or [])
+    weights = run_dir / "checkpoint" / which / "model.safetensors"
+    if not weights.exists():
+        raise ConfigError(f"{run_dir}: no {which} checkpoint ({weights} missing)")
+    model = zoo.load(run_dir)
+    zoo.load_weights(model, weights)
+    device = resolve_device(recipe.train.device)
+    model.to(device).eval()
+    data = build_data(recipe.data)
+    objective = build_objective(recipe.objective)
+    objective.setup(model, data, recipe)
+    bs = recipe.eval.batch_size or recipe.data["eval_batch_size"] or recipe.data["batch_size"]
+    sums: dict[str, float] = {}
+    with torch.no_grad():
+        for batch in DataLoader(data.val, batch_size=bs, shuffle=False, collate_fn=data.collate_fn):
+            for k, v in objective.evaluate(model, to_device(batch, device)).items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+    n = sums.pop("n", 0.0) or 1.0
+    return {k: v / n for k, v in sums.items()}
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    run_dir = Path(args.run_dir)
+    metrics = evaluate_run(run_dir, args.checkpoint, args.overrides)
+    if args.format == "json":
+        print(json.dumps(metrics, indent=2))
+        return 0
+    table = Table(title=f"{run_dir} ({args.checkpoint})")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for k, v in metrics.items():
+        table.add_row(k, f"{v:.4f}")
+    Console().print(table)
+    return 0

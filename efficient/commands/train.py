@@ -1,0 +1,64 @@
+"""Train a recipe: `efficient train RECIPE.yaml [key.path=value ...] [--out DIR] [--resume RUN_DIR]`."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", nargs="?", help="recipe YAML (omit with --resume)")
+    p.add_argument("overrides", nargs="*", help="key.path=value overrides, typed like YAML scalars (e.g. optim.lr=1e-3)")
+    p.add_argument("--out", help="run directory (default: <train.out_dir>/<recipe name>-<time>)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue a run exactly where its last checkpoint stopped")
+
+
+def default_run_dir(out_dir: str, recipe_path: str) -> Path:
+    return Path(out_dir) / f"{Path(recipe_path).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def run(args: argparse.Namespace) -> int:
+    from efficient.config import load_recipe
+    from efficient.errors import ConfigError
+    from efficient.train.engine import Trainer
+
+    if args.resume:
+        run_dir = Path(args.resume)
+        if not (run_dir / "config.yaml").exists():
+            raise ConfigError(f"--resume {run_dir}: not a run dir (no config.yaml)")
+        overrides = ([args.recipe] if args.recipe and "=" in args.recipe else []) + list(args.overrides)
+        recipe = load_recipe(run_dir / "config.yaml", overrides)
+    else:
+        if not args.recipe:
+            raise ConfigError("give a recipe YAML (e.g. efficient train recipes/stata_digits.yaml) or --resume RUN_DIR")
+        recipe = load_recipe(args.recipe, args.overrides)
+        run_dir = Path(args.out) if args.out else default_run_dir(recipe.train.out_dir, args.recipe)
+        if (run_dir / "checkpoint").exists():
+            raise ConfigError(f"--out {run_dir} already holds a run; pick another directory or continue it with --resume {run_dir}")
+    trainer = Trainer(recipe, run_dir, resume=bool(args.resume))
+    summary = trainer.fit()
+    print_summary(trainer.console, summary, run_dir)
+    return 0
+
+
+def print_summary(console, summary: dict, run_dir: Path) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"{summary['model']} -> {run_dir}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for k, v in summary["val"].items():
+        table.add_row(f"val {k}", f"{v:.4f}")
+    table.add_row("train time", f"{summary['train_time_s']:.1f} s")
+    table.add_row("params", f"{summary['params']:,}")
+    cost = summary.get("cost") or {}
+    for key, label, scale, unit in (
+        ("dense_macs", "dense MACs / sample", 1e6, "M"),
+        ("macs", "MACs / sample", 1e6, "M"),
+        ("sops", "SOPs / sample", 1e6, "M"),
+        ("energy_pj", "energy / sample", 1e6, "uJ"),
+    ):
+        if key in cost:
+            table.add_row(label, f"{cost[key] / scale:.3f} {unit}")
+    console.print(table)

@@ -1,0 +1,107 @@
+"""Checkpoints: weights as safetensors, trainer state (optimizer, scheduler, RNG, progress) apart.
+
+Each checkpoint is written into a fresh temp directory, verified by checksums, then swapped in
+with renames, so a kill at any moment leaves either the old or the new checkpoint, never half.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from efficient.errors import ConfigError
+from efficient.io import write_json
+from efficient.zoo import save_model
+
+MODEL_FILE, STATE_FILE, META_FILE = "model.safetensors", "trainer.pt", "meta.json"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = state["numpy"]
+    np.random.set_state((n[0], n[1].numpy().astype(np.uint32), *n[2:]))
+
+
+def save_checkpoint(directory: Path, model: nn.Module, trainer_state: dict[str, Any] | None, meta: dict[str, Any]) -> None:
+    """Write `directory` (e.g. run/checkpoint/last) atomically: temp dir, checksums, rename swap."""
+    directory = Path(directory)
+    parent = directory.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = parent / f".{directory.name}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    save_model(model, tmp / MODEL_FILE)
+    files = [MODEL_FILE]
+    if trainer_state is not None:
+        torch.save(trainer_state, tmp / STATE_FILE)
+        files.append(STATE_FILE)
+    meta = {**meta, "sha256": {f: _sha256(tmp / f) for f in files}}
+    write_json(tmp / META_FILE, meta)
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    old = parent / f".{directory.name}.old"
+    if old.exists():
+        shutil.rmtree(old)
+    if directory.exists():
+        os.replace(directory, old)
+    os.replace(tmp, directory)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def verify(directory: Path) -> bool:
+    meta_file = directory / META_FILE
+    if not meta_file.exists():
+        return False
+    try:
+        meta = json.loads(meta_file.read_text())
+        return all((directory / f).exists() and _sha256(directory / f) == h for f, h in meta["sha256"].items())
+    except (json.JSONDecodeError, KeyError, OSError):
+        return False
+
+
+def find_resumable(run_dir: Path) -> Path:
+    """The newest verified checkpoint of a run: `last`, or the `.last.old` left by a kill mid-swap."""
+    ck = Path(run_dir) / "checkpoint"
+    candidates = [ck / "last", ck / ".last.old"]
+    for c in candidates:
+        if c.exists() and (c / STATE_FILE).exists():
+            if verify(c):
+                return c
+            warnings.warn(f"checkpoint {c} is incomplete or corrupted (checksum mismatch); trying an older one", stacklevel=2)
+    raise ConfigError(f"{run_dir}: no intact checkpoint to resume from (looked in {ck}/last)")
+
+
+def load_trainer_state(directory: Path) -> dict[str, Any]:
+    return torch.load(directory / STATE_FILE, map_location="cpu", weights_only=True)

@@ -1,0 +1,382 @@
+"""The training loop: recipe -> model, data, objective -> run dir with metrics, checkpoints, summary.
+
+Resume is exact on CPU: the data order of an epoch is a permutation seeded by (seed, epoch), and
+the checkpoint stores the position in it together with optimizer, scheduler and RNG states.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import signal
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Sampler
+
+from efficient import zoo
+from efficient.config import Recipe
+from efficient.data import DataBundle, build_data
+from efficient.errors import ConfigError
+from efficient.io import append_jsonl, write_json, write_text
+from efficient.objectives import Objective, build_objective
+from efficient.train import checkpoint as ckpt
+from efficient.train.optim import build_optimizer, build_scheduler
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (e.g. a non-finite loss); the last good checkpoint is kept."""
+
+
+class EpochSampler(Sampler[int]):
+    """A permutation seeded by (seed, epoch), starting at `start`: reproducible and resumable."""
+
+    def __init__(self, n: int, seed: int, epoch: int = 0, start: int = 0, shuffle: bool = True) -> None:
+        self.n, self.seed, self.epoch, self.start, self.shuffle = n, seed, epoch, start, shuffle
+
+    def order(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.n))
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return torch.randperm(self.n, generator=g).tolist()
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.order()[self.start :])
+
+    def __len__(self) -> int:
+        return self.n - self.start
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"train.device: {name!r} is not a device (use auto, cpu, cuda, cuda:0)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device: cuda requested but no CUDA device is available (use train.device=cpu)")
+    return dev
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def build_model(recipe: Recipe, data: DataBundle) -> nn.Module:
+    """Zoo model from the recipe; `num_classes` follows the dataset unless the recipe sets it."""
+    cfg = {k: v for k, v in recipe.model.items() if k not in ("name", "pretrained")}
+    entry = zoo.get_entry(recipe.model["name"])
+    if "num_classes" in entry.accepted_kwargs() and "num_classes" not in cfg and data.num_classes and data.task == "classification":
+        cfg["num_classes"] = data.num_classes
+    try:
+        model = zoo.create(recipe.model["name"], **cfg)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{recipe.source}: model: {e}") from None
+    if "num_classes" in cfg:  # record what the run dir needs to rebuild the model
+        recipe.model["num_classes"] = cfg["num_classes"]
+    if recipe.model.get("pretrained"):
+        _, _, weights = zoo._resolve_artifact(Path(recipe.model["pretrained"]))
+        zoo.load_weights(model, weights)
+    return model
+
+
+@dataclass
+class Progress:
+    epoch: int = 0
+    step_in_epoch: int = 0
+    global_step: int = 0
+    best: float | None = None
+    elapsed: float = 0.0
+
+
+class Trainer:
+    """Runs one recipe into one run dir. `fit()` returns the summary dict also written to summary.json."""
+
+    def __init__(self, recipe: Recipe, run_dir: str | Path, resume: bool = False, console: Any = None) -> None:
+        self.recipe, self.run_dir, self.resume = recipe, Path(run_dir), resume
+        from rich.console import Console
+
+        self.console = console or Console(stderr=False)
+        t = recipe.train
+        if t.threads:
+            torch.set_num_threads(t.threads)
+        if t.deterministic:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        seed_everything(t.seed)
+        self.device = resolve_device(t.device)
+        self.data = build_data(recipe.data)
+        if len(self.data.train) == 0 or len(self.data.val) == 0:
+            raise ConfigError(f"{recipe.source}: data: dataset {recipe.data['name']!r} has an empty train or val split")
+        self.model = build_model(recipe, self.data).to(self.device)
+        self.objective: Objective = build_objective(recipe.objective)
+        self.objective.setup(self.model, self.data, recipe)
+        bs = recipe.data["batch_size"]
+        self.steps_per_epoch = len(self.data.train) // bs
+        if self.steps_per_epoch == 0:
+            raise ConfigError(f"{recipe.source}: data.batch_size={bs} is larger than the training set ({len(self.data.train)} samples)")
+        self.total_steps = t.epochs * self.steps_per_epoch
+        if t.max_steps:
+            self.total_steps = min(self.total_steps, t.max_steps)
+        self.optimizer = build_optimizer(self.model, recipe.optim)
+        self.scheduler = build_scheduler(self.optimizer, self.total_steps, self.steps_per_epoch, recipe.optim.lr, recipe.schedule)
+        self.amp = t.amp and self.device.type == "cuda"
+        self.forward_model: nn.Module = torch.compile(self.model) if t.compile else self.model
+        self.state = Progress()
+        self._stop_requested = False
+        if resume:
+            self.restore()
+
+    # ------------------------------------------------------------------ data
+    def train_loader(self, epoch: int, start_batch: int) -> DataLoader:
+        bs = self.recipe.data["batch_size"]
+        sampler = EpochSampler(len(self.data.train), self.recipe.train.seed, epoch, start_batch * bs)
+        # An own generator keeps the loader's worker seeding off the global RNG, so resuming
+        # mid-epoch leaves the global RNG (augmentation, dropout) exactly where it was.
+        g = torch.Generator().manual_seed(self.recipe.train.seed * 1_000_003 + epoch)
+        return DataLoader(self.data.train, batch_size=bs, sampler=sampler, drop_last=True, num_workers=self.recipe.data["num_workers"],
+                          collate_fn=self.data.collate_fn, generator=g)
+
+    def val_loader(self) -> DataLoader:
+        bs = self.recipe.eval.batch_size or self.recipe.data["eval_batch_size"] or self.recipe.data["batch_size"]
+        return DataLoader(self.data.val, batch_size=bs, shuffle=False, num_workers=self.recipe.data["num_workers"],
+                          collate_fn=self.data.collate_fn, generator=torch.Generator().manual_seed(0))
+
+    # ------------------------------------------------------------- checkpoints
+    def trainer_state(self) -> dict[str, Any]:
+        s = self.state
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": ckpt.rng_state(),
+            "progress": {"epoch": s.epoch, "step_in_epoch": s.step_in_epoch, "global_step": s.global_step, "best": s.best, "elapsed": s.elapsed},
+        }
+
+    def save(self, which: str = "last") -> None:
+        meta = {"global_step": self.state.global_step, "epoch": self.state.epoch, "model": self.recipe.model["name"]}
+        ckpt.save_checkpoint(self.run_dir / "checkpoint" / which, self.model, self.trainer_state() if which == "last" else None, meta)
+
+    def restore(self) -> None:
+        d = ckpt.find_resumable(self.run_dir)
+        zoo.load_weights(self.model, d / ckpt.MODEL_FILE)
+        st = ckpt.load_trainer_state(d)
+        self.optimizer.load_state_dict(st["optimizer"])
+        self.scheduler.load_state_dict(st["scheduler"])
+        ckpt.set_rng_state(st["rng"])
+        p = st["progress"]
+        self.state = Progress(p["epoch"], p["step_in_epoch"], p["global_step"], p["best"], p["elapsed"])
+        self._truncate_metrics(self.state.global_step)
+
+    def _truncate_metrics(self, step: int) -> None:
+        """Drop metric lines written after the checkpoint we resume from (they will be redone)."""
+        import json
+
+        f = self.run_dir / "metrics.jsonl"
+        if not f.exists():
+            return
+        keep = []
+        for line in f.read_text().splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    keep.append(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by the kill
+        write_text(f, "".join(k + "\n" for k in keep))
+
+    # ----------------------------------------------------------------- loops
+    def autocast(self):
+        return torch.autocast("cuda", dtype=torch.bfloat16) if self.amp else nullcontext()
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module | None = None) -> dict[str, float]:
+        model = model or self.forward_model
+        was_training = model.training
+        model.eval()
+        sums: dict[str, float] = {}
+        for i, batch in enumerate(self.val_loader()):
+            if self.recipe.eval.max_batches and i >= self.recipe.eval.max_batches:
+                break
+            with self.autocast():
+                out = self.objective.evaluate(model, to_device(batch, self.device))
+            for k, v in out.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        model.train(was_training)
+        n = sums.pop("n", 0.0) or 1.0
+        return {k: v / n for k, v in sums.items()}
+
+    def _better(self, value: float) -> bool:
+        best = self.state.best
+        if best is None:
+            return True
+        return value > best if self.objective.higher_is_better else value < best
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        self._stop_requested = True
+
+    def fit(self) -> dict[str, Any]:
+        r, t = self.recipe, self.recipe.train
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if not self.resume:
+            write_text(self.run_dir / "config.yaml", r.to_yaml())
+            (self.run_dir / "metrics.jsonl").write_text("")
+        metrics_file = self.run_dir / "metrics.jsonl"
+        old_handler = signal.signal(signal.SIGINT, self._on_sigint) if _is_main_thread() else None
+        val: dict[str, float] = {}
+        t_start = self._t_start = time.perf_counter() - self.state.elapsed
+        try:
+            with self._progress_bar() as bar:
+                task = bar.add_task("train", total=self.total_steps, completed=self.state.global_step, info="")
+                while self.state.global_step < self.total_steps and not self._stop_requested:
+                    self._train_epoch(bar, task, metrics_file)
+                    if self._stop_requested:
+                        break
+                    epoch_done = self.state.step_in_epoch == 0
+                    last = self.state.global_step >= self.total_steps
+                    if (epoch_done and self.state.epoch % t.eval_every == 0) or last:
+                        val = self.evaluate()
+                        append_jsonl(metrics_file, {"step": self.state.global_step, "epoch": self.state.epoch, "split": "val", **val})
+                        pm = val.get(self.objective.primary_metric)
+                        if pm is not None and self._better(pm):
+                            self.state.best = pm
+                            self.save("best")
+                    self.state.elapsed = time.perf_counter() - t_start
+                    self.save("last")
+        finally:
+            if old_handler is not None:
+                signal.signal(signal.SIGINT, old_handler)
+        if self._stop_requested:
+            self.state.elapsed = time.perf_counter() - t_start
+            self.save("last")
+            raise KeyboardInterrupt(f"training interrupted at step {self.state.global_step}; resume with --resume {self.run_dir}")
+        return self.finish(val, time.perf_counter() - t_start)
+
+    def _progress_bar(self):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        return RichProgress(
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
+            TextColumn("{task.fields[info]}"), console=self.console, disable=not self.recipe.train.progress,
+        )
+
+    def _train_epoch(self, bar: Any, task: Any, metrics_file: Path) -> None:
+        r, t, s = self.recipe, self.recipe.train, self.state
+        self.forward_model.train()
+        t0, seen, window = time.perf_counter(), 0, {}
+        if s.global_step >= self.total_steps or self._stop_requested:
+            return
+        for batch in self.train_loader(s.epoch, s.step_in_epoch):
+            progress = s.epoch + s.step_in_epoch / self.steps_per_epoch
+            if hasattr(self.model, "set_progress"):
+                self.model.set_progress(progress)
+            self.objective.set_progress(progress, s.global_step)
+            batch = to_device(batch, self.device)
+            with self.autocast():
+                loss, logs = self.objective.loss(self.forward_model, batch)
+            if not torch.isfinite(loss):
+                raise TrainingError(
+                    f"loss became {loss.item()} at step {s.global_step} (epoch {s.epoch}); the last good checkpoint is in "
+                    f"{self.run_dir / 'checkpoint' / 'last'}. Lower optim.lr or set train.grad_clip."
+                )
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if t.grad_clip:
+                logs["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip))
+            self.optimizer.step()
+            self.scheduler.step()
+            s.global_step += 1
+            s.step_in_epoch += 1
+            seen += _batch_size(batch)
+            for k, v in logs.items():
+                window.setdefault(k, []).append(v)
+            if s.global_step % t.log_every == 0 or s.global_step == self.total_steps:
+                rate = seen / max(1e-9, time.perf_counter() - t0)
+                row = {k: float(np.mean(v)) for k, v in window.items()}
+                append_jsonl(metrics_file, {"step": s.global_step, "epoch": s.epoch, "lr": self.scheduler.get_last_lr()[0], "samples_per_s": rate, **row})
+                info = " ".join(f"{k} {v:.4g}" for k, v in row.items() if k in ("loss", "acc")) + f" {rate:.0f} samples/s"
+                bar.update(task, info=info)
+                window = {}
+            bar.update(task, completed=s.global_step)
+            if t.checkpoint_every and s.global_step % t.checkpoint_every == 0 and s.step_in_epoch < self.steps_per_epoch:
+                self.state.elapsed = time.perf_counter() - self._t_start
+                self.save("last")
+            # stop before fetching the next batch: fetching runs augmentation, which draws RNG
+            if s.global_step >= self.total_steps or self._stop_requested:
+                break
+        if s.step_in_epoch >= self.steps_per_epoch:
+            s.epoch += 1
+            s.step_in_epoch = 0
+
+    def finish(self, val: dict[str, float], train_time: float) -> dict[str, Any]:
+        summary: dict[str, Any] = {
+            "model": self.recipe.model["name"],
+            "steps": self.state.global_step,
+            "epochs": self.state.epoch,
+            "train_time_s": round(train_time, 2),
+            "val": val,
+            "best": {self.objective.primary_metric: self.state.best},
+            "params": zoo.count_params(self.model),
+        }
+        report_md = ""
+        if self.recipe.profile.enabled:
+            cost, report_md = self.cost_report()
+            summary["cost"] = cost
+        write_json(self.run_dir / "summary.json", summary)
+        write_text(self.run_dir / "report.md", render_report_md(self.recipe, summary, report_md))
+        return summary
+
+    def cost_report(self) -> tuple[dict[str, Any], str]:
+        """Profile the trained model on a few validation inputs (per-sample costs)."""
+        from efficient.profiler import profile
+
+        n = self.recipe.profile.samples
+        batch = next(iter(DataLoader(self.data.val, batch_size=n, shuffle=False, collate_fn=self.data.collate_fn)))
+        x = batch[0] if isinstance(batch, (list, tuple)) else batch
+        self.model.eval()
+        rep = profile(self.model, inputs=to_device(x, self.device), energy=self.recipe.profile.energy)
+        return dict(rep.totals), rep.to_markdown()
+
+
+def _is_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _batch_size(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    if isinstance(batch, (list, tuple)) and batch:
+        return _batch_size(batch[0])
+    if isinstance(batch, dict) and batch:
+        return _batch_size(next(iter(batch.values())))
+    return 0
+
+
+def render_report_md(recipe: Recipe, summary: dict[str, Any], profile_md: str) -> str:
+    lines = [f"# Run report: {summary['model']}", "", f"Recipe: `{recipe.source}`", ""]
+    lines += ["| metric | value |", "|---|---|"]
+    for k, v in summary["val"].items():
+        lines.append(f"| val {k} | {v:.4f} |")
+    lines += [f"| train time (s) | {summary['train_time_s']} |", f"| steps | {summary['steps']} |", f"| params | {summary['params']:,} |"]
+    if profile_md:
+        lines += ["", "## Cost", "", profile_md]
+    return "\n".join(lines) + "\n"
