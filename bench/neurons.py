@@ -4,9 +4,9 @@
     python bench/neurons.py --shapes 4x32x24576 --repeats 7 --no-detach-reset
 
 Every implementation runs the same multi-step LIF (tau=2, v_th=1, sigmoid surrogate alpha=4) on
-the same fp32 input, forward then backward of `(spikes * g).sum()`, in one process; the table
-reports medians over `--repeats` timed runs (after one warm-up run that also triggers
-compilation) and ratios to spikingjelly's eager LIFNode. Saved activations are the unique storage
+the same fp32 input, forward then backward with a fixed random output gradient, in one process; the table
+reports medians over `--repeats` round-robin timed runs (after one warm-up run that also
+triggers compilation) and ratios to spikingjelly's eager LIFNode. Saved activations are the unique storage
 bytes of every tensor autograd saves during the forward (torch.autograd.graph.saved_tensors_hooks).
 """
 
@@ -94,34 +94,163 @@ def make_impls(detach_reset: bool):
 
 
 def bench_shape(shape, impls, repeats: int, base: str) -> list[dict]:
+    """Warm up every implementation (compiles, measures memory, checks spikes), then time them
+    round-robin so that load from other processes hits all of them alike."""
     torch.manual_seed(0)
     x0 = torch.randn(*shape) * 1.5 + 0.5
     g = torch.randn(*shape)
-    rows = []
-    ref_spikes = None
+    xs, rows, ref_spikes = {}, {}, None
     for name, fn in impls.items():
-        x = x0.clone().requires_grad_()
-        y, mem = saved_bytes(fn, x)  # warm-up (compiles) and memory measurement
-        (y * g).sum().backward()
+        x = xs[name] = x0.clone().requires_grad_()
+        y, mem = saved_bytes(fn, x)
+        y.backward(g)
         if ref_spikes is None:
             ref_spikes = y.detach()
         agree = torch.equal(y.detach(), ref_spikes) if "snntorch" not in name else None
+        rows[name] = {"name": name, "times": [], "bytes": mem, "agree": agree}
         del y
-        times = []
-        for _ in range(repeats):
+    for _ in range(repeats):
+        for name, fn in impls.items():
+            x = xs[name]
             x.grad = None
             t0 = time.perf_counter()
-            y = fn(x)
-            (y * g).sum().backward()
-            times.append(time.perf_counter() - t0)
-            del y
-        rows.append({"name": name, "ms": 1e3 * statistics.median(times), "bytes": mem, "agree": agree})
-        print(f"  {name:28s} {rows[-1]['ms']:9.1f} ms  saved {mem / 2**20:8.1f} MiB", flush=True)
-    ref = next((r for r in rows if r["name"] == base), rows[0])
-    for r in rows:
+            fn(x).backward(g)
+            rows[name]["times"].append(time.perf_counter() - t0)
+    for r in rows.values():
+        r["ms"] = 1e3 * statistics.median(r["times"])
+        print(f"  {r['name']:28s} {r['ms']:9.1f} ms  saved {r['bytes'] / 2**20:8.1f} MiB", flush=True)
+    ref = rows.get(base, next(iter(rows.values())))
+    for r in rows.values():
         r["speedup"] = ref["ms"] / r["ms"]
         r["mem_ratio"] = r["bytes"] / ref["bytes"] if ref["bytes"] else float("nan")
-    return rows
+    return list(rows.values())
+
+
+# ---- GPU mode (bench/gpu.sh): Triton correctness on CUDA, speed vs spikingjelly, bandwidth ----------
+
+
+def gpu_correctness(device: str = "cuda", shapes=((5, 3, 1001), (1, 7), (4, 32, 24576))) -> bool:
+    """Triton op vs the torch reference on CUDA over every reset/detach/decay/surrogate combination,
+    PLIF, the DLIF leak charge and fp32/bf16/fp16; prints one line per failure."""
+    import itertools
+
+    dev, ok, n = torch.device(device), True, 0
+    # tau=2: torch on CUDA divides by a Python scalar via its reciprocal (exact only for powers of
+    # two), while the kernels divide with IEEE rounding like torch on CPU
+    full = [dict(v_reset=vr, detach_reset=d, decay_input=di, surrogate=sg, alpha=2.0, tau=2.0, v_threshold=0.8)
+            for vr, d, di, sg in itertools.product([0.0, None], [True, False], [True, False],
+                                                  ["sigmoid", "atan", "triangle"])]
+    full += [dict(rate=True, v_reset=vr, detach_reset=False, decay_input=di)
+             for vr, di in itertools.product([0.0, None], [True, False])]
+    full += [dict(leak=0.9, v_reset=0.0, detach_reset=False, surrogate="triangle", alpha=1.0)]
+    few = [full[0], full[13], full[-2], full[-1]]  # hard/detached/sigmoid, soft/atan, PLIF, DLIF leak
+    plan = []  # (shape, dtype, configs): every option in fp32 on small shapes, a subset elsewhere
+    for i, shape in enumerate(shapes):
+        plan.append((shape, torch.float32, full if i < 2 else few))
+        for dtype in (torch.bfloat16, torch.float16):
+            if dtype == torch.bfloat16 and dev.type == "cpu":
+                continue  # dry runs under TRITON_INTERPRET=1: the interpreter has no bf16
+            plan.append((shape, dtype, few))
+    for shape, dtype, cfgs in plan:
+        for cfg in cfgs:
+            torch.manual_seed(n)
+            n += 1
+            x = (torch.randn(shape, device=dev) * 1.5 + 0.5).to(dtype)
+            g = torch.randn(shape, device=dev)
+            outs = []
+            for impl in ("reference", "triton"):
+                kw = dict(cfg)
+                w = torch.tensor(0.3, device=dev, requires_grad=True)
+                if kw.pop("rate", False):
+                    kw["rate"] = w.sigmoid()
+                xs = x.clone().requires_grad_()
+                if impl == "reference":
+                    s, h = K.lif_reference(xs, **kw)
+                else:
+                    s, h = K.lif_op_direct(xs, impl="triton", **kw)
+                ((s.float() * g).sum() + (h * g).sum()).backward()
+                outs.append((s, h, xs.grad.float(), w.grad))
+            (s0, h0, gx0, gw0), (s1, h1, gx1, gw1) = outs
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            bad = []
+            if not torch.equal(s0, s1):
+                bad.append(f"spikes differ at {(s0 != s1).sum().item()} places")
+            if not torch.allclose(h0, h1, rtol=1e-6, atol=1e-5):
+                bad.append(f"H diff {(h0 - h1).abs().max().item():.2e}")
+            if not torch.allclose(gx1, gx0, rtol=tol, atol=tol):
+                bad.append(f"grad x diff {(gx0 - gx1).abs().max().item():.2e}")
+            if gw0 is not None and not torch.allclose(gw1, gw0, rtol=1e-4, atol=1e-4):
+                bad.append(f"grad rate {gw0.item():.6g} vs {gw1.item():.6g}")
+            if bad:
+                ok = False
+                print(f"FAIL shape={shape} dtype={dtype} cfg={cfg}: {'; '.join(bad)}")
+    print(f"correctness: {n} cases, {'all match' if ok else 'FAILURES above'}")
+    return ok
+
+
+def _cuda_ms(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def gpu_speed(shapes, repeats: int) -> bool:
+    """fwd+bwd medians (CUDA events) vs spikingjelly's LIFNode (set SJ_LIF_CUDA_IMPLEMENTATION=triton
+    to pin its Triton kernels) and the fraction of copy bandwidth our kernels reach."""
+    dev = torch.device("cuda")
+    impls = make_impls(True)
+    impls["ours triton"] = impls.pop("ours auto")
+    impls.pop("snntorch Leaky loop", None)
+    big = torch.empty(2**28, device=dev)  # 1 GiB: device copy bandwidth as the practical peak
+    copy_ms = _cuda_ms(lambda: big.clone(), 10)
+    peak = 2 * big.numel() * 4 / (copy_ms * 1e-3)
+    del big
+    print(f"device {torch.cuda.get_device_name()}: copy bandwidth {peak / 1e9:.0f} GB/s (read+write)")
+    ok = True
+    for shape in shapes:
+        for dtype in (torch.float32, torch.bfloat16):
+            x = (torch.randn(shape, device=dev) * 1.5 + 0.5).to(dtype).requires_grad_()
+            g = torch.randn(shape, device=dev, dtype=dtype)
+            res = {}
+            for name, fn in impls.items():
+                try:
+                    fn(x).backward(g)  # warm-up / compile
+                    def step(fn=fn):
+                        x.grad = None
+                        fn(x).backward(g)
+
+                    res[name] = _cuda_ms(step, repeats)
+                except Exception as e:  # report and continue: one peer failing must not hide the rest
+                    print(f"  {name}: failed ({type(e).__name__}: {str(e)[:120]})")
+            x2 = x.detach().reshape(shape[0], -1)
+            fwd_ms = _cuda_ms(lambda: K.lif_op_direct(x2, impl="triton"), repeats)
+            s, h = K.lif_op_direct(x2, impl="triton")
+            gs = torch.randn_like(s)
+            bwd_ms = _cuda_ms(lambda: torch.ops.efficient.lif_backward(
+                gs, None, h, None, TAU, VTH, 0.0, 0, 0, ALPHA, True, dtype, "triton"), repeats)
+            n, eb = x2.numel(), x2.element_size()
+            fwd_bw = n * (eb + eb + 4) / (fwd_ms * 1e-3)  # read x, write spikes and H
+            bwd_bw = n * (eb + 4 + eb) / (bwd_ms * 1e-3)  # read grad spikes and H, write grad x
+            print(f"\n| {list(shape)} {str(dtype).replace('torch.', '')} | fwd+bwd ms | vs spikingjelly |")
+            print("|---|---|---|")
+            sj = res.get("spikingjelly LIFNode")
+            for name, ms in res.items():
+                print(f"| {name} | {ms:.3f} | {sj / ms:.2f}x |" if sj else f"| {name} | {ms:.3f} | n/a |")
+            print(f"ours triton: forward {fwd_ms:.3f} ms = {fwd_bw / 1e9:.0f} GB/s ({100 * fwd_bw / peak:.0f}% of copy), "
+                  f"backward {bwd_ms:.3f} ms = {bwd_bw / 1e9:.0f} GB/s ({100 * bwd_bw / peak:.0f}% of copy)")
+            if sj and "ours triton" in res:
+                speed_ok = sj / res["ours triton"] >= 1.2
+                bw_ok = min(fwd_bw, bwd_bw) >= 0.7 * peak
+                print(f"targets: >=1.2x spikingjelly {'PASS' if speed_ok else 'FAIL'}, "
+                      f">=70% bandwidth {'PASS' if bw_ok else 'FAIL'}")
+                ok &= speed_ok and bw_ok
+    return ok
 
 
 def main() -> None:
@@ -130,7 +259,14 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     p.add_argument("--no-detach-reset", action="store_true", help="spikingjelly's default detach_reset=False")
+    p.add_argument("--gpu", action="store_true", help="CUDA: Triton correctness, speed vs spikingjelly, bandwidth")
     args = p.parse_args()
+    if args.gpu:
+        shapes = [tuple(int(s) for s in spec.split("x")) for spec in args.shapes.split(",")]
+        correct = gpu_correctness()
+        fast = gpu_speed(shapes, max(args.repeats, 20))
+        print(f"GPU targets {'met' if fast else 'NOT met'} (see lines above)")
+        raise SystemExit(0 if correct else 1)
     if args.threads:
         torch.set_num_threads(args.threads)
     detach = not args.no_detach_reset

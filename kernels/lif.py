@@ -157,6 +157,8 @@ def lif_reference(
 
 if HAS_TRITON:
 
+    # divisions use div_rn (IEEE round-to-nearest, as torch on CPU): a plain `/` lowers to an
+    # approximate division on NVIDIA GPUs, which could move H across the threshold
     @triton.jit
     def _surrogate_tl(u, alpha, SURROGATE: tl.constexpr):
         if SURROGATE == 0:
@@ -165,7 +167,7 @@ if HAS_TRITON:
         elif SURROGATE == 1:
             a = alpha * 0.5
             z = (3.141592653589793 * a) * u
-            out = a / (1.0 + z * z)
+            out = tl.math.div_rn(a, 1.0 + z * z)
         else:
             out = tl.maximum(alpha - (alpha * alpha) * tl.abs(u), 0.0)
         return out
@@ -189,12 +191,12 @@ if HAS_TRITON:
                 if HAS_RATE:
                     h = v + (x - (v - v_reset)) * k
                 else:
-                    h = v + (x - (v - v_reset)) / c
+                    h = v + tl.math.div_rn(x - (v - v_reset), c)
             else:
                 if HAS_RATE:
                     h = v - (v - v_reset) * k + x
                 else:
-                    h = v - (v - v_reset) / c + x
+                    h = v - tl.math.div_rn(v - v_reset, c) + x
             spike = h >= v_th
             tl.store(h_ptr + offs, h, mask=mask)
             tl.store(s_ptr + offs, spike.to(s_ptr.dtype.element_ty), mask=mask)
@@ -241,7 +243,7 @@ if HAS_TRITON:
                 if HAS_RATE:
                     gx = gh * k
                 else:
-                    gx = gh / c
+                    gx = tl.math.div_rn(gh, c)
             else:
                 gx = gh
             tl.store(gx_ptr + offs, gx.to(gx_ptr.dtype.element_ty), mask=mask)
@@ -250,18 +252,18 @@ if HAS_TRITON:
             elif HAS_RATE:
                 carry = gh - gh * k
             else:
-                carry = gh - gh / c
+                carry = gh - tl.math.div_rn(gh, c)
             if HAS_RATE:
                 # dH/drate needs V[t-1]: the reset of H[t-1], or the initial V at t = 0
                 first = i == T - 1
-                hp = tl.load(h_ptr - N + offs, mask=mask & (not first), other=0.0)
+                hp = tl.load(h_ptr - N + offs, mask=mask & (i < T - 1), other=0.0)
                 if HARD:
                     vp = tl.where(hp >= v_th, v_reset, hp)
                 else:
                     vp = tl.where(hp >= v_th, hp - v_th, hp)
                 vp = tl.where(first, v_reset, vp)
                 if CHARGE == 0:
-                    dk = (h - vp) / k  # = X[t] - (V[t-1] - V_reset), without saving X
+                    dk = tl.math.div_rn(h - vp, k)  # = X[t] - (V[t-1] - V_reset), without saving X
                 else:
                     dk = v_reset - vp
                 gk += tl.where(mask, gh * dk, 0.0)
