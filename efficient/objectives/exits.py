@@ -40,7 +40,8 @@ def token_ce(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, d
         from efficient.kernels.linear_ce import linear_ce
 
         return linear_ce(hidden, weight, target, confidence_weighted=dynamic, chunk_size=chunk_size)
-    logits = (hidden @ weight.T).float().flatten(0, -2)
+    logits = hidden @ weight.T
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)).flatten(0, -2)
     if not dynamic:
         return F.cross_entropy(logits, target.flatten())
     logp = F.log_softmax(logits, -1)
@@ -124,6 +125,8 @@ class ExitLoss(Objective):
         x, y = batch
         out: dict[str, float] = {"n": float(y.numel())}
         for s in model.exit_states(x):
-            ce = F.cross_entropy((s.hidden @ s.weight.T).float().flatten(0, -2), y.flatten(), reduction="sum").item()
+            logits = s.hidden @ s.weight.T
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+            ce = F.cross_entropy(logits.flatten(0, -2), y.flatten(), reduction="sum").item()
             out["loss" if s.layer == model.num_layers else f"loss_exit{s.layer}"] = ce
         return out
