@@ -14,7 +14,7 @@ from torch import nn
 
 from efficient.errors import ConfigError
 
-OBJECTIVE_MODULES = ["efficient.objectives.classification", "efficient.objectives.lm", "efficient.objectives.preference", "efficient.objectives.weak_to_strong", "efficient.objectives.pu", "efficient.objectives.interlude", "efficient.objectives.exits", "efficient.objectives.stability", "efficient.objectives.stata"]
+OBJECTIVE_MODULES = ["efficient.objectives.classification", "efficient.objectives.lm", "efficient.objectives.preference", "efficient.objectives.weak_to_strong", "efficient.objectives.pu", "efficient.objectives.interlude", "efficient.objectives.odin", "efficient.objectives.exits", "efficient.objectives.stability", "efficient.objectives.stata"]
 
 
 class Objective:
