@@ -28,6 +28,7 @@ MODEL_MODULES: list[str] = [
     "efficient.models.ee_gpt",
     "efficient.models.stable_snn",
     "efficient.models.mlp",
+    "efficient.models.bilipnet",
 ]
 
 
