@@ -15,21 +15,20 @@ from efficient.errors import ConfigError
 from efficient.zoo import create
 
 EPS = 8 / 255
-NEURON = "lif"
 
 
 @pytest.fixture(scope="module")
 def snn_and_data():
     """A digits-sized spiking VGG fitted for a few steps, so some samples are classified right."""
-    from efficient.data import build_data
+    from sklearn.datasets import load_digits
 
     torch.manual_seed(0)
-    data = build_data({"name": "digits", "image_size": 8, "normalize": False})
-    x = torch.stack([data.val[i][0] for i in range(24)])
-    y = torch.tensor([data.val[i][1] for i in range(24)])
-    xt = torch.stack([data.train[i][0] for i in range(128)])
-    yt = torch.tensor([data.train[i][1] for i in range(128)])
-    model = create("stable-snn-digits", neuron=NEURON, timesteps=2, fc_dim=32)
+    d = load_digits()
+    images = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    labels = torch.tensor(d.target)
+    x, y = images[-24:], labels[-24:]
+    xt, yt = images[:128], labels[:128]
+    model = create("stable-snn-digits", timesteps=2, fc_dim=32, backend="torch")
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     for _ in range(15):
         loss = nn.functional.cross_entropy(model(xt), yt)
@@ -142,8 +141,10 @@ def test_bad_input_errors():
         attacks.run_attack(model, x, y, AttackSpec("apgd-dlr", EPS))
 
 
-def test_cli_json_on_a_zoo_model(capsys):
+def test_cli_json_on_a_zoo_model(capsys, monkeypatch):
     from efficient.cli import main
+
+    monkeypatch.setenv("EFFICIENT_BACKEND", "torch")  # skip the compiled CPU path's warm-up
 
     rc = main(["attack", "stable-snn-digits", "--data", "digits", "--data-opt", "image_size=8", "--attack", "fgsm,pgd",
                "--steps", "2", "--max-batches", "1", "--batch-size", "16", "--format", "json"])
@@ -161,9 +162,10 @@ def test_cli_json_on_a_zoo_model(capsys):
         (["--eps", "8/255"], "pass --data"),
     ],
 )
-def test_cli_bad_input(capsys, argv, message):
+def test_cli_bad_input(capsys, monkeypatch, argv, message):
     from efficient.cli import main
 
+    monkeypatch.setenv("EFFICIENT_BACKEND", "torch")
     extra = [] if "pass --data" in message else ["--data", "digits"]
     rc = main(["attack", "stable-snn-digits", *extra, *argv])
     assert rc == 2
