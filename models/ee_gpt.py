@@ -178,9 +178,9 @@ class EEGPT(nn.Module):
         self.tok_emb = nn.Embedding(vocab_size, n_embd)
         self.layers = nn.ModuleList(Block(n_embd, n_head, mlp_hidden, norm_eps) for _ in range(n_layer))
         self.norm_f = RMSNorm(n_embd, norm_eps)
-        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
-        if tie_embeddings:
-            self.lm_head.weight = self.tok_emb.weight
+        # tied: the final head reads the embedding matrix (no second parameter, so checkpoints
+        # hold each tensor once)
+        self.lm_head = None if tie_embeddings else nn.Linear(n_embd, vocab_size, bias=False)
         # one head per early exit, keyed by the layer whose output it reads
         self.exits = nn.ModuleDict(
             {str(k): ExitHead(exit_head, n_embd, n_head, mlp_hidden, norm_eps, vocab_size, exit_tied) for k in self.exit_layers[:-1]}
@@ -217,10 +217,11 @@ class EEGPT(nn.Module):
     # --------------------------------------------------------------------------- training path
 
     def head_weight(self, layer: int) -> torch.Tensor:
+        """Vocab projection [V, C] of the exit after `layer`; tied exits share the final head's."""
         if layer == self.num_layers:
-            return self.lm_head.weight
+            return self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
         proj = self.exits[str(layer)].proj
-        return self.lm_head.weight if proj is None else proj.weight
+        return self.head_weight(self.num_layers) if proj is None else proj.weight
 
     def exit_hidden(self, layer: int, h: torch.Tensor, mid: torch.Tensor | None, cache: KVCache | None = None, pos: int = 0) -> torch.Tensor:
         """Pre-projection state of the exit after `layer` from that layer's output `h` (and its

@@ -94,7 +94,7 @@ def test_head_variants_build_and_causal(head, tied):
         torch.testing.assert_close(full[k][:, :7], prefix[k])
     assert (m.exits["1"].proj is None) == tied
     if tied:
-        assert m.head_weight(1) is m.lm_head.weight
+        assert m.head_weight(1) is m.head_weight(4)
 
 
 def test_exit_mlp_shares_layer_attention_and_norm():
@@ -104,7 +104,7 @@ def test_exit_mlp_shares_layer_attention_and_norm():
     cos, sin = m.rope_cos[:6], m.rope_sin[:6]
     mid = h + m.layers[0].attn(m.layers[0].norm1(h), cos, sin)
     e = m.exits["1"]
-    expect = e.norm(mid + e.mlp(m.layers[0].norm2(mid))) @ m.lm_head.weight.T
+    expect = e.norm(mid + e.mlp(m.layers[0].norm2(mid))) @ m.tok_emb.weight.T
     torch.testing.assert_close(m.all_logits(x)[1], expect)
 
 
