@@ -53,6 +53,7 @@ def print_summary(console, summary: dict, run_dir: Path) -> None:
     table.add_row("train time", f"{summary['train_time_s']:.1f} s")
     table.add_row("params", f"{summary['params']:,}")
     cost = summary.get("cost") or {}
+    n = cost.get("batch_size") or 1  # the profiler counts the whole profiled batch
     for key, label, scale, unit in (
         ("dense_macs", "dense MACs / sample", 1e6, "M"),
         ("macs", "MACs / sample", 1e6, "M"),
@@ -60,5 +61,7 @@ def print_summary(console, summary: dict, run_dir: Path) -> None:
         ("energy_pj", "energy / sample", 1e6, "uJ"),
     ):
         if key in cost:
-            table.add_row(label, f"{cost[key] / scale:.3f} {unit}")
+            table.add_row(label, f"{cost[key] / n / scale:.3f} {unit}")
+    if "mean_firing_rate" in cost:
+        table.add_row("mean firing rate", f"{cost['mean_firing_rate']:.4f}")
     console.print(table)
