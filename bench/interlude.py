@@ -1,7 +1,7 @@
 """Semi-supervised digits with 40 labels: labeled-only vs FixMatch vs InterLUDE (same recipe,
 switches off one part at a time); median validation accuracy over seeds.
 
-    python bench/interlude.py --seeds 0 1 2
+    python bench/interlude.py --seeds 0 1 --set train.epochs=15
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("overrides", nargs="*")
+    ap.add_argument("--set", dest="overrides", nargs="*", default=[], help="recipe overrides, e.g. train.epochs=10")
     args = ap.parse_args()
     torch.set_num_threads(1)
     res: dict[str, list[float]] = {k: [] for k in VARIANTS}

@@ -27,7 +27,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--epochs", type=int, default=20)
-    ap.add_argument("overrides", nargs="*", help="recipe overrides, e.g. model.hidden=[128,128]")
+    ap.add_argument("--set", dest="overrides", nargs="*", default=[], help="recipe overrides, e.g. train.epochs=10")
     args = ap.parse_args()
     torch.set_num_threads(1)
     res: dict[str, list[float]] = {k: [] for k in ("parent A", "parent B", "average", "permute", "cca")}
