@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
@@ -12,6 +13,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="key.path=value overrides, typed like YAML scalars (e.g. optim.lr=1e-3)")
     p.add_argument("--out", help="run directory (default: <train.out_dir>/<recipe name>-<time>)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run exactly where its last checkpoint stopped")
+    p.add_argument("--nproc", type=int, default=1, metavar="N",
+                   help="train with N processes on this machine (DistributedDataParallel; data.batch_size is the global batch)")
 
 
 def default_run_dir(out_dir: str, recipe_path: str) -> Path:
@@ -36,9 +39,22 @@ def run(args: argparse.Namespace) -> int:
         run_dir = Path(args.out) if args.out else default_run_dir(recipe.train.out_dir, args.recipe)
         if (run_dir / "checkpoint").exists():
             raise ConfigError(f"--out {run_dir} already holds a run; pick another directory or continue it with --resume {run_dir}")
+    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        from efficient.train.distributed import launch
+
+        argv = ["train", "--resume", str(run_dir), *args.overrides] if args.resume else ["train", args.recipe, *args.overrides, "--out", str(run_dir)]
+        return launch(args.nproc, argv)
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
     trainer = Trainer(recipe, run_dir, resume=bool(args.resume))
-    summary = trainer.fit()
-    print_summary(trainer.console, summary, run_dir)
+    from efficient.train.distributed import cleanup
+
+    try:
+        summary = trainer.fit()
+        if trainer.dist.is_main:
+            print_summary(trainer.console, summary, trainer.run_dir)
+    finally:
+        cleanup(trainer.dist)
     return 0
 
 

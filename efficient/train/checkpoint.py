@@ -1,7 +1,8 @@
 """Checkpoints: weights as safetensors, trainer state (optimizer, scheduler, RNG, progress) apart.
 
-Each checkpoint is written into a fresh temp directory, verified by checksums, then swapped in
-with renames, so a kill at any moment leaves either the old or the new checkpoint, never half.
+Each checkpoint is written into a fresh temp directory with checksums, then swapped in with
+renames (`last` -> `previous`, temp -> `last`), so a kill at any moment leaves an intact
+checkpoint, and a corrupted `last` (disk full, truncation) falls back to `previous`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from efficient.io import write_json
 from efficient.zoo import save_model
 
 MODEL_FILE, STATE_FILE, META_FILE = "model.safetensors", "trainer.pt", "meta.json"
+PREVIOUS = {"last": "previous"}  # checkpoints that keep their predecessor
 
 
 def _sha256(path: Path) -> str:
@@ -70,14 +72,15 @@ def save_checkpoint(directory: Path, model: nn.Module, trainer_state: dict[str, 
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
-    old = parent / f".{directory.name}.old"
-    if old.exists():
-        shutil.rmtree(old)
+    prev = parent / PREVIOUS[directory.name] if directory.name in PREVIOUS else None
     if directory.exists():
-        os.replace(directory, old)
+        if prev is not None:
+            if prev.exists():
+                shutil.rmtree(prev)
+            os.replace(directory, prev)
+        else:
+            shutil.rmtree(directory)
     os.replace(tmp, directory)
-    if old.exists():
-        shutil.rmtree(old)
 
 
 def verify(directory: Path) -> bool:
@@ -92,14 +95,14 @@ def verify(directory: Path) -> bool:
 
 
 def find_resumable(run_dir: Path) -> Path:
-    """The newest verified checkpoint of a run: `last`, or the `.last.old` left by a kill mid-swap."""
+    """The newest verified checkpoint of a run: `last`, else `previous` (corrupted or mid-swap `last`)."""
     ck = Path(run_dir) / "checkpoint"
-    candidates = [ck / "last", ck / ".last.old"]
+    candidates = [ck / "last", ck / "previous"]
     for c in candidates:
         if c.exists() and (c / STATE_FILE).exists():
             if verify(c):
                 return c
-            warnings.warn(f"checkpoint {c} is incomplete or corrupted (checksum mismatch); trying an older one", stacklevel=2)
+            warnings.warn(f"checkpoint {c} is incomplete or corrupted (checksum mismatch); falling back to the previous one", stacklevel=2)
     raise ConfigError(f"{run_dir}: no intact checkpoint to resume from (looked in {ck}/last)")
 
 

@@ -28,6 +28,7 @@ from efficient.errors import ConfigError
 from efficient.io import append_jsonl, write_json, write_text
 from efficient.objectives import Objective, build_objective
 from efficient.train import checkpoint as ckpt
+from efficient.train import distributed as dist_utils
 from efficient.train.optim import build_optimizer, build_scheduler
 
 
@@ -36,10 +37,15 @@ class TrainingError(RuntimeError):
 
 
 class EpochSampler(Sampler[int]):
-    """A permutation seeded by (seed, epoch), starting at `start`: reproducible and resumable."""
+    """A permutation seeded by (seed, epoch), starting at `start`: reproducible and resumable.
 
-    def __init__(self, n: int, seed: int, epoch: int = 0, start: int = 0, shuffle: bool = True) -> None:
+    With `world_size` > 1 each rank takes its slice of every global batch of `global_batch`
+    samples, so N processes see exactly the batches one process would."""
+
+    def __init__(self, n: int, seed: int, epoch: int = 0, start: int = 0, shuffle: bool = True,
+                 rank: int = 0, world_size: int = 1, global_batch: int = 1) -> None:
         self.n, self.seed, self.epoch, self.start, self.shuffle = n, seed, epoch, start, shuffle
+        self.rank, self.world_size, self.global_batch = rank, world_size, global_batch
 
     def order(self) -> list[int]:
         if not self.shuffle:
@@ -47,11 +53,19 @@ class EpochSampler(Sampler[int]):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
         return torch.randperm(self.n, generator=g).tolist()
 
+    def indices(self) -> list[int]:
+        idx = self.order()[self.start :]
+        if self.world_size == 1:
+            return idx
+        b = self.global_batch // self.world_size
+        full = len(idx) // self.global_batch * self.global_batch
+        return torch.tensor(idx[:full], dtype=torch.long).view(-1, self.world_size, b)[:, self.rank].flatten().tolist()
+
     def __iter__(self) -> Iterator[int]:
-        return iter(self.order()[self.start :])
+        return iter(self.indices())
 
     def __len__(self) -> int:
-        return self.n - self.start
+        return len(self.indices())
 
 
 def seed_everything(seed: int) -> None:
@@ -118,12 +132,16 @@ class Trainer:
 
         self.console = console or Console(stderr=False)
         t = recipe.train
-        if t.threads:
-            torch.set_num_threads(t.threads)
+        world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if t.threads or world > 1:  # processes on one machine share its cores
+            torch.set_num_threads(max(1, (t.threads or os.cpu_count() or 1) // world))
         if t.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
-        seed_everything(t.seed)
         self.device = resolve_device(t.device)
+        self.dist = dist_utils.init_from_env(self.device.type)
+        self.device = dist_utils.device_for(self.dist, self.device)
+        self.run_dir = Path(dist_utils.broadcast_object(str(self.run_dir), self.dist))
+        seed_everything(t.seed + self.dist.rank)  # DDP broadcasts rank 0's initial weights
         self.data = build_data(recipe.data)
         if len(self.data.train) == 0 or len(self.data.val) == 0:
             raise ConfigError(f"{recipe.source}: data: dataset {recipe.data['name']!r} has an empty train or val split")
@@ -131,6 +149,8 @@ class Trainer:
         self.objective: Objective = build_objective(recipe.objective)
         self.objective.setup(self.model, self.data, recipe)
         bs = recipe.data["batch_size"]
+        if bs % self.dist.world_size:
+            raise ConfigError(f"{recipe.source}: data.batch_size={bs} (the global batch) must be divisible by the {self.dist.world_size} processes")
         self.steps_per_epoch = len(self.data.train) // bs
         if self.steps_per_epoch == 0:
             raise ConfigError(f"{recipe.source}: data.batch_size={bs} is larger than the training set ({len(self.data.train)} samples)")
@@ -140,7 +160,9 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, recipe.optim)
         self.scheduler = build_scheduler(self.optimizer, self.total_steps, self.steps_per_epoch, recipe.optim.lr, recipe.schedule)
         self.amp = t.amp and self.device.type == "cuda"
-        self.forward_model: nn.Module = torch.compile(self.model) if t.compile else self.model
+        self.forward_model: nn.Module = dist_utils.wrap(self.model, self.dist, self.device)
+        if t.compile:
+            self.forward_model = torch.compile(self.forward_model)
         self.state = Progress()
         self._stop_requested = False
         if resume:
@@ -149,11 +171,13 @@ class Trainer:
     # ------------------------------------------------------------------ data
     def train_loader(self, epoch: int, start_batch: int) -> DataLoader:
         bs = self.recipe.data["batch_size"]
-        sampler = EpochSampler(len(self.data.train), self.recipe.train.seed, epoch, start_batch * bs)
+        w = self.dist.world_size
+        sampler = EpochSampler(len(self.data.train), self.recipe.train.seed, epoch, start_batch * bs,
+                               rank=self.dist.rank, world_size=w, global_batch=bs)
         # An own generator keeps the loader's worker seeding off the global RNG, so resuming
         # mid-epoch leaves the global RNG (augmentation, dropout) exactly where it was.
         g = torch.Generator().manual_seed(self.recipe.train.seed * 1_000_003 + epoch)
-        return DataLoader(self.data.train, batch_size=bs, sampler=sampler, drop_last=True, num_workers=self.recipe.data["num_workers"],
+        return DataLoader(self.data.train, batch_size=bs // w, sampler=sampler, drop_last=True, num_workers=self.recipe.data["num_workers"],
                           collate_fn=self.data.collate_fn, generator=g)
 
     def val_loader(self) -> DataLoader:
@@ -167,13 +191,17 @@ class Trainer:
         return {
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
-            "rng": ckpt.rng_state(),
+            "rng": dist_utils.gather_objects(ckpt.rng_state(), self.dist),  # one state per rank
             "progress": {"epoch": s.epoch, "step_in_epoch": s.step_in_epoch, "global_step": s.global_step, "best": s.best, "elapsed": s.elapsed},
         }
 
     def save(self, which: str = "last") -> None:
-        meta = {"global_step": self.state.global_step, "epoch": self.state.epoch, "model": self.recipe.model["name"]}
-        ckpt.save_checkpoint(self.run_dir / "checkpoint" / which, self.model, self.trainer_state() if which == "last" else None, meta)
+        """Called on every rank (the RNG states are gathered); rank 0 writes."""
+        state = self.trainer_state() if which == "last" else None
+        if self.dist.is_main:
+            meta = {"global_step": self.state.global_step, "epoch": self.state.epoch, "model": self.recipe.model["name"]}
+            ckpt.save_checkpoint(self.run_dir / "checkpoint" / which, self.model, state, meta)
+        dist_utils.barrier(self.dist)
 
     def restore(self) -> None:
         d = ckpt.find_resumable(self.run_dir)
@@ -181,7 +209,8 @@ class Trainer:
         st = ckpt.load_trainer_state(d)
         self.optimizer.load_state_dict(st["optimizer"])
         self.scheduler.load_state_dict(st["scheduler"])
-        ckpt.set_rng_state(st["rng"])
+        rngs = st["rng"]
+        ckpt.set_rng_state(rngs[self.dist.rank] if len(rngs) == self.dist.world_size else rngs[0])
         p = st["progress"]
         self.state = Progress(p["epoch"], p["step_in_epoch"], p["global_step"], p["best"], p["elapsed"])
         self._truncate_metrics(self.state.global_step)
@@ -223,6 +252,11 @@ class Trainer:
         n = sums.pop("n", 0.0) or 1.0
         return {k: v / n for k, v in sums.items()}
 
+    def _evaluate_on_main(self) -> dict[str, float]:
+        """Rank 0 evaluates the unwrapped model (no collectives); the others receive its result."""
+        val = self.evaluate(self.model) if self.dist.is_main else {}
+        return dist_utils.broadcast_object(val, self.dist)
+
     def _better(self, value: float) -> bool:
         best = self.state.best
         if best is None:
@@ -235,9 +269,10 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         r, t = self.recipe, self.recipe.train
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if not self.resume:
+        if not self.resume and self.dist.is_main:
             write_text(self.run_dir / "config.yaml", r.to_yaml())
             (self.run_dir / "metrics.jsonl").write_text("")
+        dist_utils.barrier(self.dist)
         metrics_file = self.run_dir / "metrics.jsonl"
         old_handler = signal.signal(signal.SIGINT, self._on_sigint) if _is_main_thread() else None
         val: dict[str, float] = {}
@@ -252,8 +287,9 @@ class Trainer:
                     epoch_done = self.state.step_in_epoch == 0
                     last = self.state.global_step >= self.total_steps
                     if (epoch_done and self.state.epoch % t.eval_every == 0) or last:
-                        val = self.evaluate()
-                        append_jsonl(metrics_file, {"step": self.state.global_step, "epoch": self.state.epoch, "split": "val", **val})
+                        val = self._evaluate_on_main()
+                        if self.dist.is_main:
+                            append_jsonl(metrics_file, {"step": self.state.global_step, "epoch": self.state.epoch, "split": "val", **val})
                         pm = val.get(self.objective.primary_metric)
                         if pm is not None and self._better(pm):
                             self.state.best = pm
@@ -267,14 +303,16 @@ class Trainer:
             self.state.elapsed = time.perf_counter() - t_start
             self.save("last")
             raise KeyboardInterrupt(f"training interrupted at step {self.state.global_step}; resume with --resume {self.run_dir}")
-        return self.finish(val, time.perf_counter() - t_start)
+        summary = self.finish(val, time.perf_counter() - t_start) if self.dist.is_main else {}
+        dist_utils.barrier(self.dist)
+        return summary
 
     def _progress_bar(self):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
         return RichProgress(
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
-            TextColumn("{task.fields[info]}"), console=self.console, disable=not self.recipe.train.progress,
+            TextColumn("{task.fields[info]}"), console=self.console, disable=not (self.recipe.train.progress and self.dist.is_main),
         )
 
     def _train_epoch(self, bar: Any, task: Any, metrics_file: Path) -> None:
@@ -304,10 +342,10 @@ class Trainer:
             self.scheduler.step()
             s.global_step += 1
             s.step_in_epoch += 1
-            seen += _batch_size(batch)
+            seen += _batch_size(batch) * self.dist.world_size
             for k, v in logs.items():
                 window.setdefault(k, []).append(v)
-            if s.global_step % t.log_every == 0 or s.global_step == self.total_steps:
+            if self.dist.is_main and (s.global_step % t.log_every == 0 or s.global_step == self.total_steps):
                 rate = seen / max(1e-9, time.perf_counter() - t0)
                 row = {k: float(np.mean(v)) for k, v in window.items()}
                 append_jsonl(metrics_file, {"step": s.global_step, "epoch": s.epoch, "lr": self.scheduler.get_last_lr()[0], "samples_per_s": rate, **row})
