@@ -10,8 +10,10 @@ One file, four parts (see DESIGN.md, "Conventions"):
    formula and a flop formula. Its CPU/CUDA implementation is chosen by `impl`: the Triton
    kernels, or the same loop written in torch and compiled with inductor into one fused C++/OpenMP
    loop (the fast CPU path), or that loop run eagerly.
-4. `lif`: the public entry point; `backend="auto"|"triton"|"torch"|"compile"`, env
-   `EFFICIENT_BACKEND` overrides `auto`.
+4. `lif`: the public entry point; `backend="auto"|"triton"|"torch"|"compile"|"loop"`, env
+   `EFFICIENT_BACKEND` overrides `auto`. `auto` = Triton on CUDA; on CPU the compiled loop for
+   inputs of at least COMPILE_MIN_NUMEL elements (compiling once costs seconds, repaid within a
+   few hundred large calls) and the same loop run eagerly ("loop") below that.
 
 Dynamics (spikingjelly's LIFNode / ParametricLIFNode formulas, in the same floating-point order):
 
@@ -39,7 +41,6 @@ import math
 import os
 import shutil
 import types
-import warnings
 from typing import Optional
 
 import torch
@@ -63,7 +64,8 @@ __all__ = [
     "surrogate_grad",
 ]
 
-BACKENDS = ("auto", "triton", "torch", "compile")
+BACKENDS = ("auto", "triton", "torch", "compile", "loop")
+COMPILE_MIN_NUMEL = 1 << 20
 SURROGATES = {"sigmoid": 0, "atan": 1, "triangle": 2}
 # charge modes; the float constant `c` of the op is tau for the first two, lambda for LEAK
 CHARGE_DECAY_INPUT, CHARGE_NO_DECAY, CHARGE_LEAK = 0, 1, 2
@@ -549,9 +551,10 @@ def _have_cxx_compiler() -> bool:
     return _HAVE_CXX
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """Concrete backend for `backend` on `device`: 'auto' -> env EFFICIENT_BACKEND if set, else
-    'triton' on CUDA and 'compile' on CPU (or 'torch', with a warning, without a C++ compiler)."""
+def resolve_backend(backend: str, device: torch.device, numel: Optional[int] = None) -> str:
+    """Concrete backend for `backend` on `device`. 'auto' -> env EFFICIENT_BACKEND if set, else
+    'triton' on CUDA; on CPU 'compile' for inputs of >= COMPILE_MIN_NUMEL elements (or unknown
+    size) when a C++ compiler exists, else 'loop' (the op's fused loop, eagerly)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
     if backend == "auto":
@@ -562,11 +565,9 @@ def resolve_backend(backend: str, device: torch.device) -> str:
             return env
         if device.type == "cuda" and HAS_TRITON:
             return "triton"
-        if device.type == "cpu" and not _have_cxx_compiler():
-            warnings.warn("no C++ compiler found: the LIF CPU path falls back to the eager torch reference",
-                          stacklevel=3)
-            return "torch"
-        return "compile"
+        if _have_cxx_compiler() and (numel is None or numel >= COMPILE_MIN_NUMEL):
+            return "compile"
+        return "loop"
     return backend
 
 
@@ -625,14 +626,14 @@ def lif(
         raise ValueError(f"rate must be a single value (0-d tensor), got shape {tuple(rate.shape)}")
     spike_dtype = spike_dtype or x.dtype
     vr = None if v_reset is None else float(v_reset)
-    chosen = resolve_backend(backend, x.device)
+    chosen = resolve_backend(backend, x.device, x.numel())
     if chosen == "torch" or x.numel() == 0:
         s, h = lif_reference(
             x, c, v_threshold, vr, detach_reset, decay_input, surrogate, alpha,
             rate=rate, leak=leak, spike_dtype=spike_dtype,
         )
     else:
-        impl = "triton" if chosen == "triton" else "inductor"
+        impl = {"triton": "triton", "compile": "inductor", "loop": "loop"}[chosen]
         if impl == "inductor" and x.device.type == "cpu" and not _have_cxx_compiler():
             raise RuntimeError("backend='compile' needs a C++ compiler on CPU (g++ or clang++); use backend='torch'")
         T = x.shape[0]

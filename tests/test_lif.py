@@ -55,7 +55,7 @@ def _reference(x, **kw):
 
 
 def _op_loop(x, **kw):
-    return K.lif_op_direct(x, impl="loop", **kw)
+    return K.lif(x, backend="loop", return_membrane=True, **kw)
 
 
 @pytest.mark.parametrize("v_reset,detach_reset,decay_input,surrogate", COMBOS)
@@ -111,7 +111,9 @@ def test_compiled_cpu_path_matches_reference():
         outs.append((s.detach(), h.detach(), xs.grad))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     torch.testing.assert_close(outs[1][2], outs[0][2], rtol=0, atol=1e-6)
-    assert K.resolve_backend("auto", torch.device("cpu")) == "compile"
+    cpu = torch.device("cpu")
+    assert K.resolve_backend("auto", cpu) == "compile" == K.resolve_backend("auto", cpu, K.COMPILE_MIN_NUMEL)
+    assert K.resolve_backend("auto", cpu, K.COMPILE_MIN_NUMEL - 1) == "loop"  # small: no compile wait
 
 
 def test_op_saves_only_fp32_membrane():

@@ -16,21 +16,8 @@ BACKENDS = ["torch", "loop"]  # "loop" = the custom op's fused loop, eagerly (sa
 
 
 @pytest.fixture(params=BACKENDS)
-def backend(request, monkeypatch):
-    """Run modules through the reference or through the custom op without paying for compilation."""
-    if request.param == "loop":
-        real = K.lif
-
-        def via_loop(x, *args, backend="auto", return_membrane=False, **kw):
-            kw.pop("check_finite", None)
-            if x.numel() == 0:
-                return real(x, *args, backend="torch", return_membrane=return_membrane, **kw)
-            s, h = K.lif_op_direct(x, *args, impl="loop", **kw)
-            return (s, h) if return_membrane else s
-
-        monkeypatch.setattr("efficient.models.neurons.lif", via_loop)
-        return "auto"
-    return "torch"
+def backend(request):
+    return request.param
 
 
 def _x(shape, seed=0, scale=1.5, shift=0.6):
