@@ -1,0 +1,133 @@
+"""Early-exit quality/speed trade-off of a trained EE-GPT run, over exit thresholds.
+
+    python bench/ee_tradeoff.py runs/ee_gpt_text --thresholds 1.0 0.9 0.8 0.6 0.4 0.2 0.0
+
+Teacher-forced on the validation split (cheap, all tokens): per-exit loss, the exit distribution
+under the rule, the loss and top-1 agreement with the final head of the exit-chosen predictions,
+and the expected MAC saving. Free-running greedy generation from validation prompts (batch 1):
+tokens/s and its ratio to the full model (tau = 1, same code path), mean exit depth, expected
+and actual MAC saving, and token agreement with full-model greedy, per strategy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+
+def teacher_forced(model, batches, thresholds):
+    """Per threshold: exit distribution, CE and agreement of the chosen exits' predictions."""
+    L = model.num_layers
+    cost = model.layer_macs()
+    full = L * cost["layer"] + cost[f"head{L}"]
+    per_exit_ce = {k: 0.0 for k in model.exit_layers}
+    rows = {t: {"ce": 0.0, "agree": 0.0, "macs": 0.0, "dist": dict.fromkeys(model.exit_layers, 0)} for t in thresholds}
+    n = 0
+    with torch.no_grad():
+        for x, y in batches:
+            logp = {s.layer: F.log_softmax((s.hidden @ s.weight.T).float(), -1) for s in model.exit_states(x)}
+            final_arg = logp[L].argmax(-1)
+            for k, lp in logp.items():
+                per_exit_ce[k] += float(-lp.gather(-1, y[..., None]).sum())
+            for t in thresholds:
+                chosen = torch.full(y.shape, L)
+                for k in model.exit_layers[:-1]:
+                    hit = (chosen == L) & (logp[k].amax(-1).exp() >= t) if t < 1 else torch.zeros_like(y, dtype=torch.bool)
+                    chosen[hit] = k
+                r = rows[t]
+                for k in model.exit_layers:
+                    m = chosen == k
+                    r["dist"][k] += int(m.sum())
+                    if m.any():
+                        r["ce"] += float(-logp[k].gather(-1, y[..., None])[..., 0][m].sum())
+                        r["agree"] += int((logp[k].argmax(-1) == final_arg)[m].sum())
+                        # layers to the exit + every exit head evaluated on the way (tau < 1)
+                        heads = sum(cost[f"head{j}"] for j in model.exit_layers if j <= k and (t < 1 or j == L))
+                        r["macs"] += int(m.sum()) * (k * cost["layer"] + heads)
+            n += y.numel()
+    out = []
+    for t, r in rows.items():
+        out.append({"threshold": t, "val_ce": r["ce"] / n, "agree_final_top1": r["agree"] / n, "expected_mac_saving": 1 - r["macs"] / n / full,
+                    "exit_dist": {k: v / n for k, v in r["dist"].items()}, "mean_exit_depth": sum(k * v for k, v in r["dist"].items()) / n / L})
+    return {k: v / n for k, v in per_exit_ce.items()}, out
+
+
+def free_running(model, prompts, new_tokens, thresholds, strategies):
+    from efficient.decoding import generate
+
+    refs = [generate(model, p, new_tokens, 1.0, "recompute") for p in prompts]
+    base_tps = sum(len(g.tokens) for g in refs) / sum(g.seconds for g in refs)
+    rows = []
+    for strategy in strategies:
+        for t in thresholds:
+            gens = [generate(model, p, new_tokens, t, strategy) for p in prompts]
+            toks = sum(len(g.tokens) for g in gens)
+            agree = sum(sum(a == b for a, b in zip(g.tokens, r.tokens)) for g, r in zip(gens, refs)) / toks
+            same_prefix = statistics.mean(next((i for i, (a, b) in enumerate(zip(g.tokens, r.tokens)) if a != b), len(g.tokens)) for g, r in zip(gens, refs))
+            tps = toks / sum(g.seconds for g in gens)
+            exits = [e for g in gens for e in g.exit_layers]
+            full = sum(g.full_macs for g in gens)
+            row = {"strategy": strategy, "threshold": t, "tokens_per_s": tps, "speedup": tps / base_tps, "agree_full_greedy": agree,
+                   "agree_prefix_len": same_prefix, "mean_exit_depth": statistics.mean(exits) / model.num_layers,
+                   "expected_mac_saving": 1 - sum(g.expected_macs for g in gens) / full, "mac_saving": 1 - sum(g.macs for g in gens) / full,
+                   "exit_dist": {k: exits.count(k) / len(exits) for k in model.exit_layers}}
+            if strategy == "speculative":
+                row["draft_acceptance"] = statistics.mean(g.stats["draft_acceptance"] for g in gens)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return base_tps, rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run", help="run dir (or zoo name) of an early-exit model")
+    ap.add_argument("--thresholds", type=float, nargs="+", default=[1.0, 0.95, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.2, 0.0])
+    ap.add_argument("--gen-thresholds", type=float, nargs="+", default=[0.9, 0.8, 0.6, 0.4])
+    ap.add_argument("--strategies", nargs="+", default=["recompute", "copy", "speculative"])
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--val-batches", type=int, default=8)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")))
+    import efficient
+    from efficient.data.text import text
+
+    model = efficient.load(args.run).float().eval()
+    seq_len = 128
+    val = text(seq_len=seq_len).val
+    batches = []
+    for b in range(args.val_batches):
+        items = [val[i] for i in range(b * 16, min((b + 1) * 16, len(val)))]
+        batches.append((torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])))
+    per_exit, tf = teacher_forced(model, batches, args.thresholds)
+    print("per-exit val CE:", {k: round(v, 4) for k, v in per_exit.items()})
+    print("| tau | exit dist (layer: share) | mean exit depth | val CE of chosen exits | top-1 agreement with final | expected MAC saving |")
+    print("|---|---|---|---|---|---|")
+    for r in tf:
+        dist = ", ".join(f"{k}: {v:.2f}" for k, v in r["exit_dist"].items())
+        print(f"| {r['threshold']} | {dist} | {r['mean_exit_depth']:.3f} | {r['val_ce']:.4f} | {r['agree_final_top1']:.3f} | {r['expected_mac_saving']:.3f} |")
+    stride = len(val) // args.prompts
+    prompts = [val[i * stride][0][: args.prompt_len].tolist() for i in range(args.prompts)]
+    base_tps, gen = free_running(model, prompts, args.new_tokens, args.gen_thresholds, args.strategies)
+    print(f"\nfull model (tau = 1, recompute path): {base_tps:.1f} tokens/s")
+    print("| strategy | tau | exit dist | mean exit depth | tokens/s | speedup | agreement with full greedy | expected MAC saving | actual MAC saving |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in gen:
+        dist = ", ".join(f"{k}: {v:.2f}" for k, v in r["exit_dist"].items())
+        extra = f" (draft acceptance {r['draft_acceptance']:.2f})" if "draft_acceptance" in r else ""
+        print(f"| {r['strategy']}{extra} | {r['threshold']} | {dist} | {r['mean_exit_depth']:.3f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f} | "
+              f"{r['agree_full_greedy']:.3f} | {r['expected_mac_saving']:.3f} | {r['mac_saving']:.3f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"per_exit_val_ce": per_exit, "teacher_forced": tf, "full_tokens_per_s": base_tps, "generation": gen}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
