@@ -77,12 +77,13 @@ def test_lif_matches_spikingjelly(v_reset, detach_reset, decay_input, surrogate)
         torch.testing.assert_close(gx, gx_sj, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("v_reset,decay_input,detach_reset", [(0.0, True, False), (None, False, True), (None, True, False)])
-def test_plif_matches_spikingjelly(v_reset, decay_input, detach_reset):
+@pytest.mark.parametrize("v_reset,detach_reset,decay_input,surrogate", COMBOS)
+def test_plif_matches_spikingjelly(v_reset, detach_reset, decay_input, surrogate):
+    sg_cls, alpha = SJ_SURROGATES[surrogate]
     x, g = _input(seed=3), _input(seed=4)
     node = sj_neuron.ParametricLIFNode(
         init_tau=2.5, decay_input=decay_input, v_threshold=1.0, v_reset=v_reset,
-        surrogate_function=sj_surrogate.ATan(alpha=2.0), detach_reset=detach_reset, step_mode="m",
+        surrogate_function=sg_cls(alpha=alpha), detach_reset=detach_reset, step_mode="m",
     )
     xs = x.clone().requires_grad_()
     s_sj = node(xs)
@@ -92,8 +93,8 @@ def test_plif_matches_spikingjelly(v_reset, decay_input, detach_reset):
         assert torch.equal(w.detach(), node.w.detach())
         xo = x.clone().requires_grad_()
         kw = dict(v_threshold=1.0, v_reset=v_reset, detach_reset=detach_reset, decay_input=decay_input,
-                  surrogate="atan", alpha=2.0, rate=w.sigmoid())
-        s = K.lif(xo, backend="torch", **kw) if impl == "torch" else K.lif_op_direct(xo, impl="loop", **kw)[0]
+                  surrogate=surrogate, alpha=alpha, rate=w.sigmoid())
+        s = K.lif(xo, backend=impl, **kw)
         (s * g).sum().backward()
         assert torch.equal(s.detach(), s_sj.detach())
         torch.testing.assert_close(xo.grad, xs.grad, rtol=0, atol=1e-5)
