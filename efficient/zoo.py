@@ -206,10 +206,11 @@ def create(name: str, **overrides: Any) -> nn.Module:
     return model
 
 
-def load(name_or_path: str | Path, pretrained: str | Path | None = None, **overrides: Any) -> nn.Module:
+def load(name_or_path: str | Path, pretrained: str | Path | None = None, allow_pickle: bool = False, **overrides: Any) -> nn.Module:
     """Build a model from a zoo name, a run dir, or a `.safetensors` file with its sidecar config.
 
-    `pretrained` (for zoo names) is a run dir or a `.safetensors` file whose weights are loaded.
+    `pretrained` (for zoo names) is a run dir, a `.safetensors` file, or a torch state-dict file
+    (`.pt`; pickled objects are refused unless `allow_pickle=True`).
     """
     p = Path(name_or_path)
     if p.exists():
@@ -225,8 +226,8 @@ def load(name_or_path: str | Path, pretrained: str | Path | None = None, **overr
         src = Path(pretrained)
         if not src.exists():
             raise ConfigError(f"pretrained={pretrained!s}: no such file or directory (give a run dir or a .safetensors file)")
-        _, _, weights = _resolve_artifact(src)
-        load_weights(model, weights)
+        weights = src if src.is_file() and src.suffix in (".pt", ".pth", ".bin") else _resolve_artifact(src)[2]
+        load_weights(model, weights, allow_pickle)
     model.eval()
     return model
 
@@ -267,11 +268,45 @@ def _safetensors_metadata(p: Path) -> dict[str, str]:
         return dict(f.metadata() or {})
 
 
-def load_weights(model: nn.Module, weights: Path) -> None:
-    """Load safetensors weights strictly; a mismatch names the keys that differ."""
-    from safetensors.torch import load_file
+def read_state_dict(weights: Path, allow_pickle: bool = False) -> dict[str, torch.Tensor]:
+    """Tensors from a .safetensors file, or from a torch .pt/.pth/.bin state dict loaded with
+    `weights_only=True`; a file that needs full unpickling (it can run code) is refused unless
+    `allow_pickle=True`."""
+    weights = Path(weights)
+    if weights.suffix == ".safetensors":
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
 
-    sd = load_file(str(weights))
+        try:
+            return load_file(str(weights))
+        except (SafetensorError, OSError) as e:
+            raise ConfigError(f"{weights}: not a readable safetensors file ({e})") from None
+    import pickle
+
+    try:
+        sd = torch.load(weights, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        if not allow_pickle:
+            raise ConfigError(
+                f"{weights}: this checkpoint holds pickled Python objects, and unpickling can run arbitrary code. "
+                "Refusing to load it. If you trust the file, pass allow_pickle=True (CLI: --allow-pickle), "
+                "or convert it to .safetensors."
+            ) from None
+        sd = torch.load(weights, map_location="cpu", weights_only=False)  # noqa: S614 - explicit opt-in
+    except (RuntimeError, OSError, EOFError) as e:
+        raise ConfigError(f"{weights}: not a readable torch checkpoint ({e})") from None
+    if isinstance(sd, dict) and "state_dict" in sd and isinstance(sd["state_dict"], dict):
+        sd = sd["state_dict"]
+    if isinstance(sd, nn.Module):
+        sd = sd.state_dict()
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise ConfigError(f"{weights}: expected a state dict of tensors")
+    return sd
+
+
+def load_weights(model: nn.Module, weights: Path, allow_pickle: bool = False) -> None:
+    """Load weights strictly; a mismatch names the keys that differ."""
+    sd = read_state_dict(weights, allow_pickle)
     own = model.state_dict()
     missing = sorted(set(own) - set(sd))
     unexpected = sorted(set(sd) - set(own))
