@@ -4,7 +4,8 @@
 
 Two weight settings: the fresh init (nearly silent neurons) and weights scaled so that neurons
 fire at realistic rates (~0.1-0.3), since spike statistics are part of what the profiler pays for.
-Prints medians and the ratio profile / forward (target: <= 3x).
+Prints medians and the ratio profile / forward (target: <= 3x). On CPU, profile() runs our neurons
+on their eager torch reference (no compile inside the counting mode), so the eager forward is shown too.
 """
 
 from __future__ import annotations
@@ -62,24 +63,37 @@ def main() -> None:
             if device == "cuda":
                 torch.cuda.synchronize()
 
+        def forward_eager() -> None:  # neurons on the eager torch reference, as profile() runs them on CPU
+            for m in model.modules():
+                if getattr(m, "backend", None) == "auto":
+                    m.backend = "torch"
+            try:
+                forward()
+            finally:
+                for m in model.modules():
+                    if getattr(m, "backend", None) == "torch":
+                        m.backend = "auto"
+
         def prof() -> None:
             profile(model, inputs=x)
             if device == "cuda":
                 torch.cuda.synchronize()
 
-        forward(), prof()  # warm-up
-        # interleave so that machine noise hits both alike
-        tf, tp = [], []
+        forward(), forward_eager(), prof()  # warm-up (compiles the CPU neuron kernels once)
+        # interleave so that machine noise hits all alike
+        tf, te, tp = [], [], []
         for _ in range(args.repeats):
             tf.append(timed(forward, 1))
+            te.append(timed(forward_eager, 1))
             tp.append(timed(prof, 1))
         r = profile(model, inputs=x)
-        rows.append((label, statistics.median(tf), statistics.median(tp), r.totals.get("mean_firing_rate", 0.0)))
+        rows.append((label, statistics.median(tf), statistics.median(te), statistics.median(tp),
+                     r.totals.get("mean_firing_rate", 0.0)))
     print(f"model {args.model}, batch {args.batch}, T={model.timesteps}, device {device}, threads {torch.get_num_threads()}, repeats {args.repeats}")
-    print("| weights | mean firing rate | forward (s, median) | profile (s, median) | profile / forward |")
-    print("|---|---|---|---|---|")
-    for label, f, p, fr in rows:
-        print(f"| {label} | {fr:.3f} | {f:.3f} | {p:.3f} | {p / f:.2f}x |")
+    print("| weights | mean firing rate | forward (s) | forward, eager neurons (s) | profile (s) | profile / forward | profile / eager forward |")
+    print("|---|---|---|---|---|---|---|")
+    for label, f, e, p, fr in rows:
+        print(f"| {label} | {fr:.3f} | {f:.3f} | {e:.3f} | {p:.3f} | {p / f:.2f}x | {p / e:.2f}x |")
 
 
 if __name__ == "__main__":

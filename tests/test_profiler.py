@@ -204,6 +204,17 @@ def test_snntorch_and_spikingjelly_neurons_detected():
     assert len(r2.layer("1").firing_rate_per_step) == 2
 
 
+def test_lif_custom_op_counts_like_reference():
+    # backend="compile" runs efficient::lif_forward (a torch.library custom op) inside the mode
+    x = torch.randn(3, 2, 4) * 3
+    ref, op = TwoLayerSNN(), TwoLayerSNN()
+    op.lif.backend = "compile"
+    r_ref, r_op = profile(ref, inputs=x), profile(op, inputs=x)
+    assert r_op.layer("lif").firing_rate_per_step == r_ref.layer("lif").firing_rate_per_step
+    assert r_op.totals["sops"] == r_ref.totals["sops"] > 0
+    assert not r_op.warnings
+
+
 # ------------------------------------------------------------------------- STATA and early exit
 
 

@@ -225,6 +225,24 @@ def _reset_peer_state(model: nn.Module) -> None:
             m.reset()
 
 
+@contextlib.contextmanager
+def _eager_neurons_on_cpu(model: nn.Module):
+    """Our neurons with backend="auto" run the eager torch reference on CPU while counted: same
+    spikes, and no inductor compile (nor dynamo recompiles) inside the counting mode."""
+    from efficient.profiler.neurons import neuron_library
+
+    changed = [m for m in model.modules()
+               if neuron_library(m) == "efficient" and getattr(m, "backend", None) == "auto"
+               and _device(model).type == "cpu"]
+    for m in changed:
+        m.backend = "torch"
+    try:
+        yield
+    finally:
+        for m in changed:
+            m.backend = "auto"
+
+
 def _run_counted(model: nn.Module, args: tuple, kwargs: dict, spike_matmul: str, source: str,
                  label: str) -> tuple[ModuleStack, CountingMode]:
     was_training = model.training
@@ -235,7 +253,7 @@ def _run_counted(model: nn.Module, args: tuple, kwargs: dict, spike_matmul: str,
     _reset_peer_state(model)
     mode = CountingMode(stack, spike_matmul)
     try:
-        with torch.no_grad(), stack, mode:
+        with torch.no_grad(), _eager_neurons_on_cpu(model), stack, mode:
             model(*args, **kwargs)
     except (RuntimeError, ValueError, IndexError, TypeError, AssertionError) as e:
         spec = _zoo_spec(model)
@@ -331,8 +349,10 @@ def _aggregate(model: nn.Module, layers: list[LayerStat], max_depth: int = 3) ->
             key = ".".join(parts[:d])
             if key not in mods:
                 break
-            row = agg.setdefault(key, {"type": type(mods[key]).__name__, "params": sum(p.numel() for p in mods[key].parameters()),
-                                       "dense_macs": 0, "macs": 0, "sops": 0, "energy_pj": 0.0})
+            row = agg.get(key)
+            if row is None:
+                row = agg[key] = {"type": type(mods[key]).__name__, "params": sum(p.numel() for p in mods[key].parameters()),
+                                  "dense_macs": 0, "macs": 0, "sops": 0, "energy_pj": 0.0}
             for k in ("dense_macs", "macs", "sops", "energy_pj"):
                 row[k] += getattr(layer, k)
     return agg

@@ -26,22 +26,30 @@ aten = torch.ops.aten
 SPIKE_MATMUL_CONVENTIONS = ("operand", "coincidence")
 
 
-def is_binary(x: torch.Tensor) -> bool:
-    """True when every value is 0 or 1 (a spike tensor). The integer residual stream is not."""
+def spike_nnz(x: torch.Tensor) -> int | None:
+    """Nonzero count when every value is 0 or 1 (a spike tensor), else None.
+
+    The integer residual stream ({0, 1, 2, ...}) is not spikes. Two passes: nonzeros == ones.
+    """
     if x.dtype == torch.bool:
-        return True
-    if x.is_complex() or x.device.type == "meta" or x.numel() == 0:
-        return False
-    if x.is_contiguous() and x.numel() > 4096:
-        # cheap early exit for real-valued activations: a sample that is not {0,1} decides it
-        head = x.view(-1)[:1024]
+        return int(torch.count_nonzero(x))
+    if x.is_complex() or x.device.type == "meta":
+        return None
+    if x.numel() == 0:
+        return 0
+    if x.dim() >= 2 and x.numel() > 4096:
+        # cheap early exit for real-valued tensors (any layout, no copy): the first 2-D slice
+        head = x[(0,) * (x.dim() - 2)] if x.dim() > 2 else x[0]
         if not bool(((head == 0) | (head == 1)).all()):
-            return False
-    return bool(((x == 0) | (x == 1)).all())
+            return None
+    nz = int(torch.count_nonzero(x))
+    ones = int(torch.count_nonzero(x == 1))
+    return nz if nz == ones else None
 
 
-def _nnz(x: torch.Tensor) -> int:
-    return int(torch.count_nonzero(x))
+def is_binary(x: torch.Tensor) -> bool:
+    """True when every value is 0 or 1."""
+    return spike_nnz(x) is not None
 
 
 @dataclass
@@ -77,29 +85,42 @@ def _charge_matmul(ctx: _Ctx, acc: LayerAcc, a: torch.Tensor, b: torch.Tensor, d
                    fan_a: int, fan_b: int, product: Callable[[], torch.Tensor]) -> None:
     """Charge a matmul-like op with operands a (fan-out fan_a per element) and b (fan_b)."""
     acc.dense_macs += dense
-    a_bin = is_binary(a)
-    b_bin = is_binary(b)
-    if a_bin and b_bin:
-        nz = _nnz(a)
-        operand = nz * fan_a
+    nz_a = spike_nnz(a)
+    nz_b = _weight_nnz(b)
+    if nz_a is not None and nz_b is not None:
+        operand = nz_a * fan_a
         coinc = int(product().sum(dtype=torch.float64).item())
         acc.spike_spike_operand += operand
         acc.spike_spike_coincidence += coinc
         acc.sops += operand if ctx.spike_matmul == "operand" else coinc
-        acc.in_nnz += nz
+        acc.in_nnz += nz_a
         acc.in_numel += a.numel()
-    elif a_bin:
-        nz = _nnz(a)
-        acc.sops += nz * fan_a
-        acc.in_nnz += nz
+    elif nz_a is not None:
+        acc.sops += nz_a * fan_a
+        acc.in_nnz += nz_a
         acc.in_numel += a.numel()
-    elif b_bin:
-        nz = _nnz(b)
-        acc.sops += nz * fan_b
-        acc.in_nnz += nz
+    elif nz_b is not None:
+        acc.sops += nz_b * fan_b
+        acc.in_nnz += nz_b
         acc.in_numel += b.numel()
     else:
         acc.macs += dense
+
+
+def _weight_nnz(w: torch.Tensor) -> int | None:
+    """spike_nnz for an operand that is often a (transposed) weight: parameters are checked
+    once per profiled pass, keyed by storage, layout and version."""
+    base = w if isinstance(w, torch.nn.Parameter) else w._base
+    if not isinstance(base, torch.nn.Parameter):  # activations: storage may be reused, no cache
+        return spike_nnz(w)
+    key = (w.untyped_storage().data_ptr(), w.storage_offset(), tuple(w.shape), tuple(w.stride()), w._version, w.dtype)
+    cache = _WEIGHT_CACHE
+    if key not in cache:
+        cache[key] = spike_nnz(w)
+    return cache[key]
+
+
+_WEIGHT_CACHE: dict[tuple, int | None] = {}
 
 
 def _mm(ctx: _Ctx, acc: LayerAcc, args: tuple, kwargs: dict, out: Any, offset: int = 0) -> None:
@@ -137,7 +158,9 @@ def _conv(ctx: _Ctx, acc: LayerAcc, args: tuple, kwargs: dict, out: Any) -> None
     else:
         dense = batch * math.prod(out.shape[2:]) * w.shape[0] * w.shape[1] * math.prod(w.shape[2:])
     acc.dense_macs += dense
-    if is_binary(x):
+    nz_x = spike_nnz(x)
+    nz_w = None if nz_x is not None else _weight_nnz(w)
+    if nz_x is not None:
         # Exact fan-out, borders included: convolve the spike mask with an all-ones kernel per
         # group; every output position counts the nonzero inputs that reach it, times Cout/groups.
         with torch.no_grad():
@@ -151,15 +174,13 @@ def _conv(ctx: _Ctx, acc: LayerAcc, args: tuple, kwargs: dict, out: Any) -> None
                 occ = aten.convolution.default(mask, ones, None, stride, padding, dilation, False,
                                                [0] * len(stride), groups)
                 sops = int(occ.sum(dtype=torch.float64).item()) * (w.shape[0] // groups)
-        nz = _nnz(x)
         acc.sops += sops
-        acc.in_nnz += nz
+        acc.in_nnz += nz_x
         acc.in_numel += x.numel()
-    elif is_binary(w):
-        nz = _nnz(w)
+    elif nz_w is not None:
         ref = x if transposed else out
-        acc.sops += nz * batch * math.prod(ref.shape[2:])
-        acc.in_nnz += nz
+        acc.sops += nz_w * batch * math.prod(ref.shape[2:])
+        acc.in_nnz += nz_w
         acc.in_numel += w.numel()
     else:
         acc.macs += dense
@@ -207,6 +228,14 @@ class CountingMode(TorchDispatchMode):
         self.stack = stack
         self.ctx = _Ctx(spike_matmul)
         self.unknown_ops: dict[str, int] = {}
+
+    def __enter__(self):
+        _WEIGHT_CACHE.clear()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _WEIGHT_CACHE.clear()
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -294,17 +323,23 @@ class ModuleStack:
         acc.calls += 1
         with torch.no_grad():
             s = spikes.detach()
-            nz = int(torch.count_nonzero(s))
-            acc.out_nnz += nz
-            acc.out_numel += s.numel()
             if acc.per_step is None:
                 acc.per_step = []
             if kind.endswith("multi-step") and s.dim() >= 2:
-                # time-major [T, ...]: one rate per step
-                rates = (s != 0).flatten(1).float().mean(1).tolist()
-                acc.per_step.extend(rates) if acc.calls == 1 else _add_into(acc.per_step, rates, acc.calls)
+                # time-major [T, ...]: one pass gives spikes per step, hence the rate per step
+                per_t = torch.count_nonzero(s.reshape(s.shape[0], -1), dim=1).tolist()
+                n = s[0].numel()
+                nz = int(sum(per_t))
+                rates = [c / n for c in per_t]
+                if acc.calls == 1:
+                    acc.per_step.extend(rates)
+                else:
+                    _add_into(acc.per_step, rates, acc.calls)
             else:
+                nz = int(torch.count_nonzero(s))
                 acc.per_step.append(nz / s.numel())
+            acc.out_nnz += nz
+            acc.out_numel += s.numel()
 
     def __enter__(self) -> "ModuleStack":
         from torch.nn.modules import module as _mod

@@ -1,6 +1,7 @@
-"""Which modules are spiking neurons: ours, spikingjelly 2.0's and snntorch's.
+"""Which modules are spiking neurons: ours (`efficient.models.neurons.SpikingNeuron`), spikingjelly
+2.0's (`BaseNode`) and snntorch's (`SpikingNeuron`).
 
-Peer libraries are only consulted when already imported: a model cannot hold their neurons
+Libraries are only consulted when already imported: a model cannot hold their neurons
 otherwise, and importing them here would cost seconds for nothing.
 """
 
@@ -9,8 +10,6 @@ from __future__ import annotations
 import sys
 
 from torch import nn
-
-_OUR_NEURON_NAMES = {"LIF", "PLIF", "DLIF"}
 
 
 def _our_base() -> type | None:
@@ -33,9 +32,6 @@ def neuron_library(m: nn.Module) -> str | None:
     """'efficient', 'spikingjelly', 'snntorch' or None when `m` is not a spiking neuron."""
     base = _our_base()
     if base is not None and isinstance(m, base):
-        return "efficient"
-    cls = type(m)
-    if cls.__module__.startswith("efficient.models") and any(c.__name__ in _OUR_NEURON_NAMES for c in cls.__mro__):
         return "efficient"
     for lib, peer in _peer_bases().items():
         if isinstance(m, peer):
