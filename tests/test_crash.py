@@ -94,7 +94,7 @@ def test_pickled_checkpoint_refused_unless_opted_in(tmp_path: Path) -> None:
     torch.save(m.state_dict(), plain)
     efficient.load("mlp-small", pretrained=plain, hidden=[8])  # a tensors-only state dict is fine
     pickled = tmp_path / "pickled.pt"
-    torch.save({"state_dict": m.state_dict(), "note": object.__new__(ConfigError)}, pickled)
+    torch.save({"state_dict": m.state_dict(), "note": ConfigError("an arbitrary Python object")}, pickled)
     with pytest.raises(ConfigError, match="pickled Python objects.*allow_pickle=True"):
         efficient.load("mlp-small", pretrained=pickled, hidden=[8])
     loaded = efficient.load("mlp-small", pretrained=pickled, hidden=[8], allow_pickle=True)
