@@ -351,7 +351,7 @@ def check_kwargs_against(fn: Callable[..., Any], values: dict[str, Any], source:
             if var_kw:
                 out[k] = v
                 continue
-            raise _err(source, f"{path}.{k}", f"unknown key.{did_you_mean(k, params)} Valid keys: {', '.join(sorted(params))}.")
+            raise _err(source, f"{path}.{k}", f"unknown key.{did_you_mean(str(k), params)} Valid keys: {', '.join(sorted(params))}.")
         out[k] = coerce(v, hints.get(k, Any), source, f"{path}.{k}")
     return out
 
