@@ -350,12 +350,16 @@ class Spikformer(nn.Module):
         st.setdefault("kept_idx", []).append(idx)
         return torch.cat(parts, 2)
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """Token features `[T, B, N', D]` after the last block (anchor at index 0 if present)."""
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """Images -> tokens `[T, B, N, D]` from the SPS stem, with the anchor at index 0 if enabled."""
         x = self.patch_embed(self.encode_input(x))
         T, B, _, D = x.shape
         if self.n_prefix:
             x = torch.cat([self.anchor[:, None, None, :].expand(T, B, 1, D).to(x.dtype), x], 2)
+        return x
+
+    def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """The encoder: tokens through every block, pruning where the schedule says."""
         self.stata_scores = []
         self.stata_stats = {"tokens_in": [], "degenerate": 0}
         ratios = self.keep_ratios()
@@ -370,10 +374,16 @@ class Spikformer(nn.Module):
         self.stata_stats["tokens_out"] = x.shape[2]
         return x
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.forward_features(x)
-        # mean over tokens (anchor excluded), then over time
+    def forward_head(self, x: torch.Tensor) -> torch.Tensor:
+        """Mean over tokens (anchor excluded), then over time, then the linear classifier."""
         return self.head(x[:, :, self.n_prefix:].mean(2).mean(0))
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Token features `[T, B, N', D]` after the last block (anchor at index 0 if present)."""
+        return self.forward_blocks(self.embed(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
 
 
 def _spikformer(**kw) -> Spikformer:

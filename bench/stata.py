@@ -1,0 +1,172 @@
+"""STATA training-step speed: dense vs STATA Spikformer (and spikingjelly 2.0's own Spikformer) on CPU.
+
+For each pair the same batch goes through a full training step (forward + backward + AdamW) and,
+separately, through the encoder only (the transformer blocks + head on fixed stem tokens, forward +
+backward), alternating the models step by step so machine noise hits both alike; medians are
+reported. Beside each measured speedup: the ideal one, dense MACs / STATA MACs (whole model and
+blocks only), counted by `efficient.profile` at the same keep ratio (rho*, no warm-up).
+
+    python bench/stata.py                       # CIFAR (4-384, batch 4) + ImageNet-sized (8-512 @224, batch 1)
+    python bench/stata.py --only cifar --steps 5 --batch 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import efficient
+from efficient.zoo import create
+
+
+def step_fn(model, x, y, opt, reset=None):
+    def step():
+        opt.zero_grad(set_to_none=True)
+        out = model(x)
+        if out.dim() == 3:  # spikingjelly's Spikformer returns per-step logits [T, B, classes]
+            out = out.mean(0)
+        loss = F.cross_entropy(out, y)
+        loss.backward()
+        opt.step()
+        if reset is not None:
+            reset(model)
+
+    return step
+
+
+def encoder_fn(model, x, y):
+    """Blocks + head on the stem's tokens (computed once, no grad): the part STATA prunes."""
+    with torch.no_grad():
+        tokens = model.embed(x)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        t = tokens
+        if model.n_prefix:  # re-attach the anchor parameter so its gradient is part of the step
+            t = torch.cat([model.anchor[:, None, None, :].expand(t.shape[0], t.shape[1], 1, t.shape[3]), t[:, :, 1:]], 2)
+        F.cross_entropy(model.forward_head(model.forward_blocks(t)), y).backward()
+
+    return step
+
+
+def timed(fns: dict, steps: int, warmup: int) -> dict[str, float]:
+    """Median seconds per call; the callables are interleaved step by step."""
+    times = {k: [] for k in fns}
+    for i in range(warmup + steps):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t0
+            if i >= warmup:
+                times[k].append(dt)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def macs(model, x) -> tuple[float, float]:
+    """(whole-model, blocks-only) dense MACs of one eval forward, from the profiler."""
+    rep = efficient.profile(model, inputs=x)
+    blocks = sum(l.dense_macs for l in rep.layers if l.name.startswith("blocks.") and not l.is_neuron)
+    return float(rep.totals["dense_macs"]), float(blocks)
+
+
+def build(name: str, **kw):
+    # train at the final keep ratio (no warm-up), as in steady-state training after the warm-up
+    m = create(name, **kw)
+    if hasattr(m, "warmup"):
+        m.warmup = (0.0, 0.0)
+    return m.train()
+
+
+def spikingjelly_cifar():
+    try:
+        from spikingjelly.activation_based import functional
+        from spikingjelly.activation_based.model.spikformer import spikformer_cifar10
+    except ImportError:
+        return None, None
+    return spikformer_cifar10(T=4).train(), functional.reset_net
+
+
+def bench_pair(label, dense_name, stata_variants, img, batch, classes, steps, warmup, with_sj=False):
+    torch.manual_seed(0)
+    x = torch.randn(batch, 3, img, img)
+    y = torch.randint(0, classes, (batch,))
+    models = {dense_name: build(dense_name)}
+    for vname, (zname, kw) in stata_variants.items():
+        models[vname] = build(zname, **kw)
+    steps_fns = {k: step_fn(m, x, y, torch.optim.AdamW(m.parameters(), lr=1e-4)) for k, m in models.items()}
+    if with_sj:
+        sj, reset = spikingjelly_cifar()
+        if sj is not None:
+            steps_fns["spikingjelly-2.0 spikformer_cifar10"] = step_fn(sj, x, y, torch.optim.AdamW(sj.parameters(), lr=1e-4), reset)
+    full = timed(steps_fns, steps, warmup)
+    enc = timed({k: encoder_fn(m, x, y) for k, m in models.items()}, steps, warmup)
+    counts = {k: macs(m, x[:1]) for k, m in models.items()}
+    rows = []
+    d_full, d_enc = full[dense_name], enc[dense_name]
+    d_macs, d_bmacs = counts[dense_name]
+    for k in full:
+        r = {"config": label, "model": k, "step_s": full[k], "speedup": d_full / full[k]}
+        if k in models:
+            mm, bm = counts[k]
+            r.update(
+                encoder_s=enc[k], encoder_speedup=d_enc / enc[k], ideal=d_macs / mm, ideal_encoder=d_bmacs / bm,
+                tokens=models[k].stata_stats.get("tokens_in"), gmacs=mm / 1e9,
+            )
+            r["realized_of_ideal"] = r["speedup"] / r["ideal"]
+        rows.append(r)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", choices=["cifar", "imagenet"], default=None)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=4, help="CIFAR batch (ImageNet-sized uses --imagenet-batch)")
+    ap.add_argument("--imagenet-batch", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", default=None, help="also write the rows here")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = []
+    if args.only in (None, "cifar"):
+        rows += bench_pair(
+            "CIFAR 32px T=4 b%d" % args.batch, "spikformer-4-384",
+            {
+                "spikformer-stata (blocks 2,3 rho 0.7)": ("spikformer-stata", {}),
+                "spikformer-stata blocks 1,2 rho 0.5": ("spikformer-stata", {"prune_blocks": [1, 2], "keep_ratio": 0.5}),
+            },
+            32, args.batch, 10, args.steps, args.warmup, with_sj=True,
+        )
+    if args.only in (None, "imagenet"):
+        rows += bench_pair(
+            "ImageNet 224px T=4 b%d" % args.imagenet_batch, "spikformer-8-512",
+            {
+                "spikformer-8-512-stata (blocks 4,6,8 rho 0.7)": ("spikformer-8-512-stata", {}),
+                "spikformer-8-512-stata blocks 2,4,6 rho 0.7": ("spikformer-8-512-stata", {"prune_blocks": [2, 4, 6]}),
+            },
+            224, args.imagenet_batch, 1000, max(3, args.steps - 2), 1,
+        )
+    print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, threads {torch.get_num_threads()}")
+    print("| config | model | step s | speedup | ideal (MACs) | realized/ideal | encoder s | encoder speedup | ideal encoder | tokens in per block |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "ideal" in r:
+            print(f"| {r['config']} | {r['model']} | {r['step_s']:.3f} | {r['speedup']:.2f}x | {r['ideal']:.2f}x | {r['realized_of_ideal']:.0%} "
+                  f"| {r['encoder_s']:.3f} | {r['encoder_speedup']:.2f}x | {r['ideal_encoder']:.2f}x | {r['tokens']} |")
+        else:
+            print(f"| {r['config']} | {r['model']} | {r['step_s']:.3f} | dense is {1 / r['speedup']:.2f}x faster | | | | | | |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Spiking self-attention kernel with anchor scores: reference identities, custom op, Triton (interpreter)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from efficient.kernels import ssa
+
+
+def spikes(*shape: int, p: float = 0.3, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(*shape, generator=g) < p).float()
+
+
+@pytest.mark.parametrize("anchor", [True, False])
+def test_mean_query_score_is_the_column_mean_of_qk(anchor: bool):
+    q, k = spikes(2, 3, 4, 11, 8, seed=1), spikes(2, 3, 4, 11, 8, seed=2)
+    s, c = ssa.scores_ref(q, k, anchor)
+    p = int(anchor)
+    a = (q @ k.transpose(-2, -1)).sum(2)  # [T, B, N, N], summed over heads
+    torch.testing.assert_close(c, a[:, :, p:, p:].mean(2), rtol=1e-6, atol=0)
+    if anchor:
+        assert torch.equal(s, a[:, :, 0, 1:])  # the anchor's row of the map
+    else:
+        assert torch.equal(s, c)
+
+
+@pytest.mark.parametrize("n, d", [(40, 8), (6, 16)])
+def test_both_association_orders_are_bit_identical_on_spikes(n: int, d: int):
+    q, k, v = (spikes(2, 2, 3, n, d, seed=i) for i in range(3))
+    y = ssa.attention_ref(q, k, v, 0.125)
+    assert torch.equal(y, (q @ k.transpose(-2, -1)) @ v * 0.125)
+    assert torch.equal(y, q @ (k.transpose(-2, -1) @ v) * 0.125)
+
+
+@pytest.mark.parametrize("anchor", [True, False])
+def test_custom_op_backward_matches_autograd_of_reference(anchor: bool):
+    q, k, v = (spikes(2, 2, 2, 9, 8, seed=i).requires_grad_() for i in range(3))
+    g = torch.Generator().manual_seed(5)
+    y, s, c = ssa.ssa_ref(q, k, v, 0.125, anchor, True)
+    gy, gs, gc = (torch.randn(t.shape, generator=g) for t in (y, s, c))
+    ref = torch.autograd.grad((y * gy).sum() + (s * gs).sum() + (c * gc).sum(), (q, k, v))
+    y2, s2, c2 = ssa._ssa_op(q, k, v, 0.125, anchor, True, "torch")
+    assert torch.equal(y, y2) and torch.equal(s, s2) and torch.equal(c, c2)
+    got = torch.autograd.grad((y2 * gy).sum() + (s2 * gs).sum() + (c2 * gc).sum(), (q, k, v))
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    if anchor:  # fake impl, schema and autograd registration (slow: once is enough)
+        torch.library.opcheck(ssa._ssa_op, (q, k, v, 0.125, anchor, True, "torch"))
+
+
+def test_public_function_shapes_and_errors():
+    q = spikes(2, 1, 2, 5, 4)
+    y, s, c = ssa.spiking_attention(q, q, q, anchor=True, scores=True, backend="torch")
+    assert y.shape == q.shape and s.shape == c.shape == (2, 1, 4)
+    assert ssa.spiking_attention(q, q, q, backend="torch")[1] is None
+    with pytest.raises(ValueError, match="share a"):
+        ssa.spiking_attention(q, q[..., :3, :], q)
+    with pytest.raises(ValueError, match="besides the anchor"):
+        ssa.spiking_attention(q[..., :1, :], q[..., :1, :], q[..., :1, :], anchor=True, scores=True)
+
+
+TRITON_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from efficient.kernels import ssa
+    g = torch.Generator().manual_seed(0)
+    for T, B, H, N, D in [(1, 2, 2, 9, 16), (2, 1, 3, 70, 8), (2, 2, 1, 17, 32)]:
+        for anchor in (True, False):
+            q, k, v = ((torch.rand(T, B, H, N, D, generator=g) < 0.3).float().requires_grad_() for _ in range(3))
+            y1, s1, c1 = ssa.spiking_attention(q, k, v, 0.125, anchor, True, backend="torch")
+            y2, s2, c2 = ssa.spiking_attention(q, k, v, 0.125, anchor, True, backend="triton")
+            assert torch.equal(y1, y2), "y"
+            assert torch.equal(s1, s2) if anchor else True
+            torch.testing.assert_close(c1, c2, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(s1, s2, rtol=1e-6, atol=1e-6)
+            gy, gs, gc = (torch.randn(t.shape, generator=g) for t in (y1, s1, c1))
+            r1 = torch.autograd.grad((y1 * gy).sum() + (s1 * gs).sum() + (c1 * gc).sum(), (q, k, v))
+            r2 = torch.autograd.grad((y2 * gy).sum() + (s2 * gs).sum() + (c2 * gc).sum(), (q, k, v))
+            for a, b in zip(r1, r2):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            y3, s3, c3 = ssa.spiking_attention(q, k, v, 0.125, anchor, False, backend="triton")
+            assert torch.equal(y3, y1) and s3 is None
+    print("TRITON-OK")
+    """
+)
+
+
+def test_triton_kernel_matches_reference_in_interpreter():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", TRITON_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "TRITON-OK" in r.stdout, r.stderr[-3000:]
