@@ -6,7 +6,7 @@
 exit_confidence: p_max/argmax of softmax(h @ W.T) -- plain (full logits + softmax) vs the
 chunked online-softmax path (vocab chunks of 4096), and Triton on CUDA when present.
 linear_ce: K exits' summed CE + backward -- plain (K full logit tensors alive until backward) vs
-the chunked fused path (row chunks, gradients formed in the forward).
+the chunked fused path (256-row chunks, gradients formed in the forward).
 
 Peak memory is the rise of peak RSS over the level before the first call (CPU; peak reset via
 /proc/self/clear_refs, malloc returning large blocks at free) or of max_memory_allocated (CUDA),
@@ -88,7 +88,7 @@ def run_case(name: str, impl: str, repeats: int, device_name: str) -> dict:
         if impl == "plain":  # K logit tensors stay alive until backward
             loss = sum(F.cross_entropy(h @ w.T, t) for h in hs)
         else:
-            loss = sum(linear_ce(h, w, t, chunk_size=1024, backend=backend) for h in hs)
+            loss = sum(linear_ce(h, w, t, chunk_size=256, backend=backend) for h in hs)
         loss.backward()
         for p in (*hs, w):
             p.grad = None

@@ -1,6 +1,6 @@
 """Early-exit quality/speed trade-off of a trained EE-GPT run, over exit thresholds.
 
-    python bench/ee_tradeoff.py runs/ee_gpt_text --thresholds 1.0 0.9 0.8 0.6 0.4 0.2 0.0
+    python bench/ee_tradeoff.py runs/ee_gpt_text --gen-thresholds 0.9 0.8 0.6 0.4 0.2
 
 Teacher-forced on the validation split (cheap, all tokens): per-exit loss, the exit distribution
 under the rule, the loss and top-1 agreement with the final head of the exit-chosen predictions,
@@ -92,7 +92,8 @@ def free_running(model, prompts, new_tokens, thresholds, strategies, max_pending
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run", help="run dir (or zoo name) of an early-exit model")
-    ap.add_argument("--thresholds", type=float, nargs="+", default=[1.0, 0.95, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.2, 0.0])
+    # the paper's sweep: tau from 1.0 to 0.0 in steps of 0.05 (21 points), teacher-forced
+    ap.add_argument("--thresholds", type=float, nargs="+", default=[round(1 - 0.05 * i, 2) for i in range(21)])
     ap.add_argument("--gen-thresholds", type=float, nargs="+", default=[0.9, 0.8, 0.6, 0.4])
     ap.add_argument("--strategies", nargs="+", default=["recompute", "copy", "speculative"])
     ap.add_argument("--prompts", type=int, default=4)

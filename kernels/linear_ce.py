@@ -40,14 +40,19 @@ def linear_ce_reference(
 
 
 def _ce_chunk_torch(z: torch.Tensor, t: torch.Tensor, ignore_index: int, conf: bool) -> torch.Tensor:
-    """Per-row CE of logits `z` (fp32, [n, V]); overwrites `z` with d(sum of row losses)/dz."""
+    """Per-row CE of logits `z` (fp32, [n, V]); overwrites `z` with d(sum of row losses)/dz.
+    Everything is in place on `z`, so a chunk costs one [n, V] buffer."""
     valid = t != ignore_index
     tc = t.clamp(min=0)
-    lse = torch.logsumexp(z, dim=-1)
-    loss = lse - z.gather(-1, tc[:, None])[:, 0]
-    c = torch.where(valid, (z.amax(-1) - lse).exp() if conf else torch.ones_like(lse), 0)
-    z.sub_(lse[:, None]).exp_()
-    z[torch.arange(len(t), device=z.device), tc] -= 1
+    rows = torch.arange(len(t), device=z.device)
+    zt = z[rows, tc]
+    m = z.amax(-1)
+    z.sub_(m[:, None]).exp_()
+    s = z.sum(-1)  # p_max = exp(m - lse) = 1 / s
+    loss = m + s.log() - zt
+    c = torch.where(valid, s.reciprocal() if conf else torch.ones_like(s), 0)
+    z.div_(s[:, None])
+    z[rows, tc] -= 1
     z.mul_(c[:, None])
     return loss * c
 
