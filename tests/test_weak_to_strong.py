@@ -92,3 +92,16 @@ def test_objective_loads_a_frozen_teacher_and_warms_up(tmp_path):
 def test_objective_needs_a_teacher():
     with pytest.raises(ConfigError, match="teacher"):
         WeakToStrong()
+
+
+@pytest.mark.slow
+def test_recipes_run_end_to_end_with_cost_report(tmp_path):
+    from efficient.config import load_recipe
+    from efficient.train.engine import Trainer
+
+    weak = load_recipe("recipes/w2s_weak_digits.yaml", ["train.max_steps=2", "train.progress=false"])
+    Trainer(weak, tmp_path / "weak").fit()
+    strong = load_recipe("recipes/w2s_digits.yaml", ["train.max_steps=2", "train.progress=false", f"objective.teacher={tmp_path / 'weak'}"])
+    summary = Trainer(strong, tmp_path / "strong").fit()
+    assert summary["steps"] == 2 and 0 <= summary["val"]["teacher_agree"] <= 1
+    assert summary["cost"]["flops"] > 0
