@@ -12,8 +12,8 @@ One file, four parts (see DESIGN.md, "Conventions"):
    loop (the fast CPU path), or that loop run eagerly.
 4. `lif`: the public entry point; `backend="auto"|"triton"|"torch"|"compile"|"loop"`, env
    `EFFICIENT_BACKEND` overrides `auto`. `auto` = Triton on CUDA; on CPU the compiled loop for
-   inputs of at least COMPILE_MIN_NUMEL elements (compiling once costs seconds, repaid within a
-   few hundred large calls) and the same loop run eagerly ("loop") below that.
+   inputs of at least COMPILE_MIN_NUMEL elements, and the same loop run eagerly ("loop") below
+   that (compiling costs tens of seconds once per configuration, which small inputs never repay).
 
 Dynamics (spikingjelly's LIFNode / ParametricLIFNode formulas, in the same floating-point order):
 
