@@ -1,5 +1,8 @@
 """Preference losses under label noise: DPO vs rDPO (and cDPO, IPO, KTO) on the synthetic task.
 
+KTO trains on the same pairs split into desirable / undesirable examples (twice the rows, so the
+same number of steps covers half an epoch of pairs).
+
 Each method trains recipes/dpo_text.yaml (ee-gpt-tiny, 2 layers) through the engine with the same
 seed and data; then every policy samples one completion for each of 256 held-out prompts. We report
 the held-out preference accuracy, the mean true reward of the samples, and the head-to-head win
@@ -21,6 +24,7 @@ METHODS = {
     "rdpo": ["objective.name=preference", "objective.loss_type=robust", "objective.eps={flip}"],
     "cdpo": ["objective.name=preference", "objective.loss_type=sigmoid", "objective.label_smoothing={flip}"],
     "ipo": ["objective.name=preference", "objective.loss_type=ipo"],
+    "kto": ["objective={{name: kto, beta: 0.1}}", "data.format=unpaired"],
 }
 
 
