@@ -25,6 +25,7 @@ from efficient.errors import ConfigError
 # `import efficient` stays cheap.
 MODEL_MODULES: list[str] = [
     "efficient.models.spikformer",
+    "efficient.models.sdt",
     "efficient.models.ee_gpt",
     "efficient.models.stable_snn",
     "efficient.models.mlp",

@@ -239,7 +239,23 @@ class Spikformer(nn.Module):
         self.head = nn.Linear(embed_dim, num_classes)
         self.apply(self._init_weights)
 
-        # ---- STATA
+        self.init_stata(kb, anchor, prune_blocks, keep_ratio, prune_point, fuse_pruned, keep_warmup_start,
+                        keep_warmup_epochs, score, std_eps, anchor_init_std)
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.trunc_normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+
+    def init_stata(self, kernel_backend: str, anchor: str, prune_blocks, keep_ratio, prune_point: str, fuse_pruned: bool,
+                   keep_warmup_start: float, keep_warmup_epochs: float, score: str, std_eps: float, anchor_init_std: float) -> None:
+        """Validate the STATA switches and create the anchor (shared with the Spike-driven Transformer)."""
+        depth, timesteps, embed_dim, kb = len(self.blocks), self.timesteps, self.embed_dim, kernel_backend
         self.kernel_backend, self.prune_point, self.fuse_pruned = kb, prune_point, fuse_pruned
         self.standardize, self.std_eps = score == "standardized", std_eps
         self.warmup = (float(keep_warmup_start), float(keep_warmup_epochs))
@@ -273,15 +289,6 @@ class Spikformer(nn.Module):
         self.stata_scores: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.stata_stats: dict = {}
 
-    @staticmethod
-    def _init_weights(m: nn.Module) -> None:
-        if isinstance(m, nn.Linear):
-            nn.init.trunc_normal_(m.weight, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):
-            nn.init.ones_(m.weight)
-            nn.init.zeros_(m.bias)
 
     # ------------------------------------------------------------------ keep-ratio schedule
 

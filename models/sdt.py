@@ -1,0 +1,218 @@
+"""Spike-driven Transformer (Yao et al., NeurIPS 2023) with the STATA switches of `spikformer.py`.
+
+Differences from Spikformer that matter here (reference: BICLab/Spike-Driven-Transformer):
+* membrane shortcut: the residual stream is real-valued and every branch starts with a LIF on it
+  (x + f(LIF(x))), so the neuron sits after the residual add, not before it;
+* spike-driven self-attention (SDSA): y = Q * LIF_0.5(sum_N K * V), masks and sums only, no N x N
+  map; the projection is Linear + BN with no LIF (the next branch's LIF fires on the sum);
+* the stem pools before its last LIF and adds the pre-spike features back (real-valued tokens);
+* head: mean over tokens -> LIF -> Linear per timestep -> mean over time.
+
+STATA scores: SDSA never forms Q K^T, so each pruning block computes them explicitly from its
+binary Q and K (anchor row s_t(i) = <q_anchor, k_i>, mean-query column c_t), O(N D) per timestep.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from efficient.errors import ConfigError
+from efficient.kernels.ssa import scores_ref
+from efficient.models.spikformer import (
+    CIFAR_MEAN,
+    CIFAR_STD,
+    STATA_PAPER,
+    STATA_CFG,
+    Anchor,
+    LinearBNLIF,
+    PrunePoint,
+    Score,
+    Spikformer,
+    _lif,
+)
+from efficient.zoo import InputSpec, register_model
+
+PAPER = "Spike-driven Transformer (Yao et al., NeurIPS 2023)"
+
+
+class MSSPS(nn.Module):
+    """Stem: conv-BN-LIF x3 (+ max-pools on the last `pool_stages` stages), conv-BN(-pool) whose
+    real-valued output is both spiked for the conv position embedding and added back to it."""
+
+    def __init__(self, img_size: int, in_chans: int, dim: int, pool_stages: int, lif_cfg: dict) -> None:
+        super().__init__()
+        if not 1 <= pool_stages <= 4:
+            raise ConfigError(f"pool_stages must be in 1..4 (got {pool_stages})")
+        stride = 2**pool_stages
+        if img_size < stride or img_size % stride:
+            raise ConfigError(
+                f"img_size {img_size} does not fit the SPS stem: with pool_stages={pool_stages} it must be a "
+                f"positive multiple of {stride}; resize the images or change pool_stages"
+            )
+        if dim % 8:
+            raise ConfigError(f"embed_dim must be divisible by 8 for the SPS stem, got {dim}")
+        chans = [in_chans, dim // 8, dim // 4, dim // 2, dim]
+        self.img_size, self.in_chans, self.grid = img_size, in_chans, img_size // stride
+        self.convs = nn.ModuleList(nn.Conv2d(chans[i], chans[i + 1], 3, 1, 1, bias=False) for i in range(4))
+        self.bns = nn.ModuleList(nn.BatchNorm2d(chans[i + 1]) for i in range(4))
+        self.lifs = nn.ModuleList(_lif(lif_cfg) for _ in range(4))
+        self.pools = nn.ModuleList(nn.MaxPool2d(3, 2, 1) if i >= 4 - pool_stages else nn.Identity() for i in range(4))
+        self.rpe_conv = nn.Conv2d(dim, dim, 3, 1, 1, bias=False)
+        self.rpe_bn = nn.BatchNorm2d(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        T, B = x.shape[:2]
+        x = x.flatten(0, 1)
+        for i in range(3):
+            x = self.bns[i](self.convs[i](x))
+            x = self.pools[i](self.lifs[i](x.reshape(T, B, *x.shape[1:])).flatten(0, 1))
+        feat = self.pools[3](self.bns[3](self.convs[3](x)))  # real-valued
+        x = self.lifs[3](feat.reshape(T, B, *feat.shape[1:])).flatten(0, 1)
+        x = self.rpe_bn(self.rpe_conv(x)) + feat
+        return x.flatten(2).transpose(1, 2).reshape(T, B, -1, x.shape[1])
+
+
+class LinearBN(nn.Module):
+    """Linear -> BatchNorm over channels on `[T, B, N, C]` (a 1x1 conv + BN in the reference)."""
+
+    def __init__(self, d_in: int, d_out: int, bias: bool = True) -> None:
+        super().__init__()
+        self.linear = nn.Linear(d_in, d_out, bias=bias)
+        self.bn = nn.BatchNorm1d(d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        T, B, N, _ = x.shape
+        return self.bn(self.linear(x.flatten(0, 2))).reshape(T, B, N, -1)
+
+
+class SDSA(nn.Module):
+    """Spike-driven self-attention on LIF(x): Q * LIF_0.5(sum over tokens of K * V), then Linear + BN."""
+
+    def __init__(self, dim: int, heads: int, lif_cfg: dict, reference_params: bool = False) -> None:
+        super().__init__()
+        if dim % heads:
+            raise ConfigError(f"embed_dim {dim} is not divisible by num_heads {heads}")
+        self.shortcut_lif = _lif(lif_cfg)
+        self.q = LinearBNLIF(dim, dim, lif_cfg, bias=False)
+        self.k = LinearBNLIF(dim, dim, lif_cfg, bias=False)
+        self.v = LinearBNLIF(dim, dim, lif_cfg, bias=False)
+        self.kv_lif = _lif(lif_cfg, v_threshold=0.5)
+        self.proj = LinearBN(dim, dim)
+        if reference_params:  # built but never called by the reference forward; counted in its params
+            self.talking_heads = nn.Conv1d(heads, heads, 1, bias=False).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor, anchor: bool = False, scores: bool = False):
+        x = self.shortcut_lif(x)
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        y = self.proj(q * self.kv_lif((k * v).sum(2, keepdim=True)))
+        if not scores:
+            return y, None, None
+        s, c = scores_ref(q.unsqueeze(2), k.unsqueeze(2), anchor)  # one "head" = the full dot product
+        return y, s, c
+
+
+class SDTMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int, lif_cfg: dict) -> None:
+        super().__init__()
+        self.lif1, self.fc1 = _lif(lif_cfg), LinearBN(dim, hidden)
+        self.lif2, self.fc2 = _lif(lif_cfg), LinearBN(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.lif2(self.fc1(self.lif1(x))))
+
+
+class SDTBlock(nn.Module):
+    """x += SDSA(LIF(x)); [prune]; x += MLP(LIF(x)) -- same pruning interface as `spikformer.Block`."""
+
+    def __init__(self, dim: int, heads: int, mlp_ratio: float, lif_cfg: dict, reference_params: bool = False) -> None:
+        super().__init__()
+        self.attn = SDSA(dim, heads, lif_cfg, reference_params)
+        self.mlp = SDTMLP(dim, int(dim * mlp_ratio), lif_cfg)
+
+    def forward(self, x: torch.Tensor, prune=None, anchor: bool = False, point: str = "after_attn") -> torch.Tensor:
+        a, s, c = self.attn(x, anchor=anchor, scores=prune is not None)
+        x = x + a
+        if prune is not None and point == "after_attn":
+            x = prune(x, s, c)
+        x = x + self.mlp(x)
+        if prune is not None and point == "after_block":
+            x = prune(x, s, c)
+        return x
+
+
+class SpikeDrivenTransformer(Spikformer):
+    """SDT classifier with the STATA switches (see `Spikformer` for their meaning). Input `[B, C, H, W]`."""
+
+    def __init__(
+        self,
+        img_size: int = 32,
+        in_chans: int = 3,
+        num_classes: int = 10,
+        embed_dim: int = 512,
+        depth: int = 2,
+        num_heads: int = 8,
+        mlp_ratio: float = 4.0,
+        timesteps: int = 4,
+        pool_stages: int = 2,
+        tau: float = 2.0,
+        surrogate: str = "sigmoid",
+        alpha: float = 4.0,
+        backend: str = "auto",
+        reference_params: bool = False,
+        anchor: Anchor = "off",
+        prune_blocks: list[int] | None = None,
+        keep_ratio: float | list[float] = 1.0,
+        prune_point: PrunePoint = "after_attn",
+        fuse_pruned: bool = False,
+        keep_warmup_start: float = 0.0,
+        keep_warmup_epochs: float = 0.0,
+        score: Score = "standardized",
+        std_eps: float = 1e-6,
+        anchor_init_std: float = 1.0,
+    ) -> None:
+        nn.Module.__init__(self)
+        if timesteps < 1 or depth < 1:
+            raise ConfigError(f"timesteps and depth must be >= 1 (got {timesteps}, {depth})")
+        lif_cfg = dict(tau=tau, v_reset=0.0, detach_reset=True, surrogate=surrogate, alpha=alpha, backend=backend)
+        kb = backend if backend in ("auto", "triton", "torch") else "auto"
+        self.timesteps, self.num_classes, self.embed_dim = timesteps, num_classes, embed_dim
+        self.patch_embed = MSSPS(img_size, in_chans, embed_dim, pool_stages, lif_cfg)
+        self.blocks = nn.ModuleList(SDTBlock(embed_dim, num_heads, mlp_ratio, lif_cfg, reference_params) for _ in range(depth))
+        self.head_lif = _lif(lif_cfg)
+        self.head = nn.Linear(embed_dim, num_classes)
+        self.apply(self._init_weights)
+        self.init_stata(kb, anchor, prune_blocks, keep_ratio, prune_point, fuse_pruned, keep_warmup_start,
+                        keep_warmup_epochs, score, std_eps, anchor_init_std)
+
+    def forward_head(self, x: torch.Tensor) -> torch.Tensor:
+        """Mean over tokens (anchor excluded) -> LIF -> Linear at every timestep -> mean over time."""
+        return self.head(self.head_lif(x[:, :, self.n_prefix:].mean(2))).mean(0)
+
+
+CIFAR10 = InputSpec((3, 32, 32), timesteps=4, mean=CIFAR_MEAN, std=CIFAR_STD, num_classes=10)
+SDT_CIFAR = dict(embed_dim=512, depth=2, num_heads=8, img_size=32, pool_stages=2, num_classes=10, reference_params=True)
+
+
+@register_model(
+    "sdt-2-512",
+    input_spec=CIFAR10,
+    paper=PAPER,
+    description="CIFAR-10 config: 2 blocks, D=512, 8 heads, T=4, membrane shortcut, SDSA",
+    family="sdt",
+    **SDT_CIFAR,
+)
+def sdt_2_512(**kw) -> SpikeDrivenTransformer:
+    return SpikeDrivenTransformer(**kw)
+
+
+@register_model(
+    "sdt-stata",
+    input_spec=CIFAR10,
+    paper=STATA_PAPER,
+    description="sdt-2-512 + STATA: anchor per timestep, prune blocks 1,2 at rho=0.7 (65->46->33 tokens)",
+    family="sdt",
+    **SDT_CIFAR, **STATA_CFG, prune_blocks=[1, 2],
+)
+def sdt_stata(**kw) -> SpikeDrivenTransformer:
+    return SpikeDrivenTransformer(**kw)
