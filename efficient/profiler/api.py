@@ -344,6 +344,14 @@ def _aggregate(model: nn.Module, layers: list[LayerStat], max_depth: int = 3) ->
     mods = dict(model.named_modules())
     agg: dict[str, dict[str, float]] = {}
     for layer in layers:
+        if layer.name not in mods and layer.name == type(model).__name__:
+            # ops the root module issues itself (functional code in its forward)
+            row = agg.setdefault(f"({layer.name} own ops)", {
+                "type": layer.type, "params": sum(p.numel() for p in model.parameters(recurse=False)),
+                "dense_macs": 0, "macs": 0, "sops": 0, "energy_pj": 0.0})
+            for k in ("dense_macs", "macs", "sops", "energy_pj"):
+                row[k] += getattr(layer, k)
+            continue
         parts = layer.name.split(".")
         for d in range(1, min(len(parts), max_depth) + 1):
             key = ".".join(parts[:d])

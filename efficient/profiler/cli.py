@@ -35,6 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--flops-per-mac", type=float, default=2.0, help="FLOPs per MAC (default 2)")
     p.add_argument("--exit-threshold", type=float, help="confidence threshold for early-exit models with --data")
     p.add_argument("--layers", type=int, default=40, metavar="N", help="layers shown in table/md output (default 40)")
+    p.add_argument("--depth", type=int, default=1, metavar="D", help="module depth of the top-modules summary (default 1)")
     p.add_argument("-o", "--output", metavar="FILE", help="write the json/md/csv output to FILE instead of stdout")
 
 
@@ -101,8 +102,8 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "table":
         from rich.console import Console
 
-        console = Console()
-        for r in report.to_table(max_layers=args.layers):
+        console = Console(width=None if sys.stdout.isatty() else 160)  # pipes: don't squeeze layer names
+        for r in report.to_table(max_layers=args.layers, depth=args.depth):
             console.print(r)
         if cmp is not None:
             console.print(cmp.to_table())
@@ -117,9 +118,9 @@ def run(args: argparse.Namespace) -> int:
             d = {"report": d, "compare": other.to_dict(), "comparison": cmp.to_dict()}
         text = json.dumps(d, indent=2, default=str)
     elif args.format == "md":
-        text = report.to_markdown(max_layers=args.layers)
+        text = report.to_markdown(max_layers=args.layers, depth=args.depth)
         if other is not None:
-            text += "\n" + other.to_markdown(max_layers=args.layers) + "\n### Comparison\n\n" + cmp.to_markdown()
+            text += "\n" + other.to_markdown(max_layers=args.layers, depth=args.depth) + "\n### Comparison\n\n" + cmp.to_markdown()
     else:
         text = report.to_csv()
         if other is not None:

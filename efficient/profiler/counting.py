@@ -75,10 +75,22 @@ class LayerAcc:
 
 
 class _Ctx:
-    """The state a rule needs: which conventions apply."""
+    """The state a rule needs: which conventions apply, and spike checks of parameters."""
 
     def __init__(self, spike_matmul: str) -> None:
         self.spike_matmul = spike_matmul
+        self.weight_cache: dict[tuple, int | None] = {}
+
+    def weight_nnz(self, w: torch.Tensor) -> int | None:
+        """spike_nnz for an operand that is often a (transposed) weight: parameters are checked
+        once per pass, keyed by storage, layout and version (weights reused over T loops)."""
+        base = w if isinstance(w, torch.nn.Parameter) else w._base
+        if not isinstance(base, torch.nn.Parameter):  # activations: storage may be reused, no cache
+            return spike_nnz(w)
+        key = (w.untyped_storage().data_ptr(), w.storage_offset(), tuple(w.shape), tuple(w.stride()), w._version, w.dtype)
+        if key not in self.weight_cache:
+            self.weight_cache[key] = spike_nnz(w)
+        return self.weight_cache[key]
 
 
 def _charge_matmul(ctx: _Ctx, acc: LayerAcc, a: torch.Tensor, b: torch.Tensor, dense: int,
@@ -86,7 +98,7 @@ def _charge_matmul(ctx: _Ctx, acc: LayerAcc, a: torch.Tensor, b: torch.Tensor, d
     """Charge a matmul-like op with operands a (fan-out fan_a per element) and b (fan_b)."""
     acc.dense_macs += dense
     nz_a = spike_nnz(a)
-    nz_b = _weight_nnz(b)
+    nz_b = ctx.weight_nnz(b)
     if nz_a is not None and nz_b is not None:
         operand = nz_a * fan_a
         coinc = int(product().sum(dtype=torch.float64).item())
@@ -105,22 +117,6 @@ def _charge_matmul(ctx: _Ctx, acc: LayerAcc, a: torch.Tensor, b: torch.Tensor, d
         acc.in_numel += b.numel()
     else:
         acc.macs += dense
-
-
-def _weight_nnz(w: torch.Tensor) -> int | None:
-    """spike_nnz for an operand that is often a (transposed) weight: parameters are checked
-    once per profiled pass, keyed by storage, layout and version."""
-    base = w if isinstance(w, torch.nn.Parameter) else w._base
-    if not isinstance(base, torch.nn.Parameter):  # activations: storage may be reused, no cache
-        return spike_nnz(w)
-    key = (w.untyped_storage().data_ptr(), w.storage_offset(), tuple(w.shape), tuple(w.stride()), w._version, w.dtype)
-    cache = _WEIGHT_CACHE
-    if key not in cache:
-        cache[key] = spike_nnz(w)
-    return cache[key]
-
-
-_WEIGHT_CACHE: dict[tuple, int | None] = {}
 
 
 def _mm(ctx: _Ctx, acc: LayerAcc, args: tuple, kwargs: dict, out: Any, offset: int = 0) -> None:
@@ -159,7 +155,7 @@ def _conv(ctx: _Ctx, acc: LayerAcc, args: tuple, kwargs: dict, out: Any) -> None
         dense = batch * math.prod(out.shape[2:]) * w.shape[0] * w.shape[1] * math.prod(w.shape[2:])
     acc.dense_macs += dense
     nz_x = spike_nnz(x)
-    nz_w = None if nz_x is not None else _weight_nnz(w)
+    nz_w = None if nz_x is not None else ctx.weight_nnz(w)
     if nz_x is not None:
         # Exact fan-out, borders included: convolve the spike mask with an all-ones kernel per
         # group; every output position counts the nonzero inputs that reach it, times Cout/groups.
@@ -228,14 +224,6 @@ class CountingMode(TorchDispatchMode):
         self.stack = stack
         self.ctx = _Ctx(spike_matmul)
         self.unknown_ops: dict[str, int] = {}
-
-    def __enter__(self):
-        _WEIGHT_CACHE.clear()
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        _WEIGHT_CACHE.clear()
-        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

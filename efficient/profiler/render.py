@@ -48,7 +48,7 @@ def _layer_rows(report: "Report", max_layers: int) -> list[list[str]]:
 _LAYER_COLS = ["layer", "type", "dense MACs", "MACs", "SOPs", "in rate", "out rate", "energy"]
 
 
-def markdown(report: "Report", max_layers: int = 60) -> str:
+def markdown(report: "Report", max_layers: int = 60, depth: int = 1) -> str:
     m = report.meta
     lines = [f"## Cost profile: {m.get('model')}", "",
              f"Input: {m.get('input')}" + (f", T = {m['timesteps']}" if m.get("timesteps") else ""),
@@ -61,7 +61,7 @@ def markdown(report: "Report", max_layers: int = 60) -> str:
         lines += ["", _exits_md(report.exits)]
     if report.blocks:
         lines += ["", "Tokens entering each block: " + ", ".join(f"{b['block']}: {b['tokens_in']}" for b in report.blocks)]
-    top = report.top_modules(1)
+    top = report.top_modules(depth)
     if top:
         total_e = report.totals["energy_pj"] or 1.0
         lines += ["", "### Top modules", "", "| module | type | params | dense MACs | SOPs | energy | share |", "|---|---|---|---|---|---|---|"]
@@ -92,7 +92,7 @@ def _exits_md(ex: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def rich_tables(report: "Report", max_layers: int = 40) -> list[Any]:
+def rich_tables(report: "Report", max_layers: int = 40, depth: int = 1) -> list[Any]:
     from rich.table import Table
 
     m = report.meta
@@ -104,10 +104,10 @@ def rich_tables(report: "Report", max_layers: int = 40) -> list[Any]:
         if k in report.totals:
             t.add_row(label, f(report.totals[k]))
     out: list[Any] = [t]
-    top = report.top_modules(1)
+    top = report.top_modules(depth)
     if top:
         total_e = report.totals["energy_pj"] or 1.0
-        tm = Table(title="top modules (by energy)")
+        tm = Table(title=f"top modules at depth {depth} (by energy)")
         for c in ("module", "type", "params", "dense MACs", "SOPs", "energy", "share"):
             tm.add_column(c, justify="left" if c in ("module", "type") else "right")
         for r in top:

@@ -68,7 +68,8 @@ class Report:
 
     def top_modules(self, depth: int = 1, k: int = 10) -> list[dict[str, Any]]:
         """DeepSpeed-style summary: modules at `depth` ranked by energy (then MACs)."""
-        rows = [dict(name=n, **v) for n, v in self.modules.items() if n.count(".") == depth - 1 and n]
+        rows = [dict(name=n, **v) for n, v in self.modules.items()
+                if n and (n.count(".") == depth - 1 or n.startswith("("))]
         rows.sort(key=lambda r: (r["energy_pj"], r["dense_macs"]), reverse=True)
         return rows[:k]
 
@@ -104,16 +105,16 @@ class Report:
             _write(path, text)
         return text
 
-    def to_markdown(self, max_layers: int = 60) -> str:
+    def to_markdown(self, max_layers: int = 60, depth: int = 1) -> str:
         from efficient.profiler.render import markdown
 
-        return markdown(self, max_layers=max_layers)
+        return markdown(self, max_layers=max_layers, depth=depth)
 
-    def to_table(self, max_layers: int = 40) -> Any:
-        """rich renderables (totals, layers, top modules) for the console."""
+    def to_table(self, max_layers: int = 40, depth: int = 1) -> Any:
+        """rich renderables (totals, top modules at `depth`, layers) for the console."""
         from efficient.profiler.render import rich_tables
 
-        return rich_tables(self, max_layers=max_layers)
+        return rich_tables(self, max_layers=max_layers, depth=depth)
 
     def plot(self, path: str | Path) -> Path:
         """PNG: energy per compute layer and firing rate per neuron layer."""
