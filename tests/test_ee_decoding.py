@@ -29,6 +29,17 @@ def full_greedy(m: EEGPT, prompt: list[int], n: int) -> list[int]:
     return seq[len(prompt):]
 
 
+@torch.no_grad()
+def mixing_tau(m: EEGPT) -> float:
+    """A threshold at which about half the tokens exit early: the median over positions of the
+    best early-exit max-prob, teacher-forced on a prompt plus random continuation."""
+    g = torch.Generator().manual_seed(5)
+    seq = torch.tensor([PROMPTS[1] + torch.randint(0, 64, (N,), generator=g).tolist()])
+    lg = m.all_logits(seq)
+    best = torch.stack([torch.softmax(lg[k][0], -1).amax(-1) for k in m.exit_layers[:-1]]).amax(0)
+    return float(best.median())
+
+
 @pytest.fixture(scope="module")
 def model() -> EEGPT:
     return tiny()
@@ -48,7 +59,7 @@ def test_threshold_one_is_the_full_model(model, references, strategy):
             assert g.exit_layers == [4] * N and g.summary()["mac_saving"] == 0.0
 
 
-@pytest.mark.parametrize("threshold,num_draft", [(0.0, 1), (0.0, 3), (0.5, 4)])
+@pytest.mark.parametrize("threshold,num_draft", [(0.0, 1), (0.5, 3)])
 def test_speculative_greedy_is_lossless(model, references, threshold, num_draft):
     accepted = 0
     for p, ref in zip(PROMPTS, references):
@@ -58,10 +69,10 @@ def test_speculative_greedy_is_lossless(model, references, threshold, num_draft)
     assert accepted > 0  # some drafts were kept, so the acceptance path ran
 
 
-# thresholds that give a mix of early and full-depth tokens for each head on this random model
-@pytest.mark.parametrize("head,tau", [("norm", 0.35), ("norm_mlp", 0.18), ("norm_block", 0.35), ("minimal", 0.9)])
-def test_recompute_equals_no_cache_reference(head, tau):
+@pytest.mark.parametrize("head", ["norm", "norm_mlp", "norm_block", "minimal"])
+def test_recompute_equals_no_cache_reference(head):
     m = tiny(exit_head=head)
+    tau = mixing_tau(m)
     ref_tokens, ref_exits = generate_reference(m, PROMPTS[1], N, threshold=tau)
     g = generate(m, PROMPTS[1], N, threshold=tau, strategy="recompute")
     assert g.tokens == ref_tokens and g.exit_layers == ref_exits
@@ -72,7 +83,7 @@ def test_recompute_equals_no_cache_reference(head, tau):
 def test_recompute_cache_equals_full_forward_cache(head):
     m = tiny(exit_head=head)
     prompt = PROMPTS[1]
-    g = generate(m, prompt, N, threshold=0.35, strategy="recompute")
+    g = generate(m, prompt, N, threshold=mixing_tau(m), strategy="recompute")
     c = g.committed
     seq = torch.tensor([prompt + g.tokens])
     # tokens at positions < c that exited early had their deep KV filled by a later chunk
@@ -112,7 +123,7 @@ def test_raising_threshold_never_turns_continue_into_exit(model):
 
 
 def test_copy_strategy_exits_and_fills_deep_kv(model):
-    g = generate(model, PROMPTS[1], N, threshold=0.35, strategy="copy")
+    g = generate(model, PROMPTS[1], N, threshold=mixing_tau(model), strategy="copy")
     i = next(i for i, e in enumerate(g.exit_layers) if e < 4)
     e, n = g.exit_layers[i], len(PROMPTS[1]) - 1 + i  # first early exit and the position it was fed at
     # its layer-3 key is the projection of the exited state (output of layer e), as CALM propagates it;
