@@ -172,3 +172,37 @@ def test_cli_bad_input(capsys, monkeypatch, argv, message):
     import re
 
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_cli_on_a_trained_run_dir(tmp_path, capsys, monkeypatch):
+    from pathlib import Path
+
+    from efficient.cli import main
+    from efficient.config import load_recipe
+    from efficient.train.engine import Trainer
+
+    monkeypatch.setenv("EFFICIENT_BACKEND", "torch")
+    recipe = load_recipe(
+        Path(__file__).resolve().parents[1] / "recipes" / "stable_snn_digits_at.yaml",
+        ["train.max_steps=2", "train.progress=false", "objective.eval_attack=none", "eval.max_batches=1",
+         "model.timesteps=2", "data.batch_size=16"],
+    )
+    Trainer(recipe, tmp_path / "run").fit()
+    capsys.readouterr()
+    rc = main(["attack", str(tmp_path / "run"), "--attack", "pgd", "--steps", "1", "--checkpoint", "last",
+               "--max-batches", "1", "--batch-size", "8", "--format", "json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"] == "stable-snn-digits" and out["data"] == "digits" and out["n"] == 8
+    assert out["attacks"][0]["attack"] == "pgd-1" and out["attacks"][0]["acc"] <= out["clean"]
+
+
+def test_pixel_data_for_a_run_trained_on_normalised_inputs():
+    from efficient.attacks_cli import load_pixel_data
+
+    bundle, stats = load_pixel_data({"name": "digits", "image_size": 8})  # normalize defaults to true
+    assert stats == ([0.3], [0.38])  # the model gets wrapped with these
+    x = torch.stack([bundle.val[i][0] for i in range(16)])
+    assert x.min() >= 0 and x.max() <= 1
+    _, none = load_pixel_data({"name": "digits", "image_size": 8, "normalize": False})
+    assert none is None
