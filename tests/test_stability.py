@@ -231,3 +231,15 @@ def test_bad_input_errors():
     with pytest.raises(ConfigError, match="objective.perturbation: expected one of"):
         validate({"model": {"name": "stable-snn-digits"}, "data": {"name": "digits"}, "objective": {"name": "stability", "perturbation": "pgd"}})
     assert isinstance(_model().neuron2, DLIF)
+
+
+def test_leak_is_read_from_the_last_layer():
+    from efficient.models.neurons import LIF
+    from efficient.objectives.stability import layer_dynamics, last_spiking_layer
+
+    lif_model = create("stable-snn-digits", neuron="lif", leak=0.9, timesteps=2, backend="torch")
+    assert layer_dynamics(last_spiking_layer(lif_model)) == pytest.approx((0.9, 1.0))
+    assert layer_dynamics(last_spiking_layer(create("stable-snn-digits", leak=0.8, timesteps=2))) == (0.8, 1.0)
+    assert layer_dynamics(LIF(tau=4.0, decay_input=True)) == (0.75, 0.25)  # H = V + (X - V)/tau
+    with pytest.raises(ConfigError, match="set objective.leak"):
+        layer_dynamics(nn.ReLU())
