@@ -279,9 +279,13 @@ def read_state_dict(weights: Path, allow_pickle: bool = False) -> dict[str, torc
         from safetensors.torch import load_file
 
         try:
-            return load_file(str(weights))
-        except (SafetensorError, OSError) as e:
+            sd = load_file(str(weights))
+            aliases = json.loads(_safetensors_metadata(weights).get("efficient.aliases", "{}"))
+        except (SafetensorError, OSError, json.JSONDecodeError) as e:
             raise ConfigError(f"{weights}: not a readable safetensors file ({e})") from None
+        for k, src in aliases.items():  # tied weights were stored once
+            sd[k] = sd[src]
+        return sd
     import pickle
 
     try:
@@ -325,15 +329,25 @@ def load_weights(model: nn.Module, weights: Path, allow_pickle: bool = False) ->
 
 
 def save_model(model: nn.Module, path: Path, name: str | None = None, cfg: dict[str, Any] | None = None) -> None:
-    """Write weights as safetensors with the zoo name and config in its metadata (atomic)."""
+    """Write weights as safetensors with the zoo name and config in its metadata (atomic).
+
+    Tensors that share storage (tied weights) are stored once; the metadata maps the aliases."""
     from safetensors.torch import save_file
 
     from efficient.io import atomic_path
 
     name = name or getattr(model, "zoo_name", None)
     cfg = cfg if cfg is not None else getattr(model, "zoo_cfg", {})
-    meta = {"efficient.model": name or "", "efficient.config": json.dumps(cfg, default=str)}
-    sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    sd, aliases, seen = {}, {}, {}
+    for k, v in model.state_dict().items():
+        ident = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), tuple(v.stride())) if v.numel() else None
+        if ident is not None and ident in seen:
+            aliases[k] = seen[ident]
+            continue
+        if ident is not None:
+            seen[ident] = k
+        sd[k] = v.detach().contiguous().cpu()
+    meta = {"efficient.model": name or "", "efficient.config": json.dumps(cfg, default=str), "efficient.aliases": json.dumps(aliases)}
     with atomic_path(path) as tmp:
         save_file(sd, str(tmp), metadata=meta)
 

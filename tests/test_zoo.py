@@ -66,3 +66,23 @@ def test_weights_for_another_architecture_name_the_keys(tmp_path: Path) -> None:
     zoo.save_model(m, f)
     with pytest.raises(ConfigError, match="weights do not fit.*(missing|shape mismatch)"):
         efficient.load("spikformer-tiny", pretrained=f)
+
+
+def test_tied_weights_are_saved_once_and_restored(tmp_path: Path) -> None:
+    from torch import nn
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+            self.b.weight = self.a.weight
+
+    t = Tied()
+    f = tmp_path / "tied.safetensors"
+    zoo.save_model(t, f, name="tied")
+    from safetensors.torch import load_file
+
+    assert "b.weight" not in load_file(str(f))  # stored once
+    t2 = Tied()
+    zoo.load_weights(t2, f)
+    assert torch.equal(t2.a.weight, t.a.weight) and t2.b.weight is t2.a.weight
