@@ -106,6 +106,8 @@ class TrainConfig:
     threads: int | None = _opt(_positive, default=None)
     out_dir: str = "runs"
     progress: bool = True
+    measures: list[str] = field(default_factory=list)  # training-time measures (efficient.metrics)
+    measure_every: int = _opt(_positive, default=50)
 
 
 @dataclass

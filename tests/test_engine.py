@@ -118,3 +118,18 @@ def test_resume_without_checkpoint(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError, match="no intact checkpoint"):
         find_resumable(tmp_path)
+
+
+def test_training_time_measures_are_logged(tmp_path: Path) -> None:
+    recipe = tmp_path / "m.yaml"
+    recipe.write_text("model: {name: mlp-small, hidden: [16]}\ndata: {name: digits, batch_size: 64}\n"
+                      "train: {max_steps: 4, measures: [local_complexity], measure_every: 2, progress: false, threads: 1}\n"
+                      "profile: {enabled: false}\n")
+    run = tmp_path / "run"
+    Trainer(load_recipe(recipe), run).fit()
+    rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in rows if "measures" in r]
+    assert [r["step"] for r in logged] == [2, 4]
+    assert logged[0]["measures"]["lc"] >= 0
+    with pytest.raises(ConfigError, match="train.measures: unknown measure 'local_complexty'"):
+        Trainer(load_recipe(recipe, ["train.measures=[local_complexty]"]), tmp_path / "r2")

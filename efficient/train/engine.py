@@ -146,6 +146,14 @@ class Trainer:
         if len(self.data.train) == 0 or len(self.data.val) == 0:
             raise ConfigError(f"{recipe.source}: data: dataset {recipe.data['name']!r} has an empty train or val split")
         self.model = build_model(recipe, self.data).to(self.device)
+        if t.measures:
+            from efficient.metrics import get_measure
+
+            for name in t.measures:
+                try:
+                    get_measure(name)
+                except ConfigError as e:
+                    raise ConfigError(f"{recipe.source}: train.measures: {e}") from None
         self.objective: Objective = build_objective(recipe.objective)
         self.objective.setup(self.model, self.data, recipe)
         bs = recipe.data["batch_size"]
@@ -356,6 +364,10 @@ class Trainer:
             if t.checkpoint_every and s.global_step % t.checkpoint_every == 0 and s.step_in_epoch < self.steps_per_epoch:
                 self.state.elapsed = time.perf_counter() - self._t_start
                 self.save("last")
+            if t.measures and s.global_step % t.measure_every == 0 and self.dist.is_main:
+                from efficient.metrics import measure
+
+                append_jsonl(metrics_file, {"step": s.global_step, "epoch": s.epoch, "measures": measure(t.measures, self.model, batch)})
             # stop before fetching the next batch: fetching runs augmentation, which draws RNG
             if s.global_step >= self.total_steps or self._stop_requested:
                 break
