@@ -214,6 +214,21 @@ class EEGPT(nn.Module):
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=self.init_std)
 
+    @torch.no_grad()
+    def init_exits_from_backbone(self) -> None:
+        """EE-Tuning initialisation (arXiv 2402.00518): each exit starts as a copy of existing
+        weights -- final norm -> exit norm, final projection -> untied exit projection, the
+        layer's MLP -> exit MLP, last layer -> exit block."""
+        for k, head in self.exits.items():
+            if head.norm is not None:
+                head.norm.load_state_dict(self.norm_f.state_dict())
+            if head.proj is not None:
+                head.proj.weight.copy_(self.head_weight(self.num_layers))
+            if head.mlp is not None:
+                head.mlp.load_state_dict(self.layers[int(k) - 1].mlp.state_dict())
+            if head.block is not None:
+                head.block.load_state_dict(self.layers[-1].state_dict())
+
     # --------------------------------------------------------------------------- training path
 
     def head_weight(self, layer: int) -> torch.Tensor:

@@ -108,6 +108,23 @@ def test_exit_mlp_shares_layer_attention_and_norm():
     torch.testing.assert_close(m.all_logits(x)[1], expect)
 
 
+@pytest.mark.parametrize("head", ["norm_mlp", "norm_block"])
+def test_ee_tuning_init_copies_backbone(head):
+    m = tiny(exit_head=head, exit_tied=False)
+    m.init_exits_from_backbone()
+    x = torch.randint(0, 64, (1, 8))
+    h, cos, sin = m.tok_emb(x), m.rope_cos[:8], m.rope_sin[:8]
+    h1, _ = m.layers[0](h, cos, sin)
+    h2, _ = m.layers[1](h1, cos, sin)
+    lg = m.all_logits(x)
+    W = m.head_weight(4)
+    if head == "norm_mlp":  # the branch MLP is layer 1's own MLP, so exit 1 = final head on layer 1's output
+        torch.testing.assert_close(lg[1], m.norm_f(h1) @ W.T)
+    else:  # the exit block is a copy of the last layer
+        torch.testing.assert_close(lg[2], m.norm_f(m.layers[3](h2, cos, sin)[0]) @ W.T)
+    assert torch.equal(m.exits["1"].proj.weight, W) and m.exits["1"].proj.weight is not W
+
+
 def test_exit_distribution():
     m = tiny()
     batches = [torch.randint(0, 64, (2, 16)) for _ in range(2)]
