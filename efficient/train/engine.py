@@ -401,7 +401,8 @@ class Trainer:
         batch = next(iter(DataLoader(self.data.val, batch_size=n, shuffle=False, collate_fn=self.data.collate_fn)))
         x = batch[0] if isinstance(batch, (list, tuple)) else batch
         self.model.eval()
-        rep = profile(self.model, inputs=to_device(x, self.device), energy=self.recipe.profile.energy)
+        rep = profile(self.model, inputs=to_device(x, self.device), energy=self.recipe.profile.energy,
+                      flops_per_mac=self.recipe.profile.flops_per_mac)
         return dict(rep.totals), rep.to_markdown()
 
 
@@ -428,5 +429,5 @@ def render_report_md(recipe: Recipe, summary: dict[str, Any], profile_md: str) -
         lines.append(f"| val {k} | {v:.4f} |")
     lines += [f"| train time (s) | {summary['train_time_s']} |", f"| steps | {summary['steps']} |", f"| params | {summary['params']:,} |"]
     if profile_md:
-        lines += ["", "## Cost", "", profile_md]
+        lines += ["", profile_md]
     return "\n".join(lines) + "\n"
