@@ -449,11 +449,26 @@ def lif_forward_op(
 
     `c` is tau (or lambda for the LEAK charge); surrogate/alpha/detach_reset are used by the backward.
     """
+    _check_op_args(x, charge, surrogate, impl)
     return _run_forward(x, rate, c, v_threshold, v_reset, charge, spike_dtype, impl)
+
+
+def _check_op_args(x: Tensor, charge: int, surrogate: int, impl: str) -> None:
+    """The op takes the flattened [T, N] view that `lif` builds; say so instead of crashing a kernel."""
+    if x.dim() != 2 or x.shape[0] < 1 or not x.is_floating_point() or not x.is_contiguous():
+        raise ValueError(
+            f"efficient::lif_forward expects a contiguous floating [T>=1, N] tensor, got shape {tuple(x.shape)}, "
+            f"dtype {x.dtype}; call efficient.kernels.lif.lif, which flattens [T, ...] inputs"
+        )
+    if charge not in (CHARGE_DECAY_INPUT, CHARGE_NO_DECAY, CHARGE_LEAK) or surrogate not in SURROGATES.values():
+        raise ValueError(f"efficient::lif_forward: unknown charge mode {charge} or surrogate id {surrogate}")
+    if impl not in IMPLS:
+        raise ValueError(f"efficient::lif_forward: unknown impl {impl!r}; choose one of {IMPLS}")
 
 
 @lif_forward_op.register_fake
 def _(x, rate, c, v_threshold, v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl):
+    _check_op_args(x, charge, surrogate, impl)
     return x.new_empty(x.shape, dtype=spike_dtype), x.new_empty(x.shape, dtype=torch.float32)
 
 

@@ -261,6 +261,13 @@ def test_bad_options_raise():
         K.lif(x, rate=torch.ones(2))
 
 
+def test_op_called_directly_with_bad_shape_raises():
+    with pytest.raises(ValueError, match=r"contiguous floating \[T>=1, N\]"):
+        torch.ops.efficient.lif_forward(torch.randn(2, 3, 4), None, 2.0, 1.0, 0.0, 0, 0, 4.0, True, torch.float32, "loop")
+    with pytest.raises(ValueError, match="unknown impl"):
+        torch.ops.efficient.lif_forward(torch.randn(2, 3), None, 2.0, 1.0, 0.0, 0, 0, 4.0, True, torch.float32, "cuda")
+
+
 def test_nan_input_documented_behaviour():
     x = _input((4, 3))
     x[1, 0] = float("nan")
