@@ -578,9 +578,9 @@ def resolve_backend(backend: str, device: torch.device, numel: Optional[int] = N
             if env not in BACKENDS:
                 raise ValueError(f"environment EFFICIENT_BACKEND={env!r} is not one of {BACKENDS}")
             return env
-        if device.type == "cuda" and HAS_TRITON:
-            return "triton"
-        if _have_cxx_compiler() and (numel is None or numel >= COMPILE_MIN_NUMEL):
+        if device.type == "cuda":
+            return "triton" if HAS_TRITON else "loop"
+        if device.type == "cpu" and _have_cxx_compiler() and (numel is None or numel >= COMPILE_MIN_NUMEL):
             return "compile"
         return "loop"
     return backend
