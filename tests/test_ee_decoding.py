@@ -147,10 +147,10 @@ def test_speculative_sampling_keeps_target_distribution():
     q = torch.tensor([0.1, 0.2, 0.3, 0.4])
     s = Sampler(temperature=1.0, generator=torch.Generator().manual_seed(0))
     counts = torch.zeros(4)
-    for _ in range(4000):
+    for _ in range(3000):
         d = s.draw(q)
         counts[speculative_accept(p, q, d, s)[1]] += 1
-    assert torch.allclose(counts / 4000, p, atol=0.03)
+    assert torch.allclose(counts / 3000, p, atol=0.03)  # ~3 sigma of a 3000-draw frequency
 
 
 def test_sampled_generation_is_seeded(model):
