@@ -52,3 +52,13 @@ def test_global_batch_must_split_across_processes(tmp_path: Path) -> None:
     recipe.write_text(MLP_RECIPE)
     r = efficient("train", str(recipe), "--out", str(tmp_path / "r"), "--nproc", "2", "data.batch_size=33")
     assert r.returncode != 0 and "must be divisible by the 2 processes" in r.stderr
+
+
+@pytest.mark.slow
+def test_spiking_model_with_custom_ops_under_ddp_and_compile(tiny_recipe: Path, tmp_path: Path) -> None:
+    """A Spikformer (LIF custom ops) trains with 2 processes and `train.compile: true`."""
+    out = tmp_path / "snn"
+    r = efficient("train", str(tiny_recipe), "--out", str(out), "--nproc", "2", "train.compile=true", "train.max_steps=2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["val"]["loss"] == summary["val"]["loss"]  # finite, not NaN
