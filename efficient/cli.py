@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("EFFICIENT_DEBUG"):
             raise
         return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        print(f"interrupted: {e}" if str(e) else "interrupted", file=sys.stderr)
         return 130
 
 

@@ -294,7 +294,7 @@ def read_state_dict(weights: Path, allow_pickle: bool = False) -> dict[str, torc
         if not allow_pickle:
             raise ConfigError(
                 f"{weights}: this checkpoint holds pickled Python objects, and unpickling can run arbitrary code. "
-                "Refusing to load it. If you trust the file, pass allow_pickle=True (CLI: --allow-pickle), "
+                "Refusing to load it. If you trust the file, pass allow_pickle=True to efficient.load, "
                 "or convert it to .safetensors."
             ) from None
         sd = torch.load(weights, map_location="cpu", weights_only=False)  # noqa: S614 - explicit opt-in

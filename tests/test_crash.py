@@ -101,3 +101,20 @@ def test_pickled_checkpoint_refused_unless_opted_in(tmp_path: Path) -> None:
     x = torch.rand(2, 1, 16, 16)
     m.eval()
     assert torch.equal(loaded(x), m(x))
+
+
+def test_sigint_saves_and_exits_cleanly(tmp_path: Path) -> None:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(RECIPE.replace("max_steps: 30", "max_steps: 400").replace("checkpoint_every: 1", "checkpoint_every: 1000"))
+    run = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(_cmd("train", str(recipe), "--out", str(run)), cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 600
+    while _last_step(run) < 3 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 130
+    assert "resume with --resume" in err and "Traceback" not in err
+    meta = json.loads((run / "checkpoint" / "last" / "meta.json").read_text())
+    assert meta["global_step"] >= 3  # the interrupt saved where it stopped, mid-epoch
