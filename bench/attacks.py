@@ -1,0 +1,132 @@
+"""PGD attack throughput (images/s) on `stable-snn-vgg5`: our neurons vs spikingjelly's LIFNode.
+
+    .venv/bin/python bench/attacks.py [--batch 8] [--steps 10] [--repeats 5] [--threads 1] [--no-dlif]
+
+One process, one fixed input batch (random images in [0, 1], random labels, seed 0) and the same
+attack code (`efficient.attacks.pgd`, eps 8/255, uniform random start from a fixed generator).
+The LIF model is built as the zoo builds it (`neuron: lif`); its spikingjelly twin is a deep copy
+whose LIF modules are swapped for `LIFNode(step_mode="m")` with the same dynamics (tau = 1/(1-leak),
+decay_input=False, hard reset to 0 not detached, PiecewiseQuadratic = our triangle surrogate), wrapped
+so every forward starts from a reset state. The script first checks that both give the same logits and
+input gradient, then times round-robin repeats after one warm-up attack each (which also compiles
+ours) and prints medians and the ours / spikingjelly time ratio. DLIF (the default neuron) has no
+spikingjelly counterpart; its row is ours only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import platform
+import statistics
+import time
+
+import torch
+from torch import nn
+
+
+class ResetEachForward(nn.Module):
+    """Calls spikingjelly's reset_net before each forward: its neurons keep state across calls."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from spikingjelly.activation_based import functional
+
+        functional.reset_net(self.net)
+        return self.net(x)
+
+
+def to_spikingjelly(model: nn.Module) -> nn.Module:
+    """Deep copy of `model` with every `efficient.models.neurons.LIF` replaced by an equivalent LIFNode."""
+    from spikingjelly.activation_based import neuron as sj_neuron
+    from spikingjelly.activation_based import surrogate
+
+    from efficient.models.neurons import LIF
+
+    twin = copy.deepcopy(model)
+    swapped = 0
+    for parent in list(twin.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, LIF):
+                if child.surrogate != "triangle":
+                    raise ValueError(f"no spikingjelly twin for surrogate {child.surrogate!r} in this bench")
+                node = sj_neuron.LIFNode(
+                    tau=child.tau, decay_input=child.decay_input, v_threshold=child.v_threshold,
+                    v_reset=child.v_reset, detach_reset=child.detach_reset,
+                    surrogate_function=surrogate.PiecewiseQuadratic(alpha=child.alpha), step_mode="m",
+                )
+                setattr(parent, name, node)
+                swapped += 1
+    if not swapped:
+        raise ValueError("model has no efficient LIF modules to swap (build it with neuron='lif')")
+    return ResetEachForward(twin)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="stable-snn-vgg5")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--eps", default="8/255")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-dlif", action="store_true", help="skip the ours-only DLIF row")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from efficient import zoo
+    from efficient.attacks import input_grad, parse_eps, pgd
+
+    eps = parse_eps(args.eps)
+    torch.manual_seed(0)
+    ours = zoo.create(args.model, neuron="lif").eval()
+    sj = to_spikingjelly(ours).eval()
+    models = {"ours (LIF)": ours, "spikingjelly LIFNode": sj}
+    if not args.no_dlif:
+        models["ours (DLIF, as built by default)"] = zoo.create(args.model).eval()
+    c, s = ours.in_chans, ours.img_size
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(args.batch, c, s, s, generator=g)
+    y = torch.randint(0, ours.num_classes, (args.batch,), generator=g)
+
+    with torch.no_grad():
+        ref_logits = ours(x)
+        d_logits = (ref_logits - sj(x)).abs().max().item()
+        twice = (sj(x) - sj(x)).abs().max().item()  # reset works: same output on a second call
+    ref_grad = input_grad(ours, x, y)
+    d_grad = (ref_grad - input_grad(sj, x, y)).abs().max().item()
+    print(f"max |logits ours - sj| = {d_logits:.2e} (max |logits| {ref_logits.abs().max().item():.2e}), "
+          f"repeat-call drift sj = {twice:.1e}, max |dx ours - sj| = {d_grad:.2e} (max |dx| {ref_grad.abs().max().item():.2e})")
+
+    def attack(m: nn.Module) -> float:
+        gen = torch.Generator().manual_seed(1)
+        t0 = time.perf_counter()
+        pgd(m, x, y, eps, steps=args.steps, generator=gen)
+        return time.perf_counter() - t0
+
+    for m in models.values():  # warm-up (compiles ours)
+        attack(m)
+    times: dict[str, list[float]] = {k: [] for k in models}
+    for r in range(args.repeats):
+        keys = list(models)
+        keys = keys[r % len(keys):] + keys[: r % len(keys)]  # rotate the order against drift
+        for k in keys:
+            times[k].append(attack(models[k]))
+
+    med = {k: statistics.median(v) for k, v in times.items()}
+    ref = med["spikingjelly LIFNode"]
+    print(f"\n{args.model}, T={ours.timesteps}, batch {args.batch}, PGD-{args.steps} eps {args.eps}, "
+          f"{args.threads} thread(s), {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+          f"median of {args.repeats}")
+    print("| neurons | s / attack (median) | min-max | images/s | time ratio ours / sj |")
+    print("|---|---|---|---|---|")
+    for k, v in times.items():
+        ratio = f"{med[k] / ref:.2f}" if k != "spikingjelly LIFNode" and "DLIF" not in k else ("1.00" if "DLIF" not in k else "n/a")
+        print(f"| {k} | {med[k]:.2f} | {min(v):.2f}-{max(v):.2f} | {args.batch / med[k]:.1f} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()
