@@ -52,7 +52,8 @@ def test_custom_op_backward_matches_autograd_of_reference(anchor: bool):
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     if anchor:  # fake impl, schema and autograd registration (slow: once is enough)
-        torch.library.opcheck(ssa._ssa_op, (q, k, v, 0.125, anchor, True, "torch"))
+        checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+        torch.library.opcheck(ssa._ssa_op, (q, k, v, 0.125, anchor, True, "torch"), test_utils=checks)
 
 
 def test_public_function_shapes_and_errors():
@@ -71,7 +72,7 @@ TRITON_SCRIPT = textwrap.dedent(
     import torch
     from efficient.kernels import ssa
     g = torch.Generator().manual_seed(0)
-    for T, B, H, N, D in [(1, 2, 2, 9, 16), (2, 1, 3, 70, 8), (2, 2, 1, 17, 32)]:
+    for T, B, H, N, D in [(1, 2, 2, 9, 16), (2, 1, 1, 40, 8), (1, 1, 1, 17, 32)]:
         for anchor in (True, False):
             q, k, v = ((torch.rand(T, B, H, N, D, generator=g) < 0.3).float().requires_grad_() for _ in range(3))
             y1, s1, c1 = ssa.spiking_attention(q, k, v, 0.125, anchor, True, backend="torch")

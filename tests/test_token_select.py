@@ -97,7 +97,7 @@ TRITON_SCRIPT = textwrap.dedent(
     import torch
     from efficient.kernels import token_select as ts
     g = torch.Generator().manual_seed(0)
-    for T, B, N, k in [(1, 2, 7, 3), (4, 3, 40, 28), (2, 2, 20, 20)]:
+    for T, B, N, k in [(1, 2, 7, 3), (3, 2, 24, 10), (2, 1, 17, 17)]:
         s = torch.randn(T, B, N, generator=g)
         s_int = torch.randint(0, 4, (T, B, N), generator=g).float()  # spike counts: exact ties
         s_int[:, 0] = 0  # a silent sample
@@ -107,7 +107,7 @@ TRITON_SCRIPT = textwrap.dedent(
                 i2, z2 = ts.select_tokens(sc, k, standardize=std, backend="triton")
                 assert torch.equal(i1, i2), (T, B, N, k, std, i1, i2)
                 torch.testing.assert_close(z1, z2, rtol=1e-6, atol=1e-6)
-        x = torch.randn(T, B, N, 24, generator=g, requires_grad=True)
+        x = torch.randn(T, B, N, 8, generator=g, requires_grad=True)
         i1, _ = ts.select_tokens(s, k, backend="torch")
         y1 = ts.gather_tokens(x, i1, backend="torch")
         y2 = ts.gather_tokens(x, i1, backend="triton")
