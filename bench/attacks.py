@@ -138,7 +138,7 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for k, v in times.items():
         ratio = f"{med[k] / ref:.2f}" if k != "spikingjelly LIFNode" and "DLIF" not in k else ("1.00" if "DLIF" not in k else "n/a")
-        print(f"| {k} | {med[k]:.2f} | {min(v):.2f}-{max(v):.2f} | {args.batch / med[k]:.1f} | {ratio} |")
+        print(f"| {k} | {med[k]:.2f} | {min(v):.2f}-{max(v):.2f} | {args.batch / med[k]:.2f} | {ratio} |")
 
 
 if __name__ == "__main__":
