@@ -33,6 +33,17 @@ class SpikingNeuron(nn.Module):
     store_membrane: bool = False
     membrane: Optional[torch.Tensor] = None
 
+    def _set_lif_options(self, v_threshold: float, v_reset: float | None, detach_reset: bool, decay_input: bool,
+                         surrogate: str, alpha: float, backend: str, store_membrane: bool, spike_dtype: torch.dtype | None) -> None:
+        """Validate and store the options LIF and PLIF share (their signatures stay explicit and typed)."""
+        _check_choice("surrogate", surrogate, SURROGATES)
+        _check_choice("backend", backend, BACKENDS)
+        self.v_threshold = float(v_threshold)
+        self.v_reset = None if v_reset is None else float(v_reset)
+        self.detach_reset, self.decay_input = bool(detach_reset), bool(decay_input)
+        self.surrogate, self.alpha, self.backend = surrogate, float(alpha), backend
+        self.store_membrane, self.spike_dtype = store_membrane, spike_dtype
+
     def _run(self, x: torch.Tensor, return_membrane: bool, **kw) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         want = return_membrane or self.store_membrane
         out = lif(x, return_membrane=want, backend=self.backend, **kw)
@@ -67,13 +78,8 @@ class LIF(SpikingNeuron):
         super().__init__()
         if not tau > 1.0:
             raise ValueError(f"LIF tau must be > 1 (got {tau}); tau <= 1 makes the membrane unstable")
-        _check_choice("surrogate", surrogate, SURROGATES)
-        _check_choice("backend", backend, BACKENDS)
-        self.tau, self.v_threshold = float(tau), float(v_threshold)
-        self.v_reset = None if v_reset is None else float(v_reset)
-        self.detach_reset, self.decay_input = bool(detach_reset), bool(decay_input)
-        self.surrogate, self.alpha, self.backend = surrogate, float(alpha), backend
-        self.store_membrane, self.spike_dtype = store_membrane, spike_dtype
+        self.tau = float(tau)
+        self._set_lif_options(v_threshold, v_reset, detach_reset, decay_input, surrogate, alpha, backend, store_membrane, spike_dtype)
 
     def forward(self, x: torch.Tensor, return_membrane: bool = False):
         return self._run(
@@ -110,14 +116,8 @@ class PLIF(SpikingNeuron):
         super().__init__()
         if not init_tau > 1.0:
             raise ValueError(f"PLIF init_tau must be > 1 (got {init_tau})")
-        _check_choice("surrogate", surrogate, SURROGATES)
-        _check_choice("backend", backend, BACKENDS)
         self.w = nn.Parameter(torch.tensor(-math.log(init_tau - 1.0)))
-        self.v_threshold = float(v_threshold)
-        self.v_reset = None if v_reset is None else float(v_reset)
-        self.detach_reset, self.decay_input = bool(detach_reset), bool(decay_input)
-        self.surrogate, self.alpha, self.backend = surrogate, float(alpha), backend
-        self.store_membrane, self.spike_dtype = store_membrane, spike_dtype
+        self._set_lif_options(v_threshold, v_reset, detach_reset, decay_input, surrogate, alpha, backend, store_membrane, spike_dtype)
 
     @property
     def tau(self) -> float:
