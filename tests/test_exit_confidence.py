@@ -3,10 +3,6 @@ TRITON_INTERPRET=1 in a subprocess, so the interpreter never leaks into other te
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -34,10 +30,9 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def interpreted():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, "-c", _INTERP, json.dumps(CASES)], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    from _interpreter import run_interpreted
+
+    return run_interpreted(_INTERP, CASES)
 
 
 @pytest.mark.parametrize("i", range(len(CASES)))
