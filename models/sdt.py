@@ -28,8 +28,10 @@ from efficient.models.spikformer import (
     LinearBNLIF,
     PrunePoint,
     Score,
+    SPS,
     Spikformer,
     _lif,
+    share_neuron_backend,
 )
 from efficient.zoo import InputSpec, register_model
 
@@ -60,6 +62,9 @@ class MSSPS(nn.Module):
         self.pools = nn.ModuleList(nn.MaxPool2d(3, 2, 1) if i >= 4 - pool_stages else nn.Identity() for i in range(4))
         self.rpe_conv = nn.Conv2d(dim, dim, 3, 1, 1, bias=False)
         self.rpe_bn = nn.BatchNorm2d(dim)
+        self.chans = chans
+
+    neuron_peak = SPS.neuron_peak
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         T, B = x.shape[:2]
@@ -182,6 +187,7 @@ class SpikeDrivenTransformer(Spikformer):
         self.head_lif = _lif(lif_cfg)
         self.head = nn.Linear(embed_dim, num_classes)
         self.apply(self._init_weights)
+        share_neuron_backend(self, max(self.patch_embed.neuron_peak(), int(embed_dim * mlp_ratio) * (self.patch_embed.grid**2 + 1)))
         self.init_stata(kb, anchor, prune_blocks, keep_ratio, prune_point, fuse_pruned, keep_warmup_start,
                         keep_warmup_epochs, score, std_eps, anchor_init_std)
 

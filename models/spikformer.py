@@ -24,6 +24,7 @@ from torch import nn
 from efficient.errors import ConfigError
 from efficient.kernels.ssa import spiking_attention
 from efficient.kernels.token_select import gather_tokens, select_tokens
+from efficient.kernels.lif import lif, resolve_backend
 from efficient.models.neurons import LIF
 from efficient.zoo import InputSpec, register_model
 
@@ -38,8 +39,38 @@ PrunePoint = Literal["after_attn", "after_block"]
 Score = Literal["standardized", "raw"]
 
 
-def _lif(cfg: dict, **kw) -> LIF:
-    return LIF(**{**cfg, **kw})
+class ModelLIF(LIF):
+    """LIF whose `auto` backend is chosen once for the whole model, not per call.
+
+    On CPU, `auto` compiles the fused LIF loop only for inputs of at least `COMPILE_MIN_NUMEL`
+    elements, since compiling costs seconds that small inputs never repay. In a model whose largest
+    neuron input crosses that size the loop gets compiled anyway, so every neuron of that model uses
+    it (same spikes and membrane as the eager loop, several times faster at Spikformer's sizes).
+    `peak_numel` (elements per timestep and sample of the model's largest neuron input) is set by the
+    model; input is time-major `[T, B, ...]`.
+    """
+
+    peak_numel: int = 0
+
+    def forward(self, x: torch.Tensor, return_membrane: bool = False):
+        if self.backend != "auto" or self.store_membrane or self.peak_numel <= 0:
+            return super().forward(x, return_membrane)
+        backend = resolve_backend("auto", x.device, max(x.numel(), x.shape[0] * x.shape[1] * self.peak_numel))
+        return lif(
+            x, self.tau, self.v_threshold, self.v_reset, self.detach_reset, self.decay_input, self.surrogate,
+            self.alpha, spike_dtype=self.spike_dtype, return_membrane=return_membrane, backend=backend,
+        )
+
+
+def _lif(cfg: dict, **kw) -> ModelLIF:
+    return ModelLIF(**{**cfg, **kw})
+
+
+def share_neuron_backend(model: nn.Module, peak_numel: int) -> None:
+    """Tell every `ModelLIF` of `model` the size of its largest neuron input (per timestep and sample)."""
+    for m in model.modules():
+        if isinstance(m, ModelLIF):
+            m.peak_numel = int(peak_numel)
 
 
 def kept_count(ratio: float, n: int) -> int:
@@ -102,6 +133,15 @@ class SPS(nn.Module):
         self.rpe_conv = nn.Conv2d(dim, dim, 3, 1, 1, bias=False)
         self.rpe_bn = nn.BatchNorm2d(dim)
         self.rpe_lif = _lif(lif_cfg)
+        self.chans = chans
+
+    def neuron_peak(self) -> int:
+        """Elements per timestep and sample of the stem's largest neuron input (before its pool)."""
+        res, peak = self.img_size, 0
+        for c, pool in zip(self.chans[1:], self.pools):
+            peak = max(peak, c * res * res)
+            res = res // 2 if isinstance(pool, nn.MaxPool2d) else res
+        return peak
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`[T, B, C, H, W]` -> tokens `[T, B, N, D]`."""
@@ -238,6 +278,7 @@ class Spikformer(nn.Module):
         )
         self.head = nn.Linear(embed_dim, num_classes)
         self.apply(self._init_weights)
+        share_neuron_backend(self, max(self.patch_embed.neuron_peak(), int(embed_dim * mlp_ratio) * (self.patch_embed.grid**2 + 1)))
 
         self.init_stata(kb, anchor, prune_blocks, keep_ratio, prune_point, fuse_pruned, keep_warmup_start,
                         keep_warmup_epochs, score, std_eps, anchor_init_std)

@@ -320,3 +320,30 @@ def test_load_stata_forward_and_pretrained_run_dir(tmp_path):
     src.eval()
     assert torch.equal(loaded(x), src(x)) and torch.equal(again(x), src(x))
     assert again.token_schedule()[1][0] == 1 + math.ceil(0.6 * 64)
+
+
+# ------------------------------------------------------------------- neuron backend, whole model
+
+
+def test_model_neurons_share_the_compiled_path_once_the_largest_one_needs_it(monkeypatch):
+    """`auto` picks one LIF path per model: compiled for every neuron once the largest crosses the
+    compile threshold (it is compiled anyway), the eager loop otherwise; spikes do not change."""
+    import efficient.models.spikformer as sf
+    from efficient.kernels import lif as K
+
+    m = create("spikformer-tiny", embed_dim=16, num_heads=2, timesteps=2)  # backend auto
+    lifs = [x for x in m.modules() if isinstance(x, sf.ModelLIF)]
+    peak = lifs[0].peak_numel
+    assert peak == max(m.patch_embed.neuron_peak(), 64 * 65) and all(x.peak_numel == peak for x in lifs)
+    seen = []
+    real = sf.lif
+    monkeypatch.setattr(sf, "lif", lambda *a, backend, **kw: seen.append(backend) or real(*a, backend="loop", **kw))
+    x = digits_like(2)
+    small = m.eval()(x)
+    assert set(seen) == {"loop"}  # 2 x 2 x peak is far below the threshold
+    seen.clear()
+    for n in lifs:
+        n.peak_numel = K.COMPILE_MIN_NUMEL  # as if the stem were huge: every neuron takes the compiled path
+    assert torch.equal(m(x), small)
+    want = "compile" if K.resolve_backend("auto", torch.device("cpu")) == "compile" else "loop"
+    assert set(seen) == {want} and len(seen) == len(lifs)
