@@ -1,6 +1,6 @@
 """Early-exit quality/speed trade-off of a trained EE-GPT run, over exit thresholds.
 
-    python bench/ee_tradeoff.py runs/ee_gpt_text --gen-thresholds 0.9 0.8 0.6 0.4 0.2
+    python bench/early_exit.py runs/ee_gpt_text --gen-thresholds 0.9 0.8 0.6 0.4 0.2
 
 Teacher-forced on the validation split (cheap, all tokens): per-exit loss, the exit distribution
 under the rule, the loss and top-1 agreement with the final head of the exit-chosen predictions,
@@ -57,9 +57,10 @@ def teacher_forced(model, batches, thresholds):
     return {k: v / n for k, v in per_exit_ce.items()}, out
 
 
-def free_running(model, prompts, new_tokens, thresholds, strategies, max_pending=None):
-    """Each configuration is timed right after a full-model run on the same prompts (tau = 1, same
-    code path), so machine load drifts cancel in the speedup ratio."""
+def free_running(model, prompts, new_tokens, thresholds, strategies, max_pending=None, repeats=3):
+    """Each configuration is timed `repeats` times, each right after a full-model run on the same
+    prompts (tau = 1, same code path); the speedup is the median of those paired ratios, so machine
+    load drifts cancel."""
     from efficient.decoding import generate
 
     generate(model, prompts[0], 8, 0.5, "recompute")  # warm-up
@@ -67,18 +68,24 @@ def free_running(model, prompts, new_tokens, thresholds, strategies, max_pending
     rows, base_times = [], []
     for strategy in strategies:
         for t in thresholds:
-            base_time = sum(generate(model, p, new_tokens, 1.0, "recompute").seconds for p in prompts)
             kw = {"max_pending": max_pending} if strategy == "recompute" else {}
-            gens = [generate(model, p, new_tokens, t, strategy, **kw) for p in prompts]
+            ratios, times, bases = [], [], []
+            for _ in range(repeats):
+                base = sum(generate(model, p, new_tokens, 1.0, "recompute").seconds for p in prompts)
+                gens = [generate(model, p, new_tokens, t, strategy, **kw) for p in prompts]
+                took = sum(g.seconds for g in gens)
+                ratios.append(base / took)
+                times.append(took)
+                bases.append(base)
+            base_times += bases
             toks = sum(len(g.tokens) for g in gens)
             agree = sum(sum(a == b for a, b in zip(g.tokens, r.tokens)) for g, r in zip(gens, refs)) / toks
             same_prefix = statistics.mean(next((i for i, (a, b) in enumerate(zip(g.tokens, r.tokens)) if a != b), len(g.tokens)) for g, r in zip(gens, refs))
-            tps = toks / sum(g.seconds for g in gens)
             exits = [e for g in gens for e in g.exit_layers]
             full = sum(g.full_macs for g in gens)
-            base_times.append(base_time)
-            row = {"strategy": strategy, "threshold": t, "tokens_per_s": tps, "full_tokens_per_s": toks / base_time, "speedup": base_time / sum(g.seconds for g in gens),
-                   "agree_full_greedy": agree, "agree_prefix_len": same_prefix, "mean_exit_depth": statistics.mean(exits) / model.num_layers,
+            row = {"strategy": strategy, "threshold": t, "tokens_per_s": toks / statistics.median(times), "full_tokens_per_s": toks / statistics.median(bases),
+                   "speedup": statistics.median(ratios), "speedup_range": [min(ratios), max(ratios)],
+                   "agree_full_greedy": agree, "agree_prefix_len": same_prefix, "mean_exit_layer": statistics.mean(exits), "mean_exit_depth": statistics.mean(exits) / model.num_layers,
                    "expected_mac_saving": 1 - sum(g.expected_macs for g in gens) / full, "mac_saving": 1 - sum(g.macs for g in gens) / full,
                    "exit_dist": {k: exits.count(k) / len(exits) for k in model.exit_layers}}
             if strategy == "speculative":
@@ -94,11 +101,12 @@ def main() -> None:
     ap.add_argument("run", help="run dir (or zoo name) of an early-exit model")
     # the paper's sweep: tau from 1.0 to 0.0 in steps of 0.05 (21 points), teacher-forced
     ap.add_argument("--thresholds", type=float, nargs="+", default=[round(1 - 0.05 * i, 2) for i in range(21)])
-    ap.add_argument("--gen-thresholds", type=float, nargs="+", default=[0.9, 0.8, 0.6, 0.4])
+    ap.add_argument("--gen-thresholds", type=float, nargs="+", default=[0.9, 0.8, 0.7, 0.6, 0.5])
     ap.add_argument("--strategies", nargs="+", default=["recompute", "copy", "speculative"])
-    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3, help="paired (full, early-exit) timings per configuration; the median ratio is reported")
     ap.add_argument("--val-batches", type=int, default=8)
     ap.add_argument("--max-pending", type=int, default=None, help="recompute: force full depth after this many exited tokens")
     ap.add_argument("--json", default=None)
@@ -116,21 +124,27 @@ def main() -> None:
         batches.append((torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])))
     per_exit, tf = teacher_forced(model, batches, args.thresholds)
     print("per-exit val CE:", {k: round(v, 4) for k, v in per_exit.items()})
-    print("| tau | exit dist (layer: share) | mean exit depth | val CE of chosen exits | top-1 agreement with final | expected MAC saving |")
-    print("|---|---|---|---|---|---|")
+    full_ce = per_exit[model.num_layers]
+    for r in tf:
+        r["val_ce_increase"] = r["val_ce"] / full_ce - 1
+    print("| tau | exit dist (layer: share) | mean exit layer | val CE of chosen exits | increase vs full | top-1 agreement with final | expected MAC saving |")
+    print("|---|---|---|---|---|---|---|")
     for r in tf:
         dist = ", ".join(f"{k}: {v:.2f}" for k, v in r["exit_dist"].items())
-        print(f"| {r['threshold']} | {dist} | {r['mean_exit_depth']:.3f} | {r['val_ce']:.4f} | {r['agree_final_top1']:.3f} | {r['expected_mac_saving']:.3f} |")
+        print(f"| {r['threshold']} | {dist} | {r['mean_exit_depth'] * model.num_layers:.2f} | {r['val_ce']:.4f} | {100 * r['val_ce_increase']:+.2f} % | {r['agree_final_top1']:.3f} | {r['expected_mac_saving']:.3f} |")
     stride = len(val) // args.prompts
     prompts = [val[i * stride][0][: args.prompt_len].tolist() for i in range(args.prompts)]
-    base_tps, gen = free_running(model, prompts, args.new_tokens, args.gen_thresholds, args.strategies, args.max_pending)
+    base_tps, gen = free_running(model, prompts, args.new_tokens, args.gen_thresholds, args.strategies, args.max_pending, args.repeats)
     print(f"\nfull model (tau = 1, recompute path), median: {base_tps:.1f} tokens/s")
-    print("| strategy | tau | exit dist | mean exit depth | tokens/s | full-model tokens/s (adjacent) | speedup | agreement with full greedy | expected MAC saving | actual MAC saving |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    ce_at = {r["threshold"]: r["val_ce_increase"] for r in tf}
+    print("| strategy | tau | exit dist | mean exit layer | tokens/s | full-model tokens/s (paired) | speedup (median, min-max) | held-out loss increase (teacher-forced) | agreement with full greedy | expected MAC saving | actual MAC saving |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in gen:
         dist = ", ".join(f"{k}: {v:.2f}" for k, v in r["exit_dist"].items())
         extra = f" (draft acceptance {r['draft_acceptance']:.2f})" if "draft_acceptance" in r else ""
-        print(f"| {r['strategy']}{extra} | {r['threshold']} | {dist} | {r['mean_exit_depth']:.3f} | {r['tokens_per_s']:.1f} | {r['full_tokens_per_s']:.1f} | {r['speedup']:.2f} | "
+        inc = f"{100 * ce_at[r['threshold']]:+.2f} %" if r["threshold"] in ce_at else "-"
+        lo, hi = r["speedup_range"]
+        print(f"| {r['strategy']}{extra} | {r['threshold']} | {dist} | {r['mean_exit_layer']:.2f} | {r['tokens_per_s']:.1f} | {r['full_tokens_per_s']:.1f} | {r['speedup']:.2f}x ({lo:.2f}-{hi:.2f}) | {inc} | "
               f"{r['agree_full_greedy']:.3f} | {r['expected_mac_saving']:.3f} | {r['mac_saving']:.3f} |")
     if args.json:
         with open(args.json, "w") as f:

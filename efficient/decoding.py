@@ -119,7 +119,7 @@ class _Costs:
         self.spent += tokens * n * self.layer
 
     def exit(self, layer: int, chunk: int) -> int:
-        """Exit head on the last position; its block / MLP (if any) runs on the whole chunk."""
+        """Exit head on the last position; an exit block runs on the whole `chunk` (it writes KV)."""
         body = self.head[layer] - self.C * self.V
         cost = chunk * body + self.C * self.V
         self.spent += cost
@@ -152,7 +152,7 @@ def _prefill(model, ids: torch.Tensor, cache) -> None:
             model.exit_hidden(e, h, mid, cache, 0)
 
 
-@torch.no_grad()
+@torch.inference_mode()  # no autograd bookkeeping at all: per-op overhead is what a decode step costs on CPU
 def generate(
     model,
     prompt: torch.Tensor | Sequence[int],
@@ -201,28 +201,52 @@ def generate(
 
 
 def _layerwise(model, ids, max_new, threshold, sampler, cache, strategy, max_pending, **_) -> Generation:
-    """`recompute` and `copy`: one new token per step, exits visited shallow to deep."""
+    """`recompute` and `copy`: one new token per step, exits visited shallow to deep.
+
+    recompute keeps, for every pending position (exited early, deep KV missing), the depth it was
+    computed to and its hidden state there. Each segment of layers runs on the new token plus the
+    pending positions that lack those layers, starting from their stored states, so every (layer,
+    position) pair is computed exactly once. Depths never increase along the pending positions (a
+    token that runs to depth d takes every earlier pending position with it), so the positions
+    that need a segment form a contiguous suffix and the chunk is one slice of the cache.
+    """
     L, costs = model.num_layers, _Costs(model)
     seq = ids.tolist()
     c = len(seq) - 1  # positions < c have full-depth KV; positions c..n-1 are pending
+    depth_of: list[int] = []  # recompute: computed depth of pending positions c, c+1, ...
+    state_of: list[torch.Tensor] = []  # ... and their hidden state [1, 1, C] at that depth
     tokens, exits, expected = [], [], 0
     for _ in range(max_new):
         n = len(seq) - 1
-        start = c if strategy == "recompute" else n
         forced = max_pending is not None and n - c >= max_pending
-        h = model.tok_emb(torch.tensor([seq[start:]], device=ids.device))
-        T, depth, mid, spent_heads = h.shape[1], 0, None, 0
+        h = model.tok_emb(torch.tensor([seq[n:]], device=ids.device))
+        start, depth, mid, spent_heads = n, 0, None, 0
         for e in model.exit_layers:
+            if strategy == "recompute":
+                # pending positions computed to exactly `depth` sit right before the chunk
+                j = start - c
+                while j > 0 and depth_of[j - 1] == depth:
+                    j -= 1
+                if j < start - c:
+                    h = torch.cat(state_of[j : start - c] + [h], dim=1)
+                    start = c + j
             h, mid = model.run_layers(h, depth, e, cache, start)
+            T = h.shape[1]
             costs.layers(T, e - depth)
             depth = e
             if e < L and not exits_enabled(threshold):
                 continue
-            hid = model.exit_hidden(e, h, mid, cache, start)[:, -1]
-            spent_heads += costs.exit(e, T)
+            head = model.exits[str(e)] if e < L else None
+            if head is not None and head.block is not None:  # an exit block writes KV for the chunk
+                hid = model.exit_hidden(e, h, mid, cache, start)[:, -1]
+                spent_heads += costs.exit(e, T)
+            else:
+                hid = model.exit_hidden(e, h[:, -1:], None if mid is None else mid[:, -1:])[:, -1]
+                spent_heads += costs.exit(e, 1)
             w = model.head_weight(e)
             if e == L:
                 tok, c = sampler.pick(hid @ w.T), n + 1
+                depth_of, state_of = [], []
                 break
             pmax, arg = exit_confidence(hid, w)
             if should_exit(float(pmax), threshold) and not forced:
@@ -231,6 +255,12 @@ def _layerwise(model, ids, max_new, threshold, sampler, cache, strategy, max_pen
                     model.fill_kv(h, e, cache, n)
                     costs.spent += 3 * model.n_embd**2 * (L - e)
                     c = n + 1
+                else:  # positions start..n now stand at depth e
+                    k = start - c
+                    depth_of[k:] = [e] * (T - 1)
+                    state_of[k:] = [h[:, i : i + 1] for i in range(T - 1)]
+                    depth_of.append(e)
+                    state_of.append(h[:, -1:])
                 break
         expected += costs.layer * e + spent_heads
         seq.append(tok)

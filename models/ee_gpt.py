@@ -80,9 +80,9 @@ class Attention(nn.Module):
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         B, T, C = x.shape
-        q, k, v = self.wqkv(x).split(C, dim=-1)
-        q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        qkv = self.wqkv(x).view(B, T, 3, self.n_head, self.head_dim).transpose(1, 3)  # [B, H, 3, T, hd]
+        qk = apply_rope(qkv[:, :, :2], cos, sin)  # q and k rotated in one call
+        return qk[:, :, 0], qk[:, :, 1], qkv[:, :, 2]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None, slot: int = 0, pos: int = 0) -> torch.Tensor:
         B, T, C = x.shape
@@ -93,9 +93,11 @@ class Attention(nn.Module):
             cache.k[slot][:, :, pos : pos + T] = k
             cache.v[slot][:, :, pos : pos + T] = v
             k, v = cache.k[slot][:, :, : pos + T], cache.v[slot][:, :, : pos + T]
-            # query i (absolute position pos+i) sees keys 0..pos+i
-            mask = torch.arange(pos + T, device=x.device)[None, :] <= (pos + torch.arange(T, device=x.device))[:, None]
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            if T == 1:  # a single query at the newest position sees every cached key: no mask to build
+                y = F.scaled_dot_product_attention(q, k, v)
+            else:  # query i (absolute position pos+i) sees keys 0..pos+i
+                mask = torch.arange(pos + T, device=x.device)[None, :] <= (pos + torch.arange(T, device=x.device))[:, None]
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.wo(y.transpose(1, 2).reshape(B, T, C))
 
 

@@ -102,6 +102,25 @@ def test_recompute_cache_equals_full_forward_cache(head):
         torch.testing.assert_close(g.cache.v[s][:, :, :c], ref.v[s][:, :, :c], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("head", ["norm", "norm_block"])
+def test_recompute_runs_each_layer_once_per_position(head):
+    """Pending tokens resume from their stored exit states: layer l processes each position once,
+    at prefill or in the step that first needs it (no shallow layer is re-run)."""
+    m = tiny(exit_head=head)
+    prompt, seen, tau = PROMPTS[1], [0] * m.num_layers, mixing_tau(m)
+    hooks = [layer.register_forward_hook(lambda mod, a, out, i=i: seen.__setitem__(i, seen[i] + a[0].shape[1])) for i, layer in enumerate(m.layers)]
+    try:
+        g = generate(m, prompt, N, threshold=tau, strategy="recompute")
+    finally:
+        for hk in hooks:
+            hk.remove()
+    first = len(prompt) - 1  # position the first generated step feeds
+    # a committed position has full depth; a pending one stands at the deepest exit of any later step
+    depth = [m.num_layers if first + i < g.committed else max(g.exit_layers[i:]) for i in range(N)]
+    assert any(d < m.num_layers for d in depth) and any(first + i < g.committed and e < 4 for i, e in enumerate(g.exit_layers))
+    assert seen == [first + sum(d > i for d in depth) for i in range(m.num_layers)]
+
+
 def test_threshold_zero_takes_first_exit_with_its_head(model):
     p = PROMPTS[0]
     g = generate(model, p, 8, threshold=0.0, strategy="recompute")
