@@ -157,7 +157,7 @@ def generate(
     model,
     prompt: torch.Tensor | Sequence[int],
     max_new_tokens: int,
-    threshold: float = 1.0,
+    threshold: float | None = 1.0,
     strategy: Strategy = "recompute",
     temperature: float = 0.0,
     top_k: int | None = None,
@@ -167,6 +167,10 @@ def generate(
     max_pending: int | None = None,
 ) -> Generation:
     """Decode `max_new_tokens` tokens after `prompt` with early exits (see the module docstring)."""
+    if threshold is None:  # "none": never exit, the full model
+        threshold = 1.0
+    if not 0 < threshold <= 1:
+        raise ConfigError(f"generate: the exit threshold is a max-probability in (0, 1] (1 or none = never exit), got {threshold}")
     if strategy not in STRATEGIES:
         raise ConfigError(f"generate: strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     if max_new_tokens < 1:

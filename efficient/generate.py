@@ -16,11 +16,24 @@ from pathlib import Path
 from efficient.errors import ConfigError
 
 
+def _threshold(text: str) -> float | None:
+    """'none' (never exit) or a max-probability in (0, 1]."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1] or 'none', got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"the exit threshold is a max-probability in (0, 1] ('none' never exits), got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="zoo name, run dir, or .safetensors file of an early-exit model")
     parser.add_argument("--prompt", required=True, help="prompt text (UTF-8, encoded as bytes)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--exit-threshold", type=float, default=1.0, help="exit when max-prob >= this; >= 1 disables exits, <= 0 always takes the first")
+    parser.add_argument("--exit-threshold", type=_threshold, default=None, help="exit when max-prob >= this, in (0, 1]; 'none' (default) or 1 never exits")
     parser.add_argument("--strategy", choices=["recompute", "copy", "speculative"], default="recompute")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=None)

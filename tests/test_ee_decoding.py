@@ -13,6 +13,7 @@ from efficient.models.ee_gpt import EEGPT
 
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9]]
 N = 10  # new tokens per generation: tiny, the machine running CI is small
+FIRST = 1e-6  # below 1/V: every token leaves at the first exit
 
 
 def tiny(**kw) -> EEGPT:
@@ -59,7 +60,7 @@ def test_threshold_one_is_the_full_model(model, references, strategy):
             assert g.exit_layers == [4] * N and g.summary()["mac_saving"] == 0.0
 
 
-@pytest.mark.parametrize("threshold,num_draft", [(0.0, 1), (0.5, 3)])
+@pytest.mark.parametrize("threshold,num_draft", [(FIRST, 1), (0.5, 3)])
 def test_speculative_greedy_is_lossless(model, references, threshold, num_draft):
     accepted = 0
     for p, ref in zip(PROMPTS, references):
@@ -123,7 +124,7 @@ def test_recompute_runs_each_layer_once_per_position(head):
 
 def test_threshold_zero_takes_first_exit_with_its_head(model):
     p = PROMPTS[0]
-    g = generate(model, p, 8, threshold=0.0, strategy="recompute")
+    g = generate(model, p, 8, threshold=FIRST, strategy="recompute")
     assert g.exit_layers == [1] * 8
     # each token is the argmax of exit 1's head applied to the layer-1 state of the whole sequence
     lg = model.all_logits(torch.tensor([p + g.tokens]))[1][0]
@@ -157,7 +158,7 @@ def test_copy_strategy_exits_and_fills_deep_kv(model):
 
 
 def test_recompute_max_pending_forces_full_depth(model):
-    g = generate(model, PROMPTS[0], 10, threshold=0.0, strategy="recompute", max_pending=3)
+    g = generate(model, PROMPTS[0], 10, threshold=FIRST, strategy="recompute", max_pending=3)
     assert g.exit_layers == [1, 1, 1, 4] * 2 + [1, 1]
 
 
@@ -199,13 +200,38 @@ def test_generate_errors(model):
         generate(model, [1], 0)
     with pytest.raises(ConfigError, match="has none"):
         generate(tiny(exit_layers=[]), [1], 2, strategy="speculative")
+    for bad in (0.0, -0.2, 1.5):
+        with pytest.raises(ConfigError, match=r"in \(0, 1\]"):
+            generate(model, [1], 2, threshold=bad)
+
+
+def test_no_threshold_is_the_full_model_with_its_kv_cache(model, references):
+    """threshold=None (CLI `--exit-threshold none`): full greedy output, and the cache holds the
+    keys/values a plain forward over prompt + output computes."""
+    p = PROMPTS[1]
+    g = generate(model, p, N, threshold=None)
+    assert g.tokens == references[1] and g.exit_layers == [4] * N and g.committed == len(p) + N - 1
+    seq = torch.tensor([p + g.tokens])[:, : g.committed]
+    cos, sin = model._rope(0, seq.shape[1])
+    h = model.tok_emb(seq)
+    for i, layer in enumerate(model.layers):
+        _, k, v = layer.attn.qkv(layer.norm1(h), cos, sin)
+        torch.testing.assert_close(g.cache.k[i][:, :, : g.committed], k, atol=1e-10, rtol=0)
+        torch.testing.assert_close(g.cache.v[i][:, :, : g.committed], v, atol=1e-10, rtol=0)
+        h, _ = layer(h, cos, sin)
 
 
 def test_generate_cli(capsys):
     from efficient.cli import main
 
-    rc = main(["generate", "ee-gpt-tiny", "--prompt", "ab", "--max-new-tokens", "3", "--exit-threshold", "0", "--json"])
+    rc = main(["generate", "ee-gpt-tiny", "--prompt", "ab", "--max-new-tokens", "3", "--exit-threshold", "0.001", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["exit_layers"] == [1, 1, 1] and out["summary"]["tokens"] == 3
     assert out["summary"]["mean_exit_depth"] == 0.25 and out["summary"]["expected_mac_saving"] > 0.5
     assert main(["generate", "ee-gpt-1.3b", "--prompt", "a"]) == 2  # no tokenizer for a 32k vocab
+    rc = main(["generate", "ee-gpt-tiny", "--prompt", "ab", "--max-new-tokens", "2", "--exit-threshold", "none", "--json"])
+    assert rc == 0 and json.loads(capsys.readouterr().out)["exit_layers"] == [4, 4]
+    for bad in ("0", "1.5", "high"):
+        with pytest.raises(SystemExit):
+            main(["generate", "ee-gpt-tiny", "--prompt", "ab", "--exit-threshold", bad])
+        assert "(0, 1]" in capsys.readouterr().err
