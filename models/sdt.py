@@ -191,6 +191,8 @@ class SpikeDrivenTransformer(Spikformer):
         self.init_stata(kb, anchor, prune_blocks, keep_ratio, prune_point, fuse_pruned, keep_warmup_start,
                         keep_warmup_epochs, score, std_eps, anchor_init_std)
 
+    lean_inference = False  # SDT blocks compute every row (they have no `forward_lean`)
+
     def forward_head(self, x: torch.Tensor) -> torch.Tensor:
         """Mean over tokens (anchor excluded) -> LIF -> Linear at every timestep -> mean over time."""
         return self.head(self.head_lif(x[:, :, self.n_prefix:].mean(2))).mean(0)

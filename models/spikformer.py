@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from efficient.errors import ConfigError
-from efficient.kernels.ssa import spiking_attention
+from efficient.kernels.ssa import attention_ref, scores_ref, spiking_attention
 from efficient.kernels.token_select import gather_tokens, select_tokens
 from efficient.kernels.lif import lif, resolve_backend
 from efficient.models.neurons import LIF
@@ -214,7 +214,10 @@ class Block(nn.Module):
             # published parameter counts (9.33M for 4-384) include them. Frozen, off the compute path.
             self.norm1, self.norm2 = nn.LayerNorm(dim).requires_grad_(False), nn.LayerNorm(dim).requires_grad_(False)
 
-    def forward(self, x: torch.Tensor, prune=None, anchor: bool = False, point: str = "after_attn") -> torch.Tensor:
+    def forward(self, x: torch.Tensor, prune=None, anchor: bool = False, point: str = "after_attn",
+                lean: bool = False, last: bool = False) -> torch.Tensor:
+        if lean:
+            return self.forward_lean(x, prune, int(anchor), last)
         q, k, v = self.attn.qkv(x)
         a, s, c = self.attn.attend(q, k, v, anchor=anchor, scores=prune is not None)
         x = x + a
@@ -225,6 +228,44 @@ class Block(nn.Module):
             x = prune(x, s, c)
         return x
 
+    def forward_lean(self, x: torch.Tensor, select=None, p: int = 0, last: bool = False) -> torch.Tensor:
+        """Inference (eval-mode BN, no fusion, pruning after attention): compute only the rows some
+        later op reads. Keys and values of every token are needed (they are attended to), but the
+        queries, attention output and MLP only of the tokens that survive: the kept candidates, plus
+        the anchor unless this is the last block (nothing after it reads the anchor). A pruning block
+        scores the candidates with the anchor's query alone (`select(s)` -> kept indices `[B, k]`, or
+        None to keep all). Every op left is row-wise in eval mode, so the surviving rows are bitwise
+        those of `forward` (which keeps the anchor: drop it, `x[:, :, p:]`, to compare after the last block).
+        """
+        attn = self.attn
+        k, v = attn.split_heads(attn.k(x)), attn.split_heads(attn.v(x))
+        prefix, cand = x[:, :, :p], x[:, :, p:]
+        q_prefix = q_cand = idx = None
+        if select is not None:
+            if p:  # the anchor's query alone scores the candidates: s_t(i) = sum_h <q_anchor, k_i>
+                q_prefix = attn.split_heads(attn.q(prefix))
+                s = torch.einsum("tbhd,tbhmd->tbm", q_prefix[..., 0, :], k[..., p:, :])
+            else:  # no anchor: the mean patch query scores them, so every query is needed
+                q_cand = attn.split_heads(attn.q(cand))
+                s = scores_ref(q_cand, k, False)[0]
+            idx = select(s)
+        if idx is not None:
+            cand = gather_tokens(cand, idx, attn.kernel_backend)
+            if q_cand is not None:  # [T, B, H, N, d]: gather on the token axis
+                T, B, H, _, d = q_cand.shape
+                q_cand = q_cand.gather(3, idx[None, :, None, :, None].expand(T, B, H, idx.shape[1], d))
+        if q_cand is None:
+            q_cand = attn.split_heads(attn.q(cand))
+        rows, q = cand, q_cand
+        if p and not last:
+            if q_prefix is None:
+                q_prefix = attn.split_heads(attn.q(prefix))
+            rows, q = torch.cat([prefix, cand], 2), torch.cat([q_prefix, q_cand], 3)
+        T, B, H, n, d = q.shape
+        y = attention_ref(q, k, v, attn.scale).transpose(2, 3).reshape(T, B, n, H * d)
+        rows = rows + attn.proj(attn.attn_lif(y))
+        return rows + self.mlp(rows)
+
 
 class Spikformer(nn.Module):
     """Spikformer classifier. Input `[B, C, H, W]` (repeated over T) or `[T, B, C, H, W]`.
@@ -233,7 +274,10 @@ class Spikformer(nn.Module):
     `keep_ratio` (one rho for every pruning block, or one per block), `prune_point`, `fuse_pruned`
     (EViT-style fused token), `keep_warmup_start` / `keep_warmup_epochs` (cosine warm-up of rho,
     driven by `set_progress`), `score` (standardized | raw, for ablation), `std_eps`, `anchor_init_std`.
-    With `anchor="off"` the mean patch query scores the tokens.
+    With `anchor="off"` the mean patch query scores the tokens. `lean_inference` (on in the STATA zoo
+    entries): at inference skip the rows nobody reads -- pruned tokens' queries and attention outputs,
+    the last block's anchor -- with bitwise the same logits (`uses_lean_path`); off, every row is
+    computed as in training (the cost arithmetic of the reconstruction).
     """
 
     def __init__(
@@ -263,8 +307,10 @@ class Spikformer(nn.Module):
         score: Score = "standardized",
         std_eps: float = 1e-6,
         anchor_init_std: float = 1.0,
+        lean_inference: bool = False,
     ) -> None:
         super().__init__()
+        self.lean_inference = bool(lean_inference)
         if timesteps < 1:
             raise ConfigError(f"timesteps must be >= 1 (got {timesteps})")
         if depth < 1:
@@ -378,24 +424,36 @@ class Spikformer(nn.Module):
             raise ValueError(f"this model has one anchor per timestep (T={self.timesteps}); got T={x.shape[0]}")
         return x
 
+    def _select(self, s: torch.Tensor, ratio: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(kept indices `[B, k]`, selection score `[B, N]`) of the top ceil(ratio*N) candidates by
+        standardized score, the same set at every t; None when every candidate is kept."""
+        n = s.shape[2]
+        k = kept_count(ratio, n)
+        self.stata_stats["degenerate"] += int((s.detach().float().std(-1, correction=0) == 0).all(0).sum())
+        if k == n:  # nothing to prune: keep order and shape exactly (identity at rho = 1)
+            return None
+        idx, z = select_tokens(s, k, self.std_eps, self.standardize, self.kernel_backend)
+        self.stata_stats.setdefault("kept_idx", []).append(idx)
+        return idx, z
+
+    def _select_idx(self, s: torch.Tensor, ratio: float) -> torch.Tensor | None:
+        sel = self._select(s, ratio)
+        return None if sel is None else sel[0]
+
     def _prune(self, x: torch.Tensor, s: torch.Tensor, c: torch.Tensor, ratio: float) -> torch.Tensor:
         """Keep the top ceil(ratio*N) candidates by standardized anchor score, the same set at every t."""
         p = self.n_prefix
         cand = x[:, :, p:]
-        n = cand.shape[2]
-        k = kept_count(ratio, n)
         if self.training or self.record_scores:
             self.stata_scores.append((s, c))
-        st = self.stata_stats
-        st["degenerate"] += int((s.detach().float().std(-1, correction=0) == 0).all(0).sum())
-        if k == n:  # nothing to prune: keep order and shape exactly (identity at rho = 1)
+        sel = self._select(s, ratio)
+        if sel is None:
             return x
-        idx, z = select_tokens(s, k, self.std_eps, self.standardize, self.kernel_backend)
+        idx, z = sel
         parts = [x[:, :, :p], gather_tokens(cand, idx, self.kernel_backend)]
         if self.fuse_pruned:  # EViT: one token = softmax(z)-weighted sum of the pruned tokens
             w = z.scatter(1, idx, float("-inf")).softmax(-1).to(x.dtype)  # [B, N], zero on kept tokens
             parts.append(torch.einsum("bn,tbnd->tbd", w, cand).unsqueeze(2))
-        st.setdefault("kept_idx", []).append(idx)
         return torch.cat(parts, 2)
 
     def embed(self, x: torch.Tensor) -> torch.Tensor:
@@ -406,32 +464,56 @@ class Spikformer(nn.Module):
             x = torch.cat([self.anchor[:, None, None, :].expand(T, B, 1, D).to(x.dtype), x], 2)
         return x
 
-    def forward_blocks(self, x: torch.Tensor) -> torch.Tensor:
-        """The encoder: tokens through every block, pruning where the schedule says."""
+    def uses_lean_path(self, x: torch.Tensor) -> bool:
+        """Whether `forward` skips the rows nobody reads (`Block.forward_lean`): inference only (in
+        training, every row enters BatchNorm's batch statistics), without fusion or recorded scores
+        (they need every token's query), and when an anchor or a pruning block leaves rows to skip.
+        T*B >= 2 keeps every projection a matrix product (a one-row product may round differently)."""
+        return (self.lean_inference and not self.training and not self.record_scores and not self.fuse_pruned
+                and self.prune_point == "after_attn" and bool(self.n_prefix or self.prune_at)
+                and x.shape[0] * x.shape[1] >= 2)
+
+    def forward_blocks(self, x: torch.Tensor, lean: bool = False) -> torch.Tensor:
+        """The encoder: tokens through every block, pruning where the schedule says. With `lean`
+        (see `uses_lean_path`) the last block returns the patch tokens only (no anchor)."""
         self.stata_scores = []
         self.stata_stats = {"tokens_in": [], "degenerate": 0}
         ratios = self.keep_ratios()
         self.stata_stats["keep_ratio"] = min(ratios.values(), default=1.0)
+        last = len(self.blocks) - 1
         for i, blk in enumerate(self.blocks):
             self.stata_stats["tokens_in"].append(x.shape[2])
             prune = None
             if i in ratios:
                 r = ratios[i]
-                prune = lambda x_, s_, c_, r=r: self._prune(x_, s_, c_, r)  # noqa: E731
-            x = blk(x, prune, anchor=self.n_prefix == 1, point=self.prune_point)
-        self.stata_stats["tokens_out"] = x.shape[2]
+                if lean:
+                    prune = lambda s_, r=r: self._select_idx(s_, r)  # noqa: E731
+                else:
+                    prune = lambda x_, s_, c_, r=r: self._prune(x_, s_, c_, r)  # noqa: E731
+            if lean and (prune is not None or i == last):
+                x = blk(x, prune, anchor=self.n_prefix == 1, lean=True, last=i == last)
+            else:
+                x = blk(x, prune, anchor=self.n_prefix == 1, point=self.prune_point)
+        self.stata_stats["tokens_out"] = x.shape[2] + (self.n_prefix if lean else 0)
         return x
+
+    def pool_head(self, patches: torch.Tensor) -> torch.Tensor:
+        """Patch tokens `[T, B, N, D]` -> logits: mean over tokens, then over time, then the linear classifier."""
+        return self.head(patches.mean(2).mean(0))
 
     def forward_head(self, x: torch.Tensor) -> torch.Tensor:
         """Mean over tokens (anchor excluded), then over time, then the linear classifier."""
-        return self.head(x[:, :, self.n_prefix:].mean(2).mean(0))
+        return self.pool_head(x[:, :, self.n_prefix:])
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Token features `[T, B, N', D]` after the last block (anchor at index 0 if present)."""
         return self.forward_blocks(self.embed(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
+        tokens = self.embed(x)
+        if self.uses_lean_path(tokens):
+            return self.pool_head(self.forward_blocks(tokens, lean=True))
+        return self.forward_head(self.forward_blocks(tokens))
 
 
 def _spikformer(**kw) -> Spikformer:
@@ -469,7 +551,7 @@ def spikformer_4_384(**kw) -> Spikformer:
     paper=STATA_PAPER,
     description="spikformer-4-384 + STATA: anchor per timestep, prune blocks 2,3 at rho=0.7 (65->46->33 tokens)",
     family="spikformer",
-    **CIFAR_CFG, **STATA_CFG, prune_blocks=[2, 3],
+    **CIFAR_CFG, **STATA_CFG, prune_blocks=[2, 3], lean_inference=True,
 )
 def spikformer_stata(**kw) -> Spikformer:
     return _spikformer(**kw)
@@ -493,7 +575,7 @@ def spikformer_8_512(**kw) -> Spikformer:
     paper=STATA_PAPER,
     description="spikformer-8-512 + STATA: prune blocks 4,6,8 at rho=0.7 (197->139->98->69 tokens)",
     family="spikformer",
-    **IMAGENET_CFG, **STATA_CFG, prune_blocks=[4, 6, 8],
+    **IMAGENET_CFG, **STATA_CFG, prune_blocks=[4, 6, 8], lean_inference=True,
 )
 def spikformer_8_512_stata(**kw) -> Spikformer:
     return _spikformer(**kw)
@@ -517,7 +599,7 @@ def spikformer_tiny(**kw) -> Spikformer:
     paper=STATA_PAPER,
     description="spikformer-tiny + STATA: anchor per timestep, prune blocks 1,2 at rho=0.5 (65->33->17 tokens)",
     family="spikformer",
-    **TINY_CFG, anchor="per_timestep", prune_blocks=[1, 2], keep_ratio=0.5,
+    **TINY_CFG, anchor="per_timestep", prune_blocks=[1, 2], keep_ratio=0.5, lean_inference=True,
 )
 def spikformer_tiny_stata(**kw) -> Spikformer:
     return _spikformer(**kw)

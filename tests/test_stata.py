@@ -103,7 +103,7 @@ def test_kept_set_is_shared_by_all_timesteps_and_anchor_survives():
     h1 = blk.register_forward_pre_hook(lambda mod, args: seen.__setitem__("x_in", args[0]))
     h2 = blk.attn.proj.register_forward_hook(lambda mod, args, out: seen.__setitem__("attn", out))
     h3 = blk.mlp.register_forward_pre_hook(lambda mod, args: seen.__setitem__("kept", args[0]))
-    m(digits_like(2))
+    m.forward_features(digits_like(2))  # the full path: every row computed, anchor kept to the end
     for h in (h1, h2, h3):
         h.remove()
     pre = seen["x_in"] + seen["attn"]  # residual stream at the pruning point
@@ -119,7 +119,8 @@ def test_kept_set_is_shared_by_all_timesteps_and_anchor_survives():
 def test_anchor_is_never_pooled():
     m = tiny().eval()
     x = digits_like()
-    base = m(x)
+    base = m.forward_head(m.forward_features(x))  # the full path keeps the anchor to the end
+    assert torch.equal(m(x), base)  # the lean inference path drops it in the last block: same logits
 
     def bump(index: int):
         def hook(mod, args, out):
@@ -129,11 +130,12 @@ def test_anchor_is_never_pooled():
 
         return m.blocks[-1].register_forward_hook(hook)
 
+    full = lambda: m.forward_head(m.forward_features(x))  # noqa: E731
     h = bump(0)
-    assert torch.equal(m(x), base)  # anchor features do not reach the logits
+    assert torch.equal(full(), base)  # anchor features do not reach the logits
     h.remove()
     h = bump(1)
-    assert not torch.allclose(m(x), base)  # a patch token does
+    assert not torch.allclose(full(), base)  # a patch token does
     h.remove()
 
 
@@ -347,3 +349,70 @@ def test_model_neurons_share_the_compiled_path_once_the_largest_one_needs_it(mon
     assert torch.equal(m(x), small)
     want = "compile" if K.resolve_backend("auto", torch.device("cpu")) == "compile" else "loop"
     assert set(seen) == {want} and len(seen) == len(lifs)
+
+
+# ------------------------------------------------------------------ lean inference (dead rows)
+
+
+def lively(m: Spikformer) -> Spikformer:
+    """BatchNorm running statistics from one training-mode batch, as after training: with the
+    initial ones (mean 0, var 1) an untrained model is silent in eval mode."""
+    for mod in m.modules():
+        if isinstance(mod, torch.nn.modules.batchnorm._BatchNorm):
+            mod.reset_running_stats()
+            mod.momentum = None  # cumulative average: the running stats become this batch's
+    with torch.no_grad():
+        m.train()(digits_like(4))
+    return m.eval()
+
+
+@pytest.mark.parametrize("kw", [{}, {"prune_blocks": [1]}, {"keep_ratio": [0.5, 0.3]}, {"anchor": "off"}])
+@pytest.mark.parametrize("b", [1, 3])
+def test_lean_inference_gives_bitwise_the_logits_of_the_full_forward(kw, b):
+    torch.manual_seed(1)
+    m = lively(tiny(**kw)).eval()
+    full = same_weights(tiny(**kw, lean_inference=False), m).eval()
+    x = digits_like(b)
+    assert m.uses_lean_path(m.embed(x)) and not full.uses_lean_path(full.embed(x))
+    out = m(x)
+    assert torch.equal(out, full(x)) and torch.equal(out, m.forward_head(m.forward_features(x)))
+    assert m.stata_stats["tokens_in"] == full.stata_stats["tokens_in"]
+    for a, c in zip(m.stata_stats["kept_idx"], full.stata_stats["kept_idx"]):
+        assert torch.equal(a, c)  # the anchor-only score ranks exactly as the fused attention pass
+    if b > 1:
+        assert not torch.equal(out[0], out[1])  # the neurons fire: a non-trivial comparison
+    if kw.get("anchor") != "off":  # the anchor fires: selection is not the index-order fallback
+        assert m.stata_stats["degenerate"] < b * len(m.stata_stats["kept_idx"])
+        assert any(not torch.equal(i, torch.arange(i.shape[1]).expand_as(i)) for i in m.stata_stats["kept_idx"])
+
+
+def _linear_rows(m, x) -> dict[str, int]:
+    rows = {}
+    hooks = [mod.register_forward_hook(lambda mod, a, o, n=n: rows.__setitem__(n, rows.get(n, 0) + a[0].shape[0]))
+             for n, mod in m.named_modules() if isinstance(mod, torch.nn.Linear) and n.startswith("blocks.")]
+    m(x)
+    for h in hooks:
+        h.remove()
+    return rows
+
+
+def test_lean_inference_skips_pruned_queries_and_the_last_anchor_only_at_inference():
+    m = tiny()  # blocks 1, 2 at rho 0.5: 65 -> 33 -> 17 tokens
+    x = digits_like(3)
+    tb = 2 * 3  # T * B: the linears see [T * B * tokens, D]
+    train_rows = _linear_rows(m.train(), x)
+    assert train_rows["blocks.1.attn.q.linear"] == tb * 33 and train_rows["blocks.1.mlp.fc1.linear"] == tb * 17
+    rows = _linear_rows(m.eval(), x)
+    want = {  # keys/values of every token; queries of the anchor + kept; no anchor after the last attention
+        "blocks.0.attn.k.linear": 65, "blocks.0.attn.v.linear": 65, "blocks.0.attn.q.linear": 1 + 32,
+        "blocks.0.attn.proj.linear": 33, "blocks.0.mlp.fc1.linear": 33, "blocks.0.mlp.fc2.linear": 33,
+        "blocks.1.attn.k.linear": 33, "blocks.1.attn.v.linear": 33, "blocks.1.attn.q.linear": 1 + 16,
+        "blocks.1.attn.proj.linear": 16, "blocks.1.mlp.fc1.linear": 16, "blocks.1.mlp.fc2.linear": 16,
+    }
+    assert rows == {k: tb * v for k, v in want.items()}
+    # the profiler counts what runs: block linears = rows x fan-in x fan-out
+    D, H = 16, 64
+    rep = efficient.profile(m, inputs=x)
+    fan = {"fc1": D * H, "fc2": H * D}
+    expect = sum(r * fan.get(k.split(".")[-2], D * D) for k, r in rows.items())
+    assert sum(l.dense_macs for l in rep.layers if l.name.startswith("blocks.") and l.type == "Linear") == expect
