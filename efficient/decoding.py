@@ -319,9 +319,10 @@ def _speculative(model, ids, max_new, threshold, sampler, cache, num_draft, **_)
         logits = model.exit_hidden(L, h, None)[0] @ wL.T  # [m+1, V]: full-model predictions
         costs.spent += H.shape[1] * model.n_embd * model.vocab_size
         new = []
+        full_arg = logits.argmax(-1).tolist() if sampler.greedy else None  # one op for the whole chunk
         for j, d in enumerate(drafts):
             if sampler.greedy:
-                ok, tok = int(logits[j].argmax()) == d, int(logits[j].argmax())
+                ok, tok = full_arg[j] == d, full_arg[j]
             else:
                 ok, tok = speculative_accept(sampler.probs(logits[j]), q[j], d, sampler)
             new.append(tok)
