@@ -450,11 +450,16 @@ class Spikformer(nn.Module):
         if sel is None:
             return x
         idx, z = sel
-        parts = [x[:, :, :p], gather_tokens(cand, idx, self.kernel_backend)]
-        if self.fuse_pruned:  # EViT: one token = softmax(z)-weighted sum of the pruned tokens
-            w = z.scatter(1, idx, float("-inf")).softmax(-1).to(x.dtype)  # [B, N], zero on kept tokens
-            parts.append(torch.einsum("bn,tbnd->tbd", w, cand).unsqueeze(2))
-        return torch.cat(parts, 2)
+        if p:  # one gather of the anchor and the kept tokens: no concatenation copy (nor its backward)
+            idx_all = torch.cat([torch.arange(p, device=idx.device).expand(idx.shape[0], p), idx + p], 1)
+            kept = gather_tokens(x, idx_all, self.kernel_backend)
+        else:
+            kept = gather_tokens(cand, idx, self.kernel_backend)
+        if not self.fuse_pruned:
+            return kept
+        # EViT: one token = softmax(z)-weighted sum of the pruned tokens
+        w = z.scatter(1, idx, float("-inf")).softmax(-1).to(x.dtype)  # [B, N], zero on kept tokens
+        return torch.cat([kept, torch.einsum("bn,tbnd->tbd", w, cand).unsqueeze(2)], 2)
 
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         """Images -> tokens `[T, B, N, D]` from the SPS stem, with the anchor at index 0 if enabled."""
