@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num-draft", type=int, default=4, help="speculative: drafts per round")
+    parser.add_argument("--num-draft", type=int, default=8, help="speculative: at most this many drafts per round (a draft below the threshold also ends it)")
     parser.add_argument("--max-pending", type=int, default=None, help="recompute: force a full-depth step after this many exited tokens")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
