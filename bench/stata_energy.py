@@ -3,6 +3,8 @@
 Counts come from `efficient.profile` (45 nm: 4.6 pJ/MAC, 0.9 pJ/SOP; only {0,1} operands count as
 spikes, so layers fed by Spikformer's integer residual stream are charged as MACs) on the trained
 checkpoints' validation split. "encoder" = the transformer blocks (everything under `blocks.`).
+STATA models run their lean inference path (pruned tokens' queries and the last block's anchor are
+never computed; bitwise the same logits); `--no-lean` computes every row, as training does.
 
     python bench/stata_energy.py runs/stata/dense_s0 runs/stata/stata_s0 ...   # run dirs
 """
@@ -30,8 +32,10 @@ def val_images(run: Path, limit: int | None) -> tuple[torch.Tensor, torch.Tensor
     return x, y
 
 
-def measure(run: Path, limit: int | None) -> dict:
+def measure(run: Path, limit: int | None, lean: bool = True) -> dict:
     model = efficient.load(run)
+    if hasattr(model, "lean_inference"):
+        model.lean_inference = model.lean_inference and lean
     x, y = val_images(run, limit)
     with torch.no_grad():
         acc = (model(x).argmax(-1) == y).float().mean().item()
@@ -47,6 +51,7 @@ def measure(run: Path, limit: int | None) -> dict:
         "encoder_sops_k": sum(l.sops for l in enc) / n / 1e3,
         "encoder_macs_k": sum(l.macs for l in enc) / n / 1e3,
         "tokens_in": [b["tokens_in"] for b in rep.blocks],
+        "lean": bool(getattr(model, "lean_inference", False)),
     }
 
 
@@ -54,13 +59,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", type=Path)
     ap.add_argument("--limit", type=int, default=None, help="validation images (default: all)")
+    ap.add_argument("--no-lean", action="store_true", help="compute every row (as training does), not the lean inference path")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    rows = [measure(r, args.limit) for r in args.runs]
-    print("| run | val acc | tokens in per block | energy / image (uJ) | encoder energy (uJ) | encoder MACs (k) | encoder SOPs (k) |")
-    print("|---|---|---|---|---|---|---|")
+    rows = [measure(r, args.limit, lean=not args.no_lean) for r in args.runs]
+    print("| run | lean | val acc | tokens in per block | energy / image (uJ) | encoder energy (uJ) | encoder MACs (k) | encoder SOPs (k) |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {Path(r['run']).name} | {r['acc']:.4f} | {r['tokens_in']} | {r['energy_uj']:.3f} | {r['encoder_uj']:.3f} "
+        print(f"| {Path(r['run']).name} | {r['lean']} | {r['acc']:.4f} | {r['tokens_in']} | {r['energy_uj']:.3f} | {r['encoder_uj']:.3f} "
               f"| {r['encoder_macs_k']:.1f} | {r['encoder_sops_k']:.1f} |")
     groups: dict[str, list[dict]] = {}
     for r in rows:
