@@ -39,8 +39,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        # x * rsqrt(mean(x^2) + eps) * weight in one op (fp32 statistics for half inputs)
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 def rope_tables(head_dim: int, max_len: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,6 +69,8 @@ class KVCache:
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(slots)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(slots)]
         self.max_len = max_len
+        # causal[i, j]: position i may read position j; chunk masks are slices of it
+        self.causal = torch.ones(max_len, max_len, dtype=torch.bool, device=device).tril()
 
 
 class Attention(nn.Module):
@@ -96,8 +98,7 @@ class Attention(nn.Module):
             if T == 1:  # a single query at the newest position sees every cached key: no mask to build
                 y = F.scaled_dot_product_attention(q, k, v)
             else:  # query i (absolute position pos+i) sees keys 0..pos+i
-                mask = torch.arange(pos + T, device=x.device)[None, :] <= (pos + torch.arange(T, device=x.device))[:, None]
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.causal[pos : pos + T, : pos + T])
         return self.wo(y.transpose(1, 2).reshape(B, T, C))
 
 
