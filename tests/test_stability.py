@@ -208,14 +208,14 @@ def test_at_reg_mode_applies_the_retraction_between_steps():
 # --------------------------------------------------------------------- recipes, bad input
 
 
-@pytest.mark.parametrize("name", ["stable_snn_cifar", "stable_snn_cifar_at", "stable_snn_digits", "stable_snn_digits_at"])
+@pytest.mark.parametrize("name", ["stable_snn_cifar", "stable_snn_cifar_at", "stable_snn_digits", "stable_snn_digits_at", "stable_snn_digits_eps32", "stable_snn_digits_at_eps32"])
 def test_recipes_validate(name):
     from efficient.config import load_recipe
 
     r = load_recipe(RECIPES / f"{name}.yaml")
     assert r.model["name"].startswith("stable-snn") and r.objective["name"] == "stability"
     assert r.data["normalize"] is False
-    assert r.objective["perturbation"] == ("fgsm" if name.endswith("_at") else "gaussian")
+    assert r.objective["perturbation"] == ("fgsm" if "_at" in name else "gaussian")
 
 
 def test_bad_input_errors():
