@@ -19,12 +19,13 @@ import math
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from efficient.errors import ConfigError
 from efficient.kernels.ssa import attention_ref, scores_ref, spiking_attention
 from efficient.kernels.token_select import gather_tokens, select_tokens
-from efficient.kernels.lif import lif, resolve_backend
+from efficient.kernels.lif import COMPILE_MIN_NUMEL, lif, resolve_backend
 from efficient.models.neurons import LIF
 from efficient.zoo import InputSpec, register_model
 
@@ -178,7 +179,44 @@ class SSA(nn.Module):
         return x.reshape(T, B, N, self.heads, C // self.heads).transpose(2, 3)  # [T, B, H, N, d]
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # the fused unit pays off for large inputs only; on small ones the separate units keep the
+        # training trajectory bit for bit (the fused backward sums the input gradient in another order)
+        if self.training and 3 * x.numel() >= COMPILE_MIN_NUMEL and self._fusable():
+            return tuple(self.split_heads(t) for t in self.qkv_fused(x))
         return self.split_heads(self.q(x)), self.split_heads(self.k(x)), self.split_heads(self.v(x))
+
+    def _fusable(self) -> bool:
+        units = (self.q, self.k, self.v)
+        bns, lifs = [u.bn for u in units], [u.lif for u in units]
+        return (all(b.track_running_stats and b.affine and b.momentum == bns[0].momentum and b.eps == bns[0].eps for b in bns)
+                and all(type(n) is type(lifs[0]) and n.extra_repr() == lifs[0].extra_repr() and not n.store_membrane
+                        and n.peak_numel == lifs[0].peak_numel for n in lifs))
+
+    def qkv_fused(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Training: the three Linear -> BatchNorm -> LIF units as one wide unit (one matmul, one
+        BatchNorm call over 3C channels, one neuron call). Every output channel is computed exactly
+        as by its own unit (per-column dot products, per-channel batch statistics, element-wise
+        neurons): the same spikes and running statistics, with fewer and larger kernels."""
+        units = (self.q, self.k, self.v)
+        T, B, N, C = x.shape
+        w = torch.cat([u.linear.weight for u in units])
+        b = None if units[0].linear.bias is None else torch.cat([u.linear.bias for u in units])
+        y = F.linear(x.flatten(0, 2), w, b)
+        bns = [u.bn for u in units]
+        for bn in bns:  # what BatchNorm.forward does in training before normalizing
+            bn.num_batches_tracked.add_(1)
+        m0 = bns[0].momentum
+        factor = 1.0 / float(bns[0].num_batches_tracked) if m0 is None else m0
+        rm = torch.cat([bn.running_mean for bn in bns])
+        rv = torch.cat([bn.running_var for bn in bns])
+        y = F.batch_norm(y, rm, rv, torch.cat([bn.weight for bn in bns]), torch.cat([bn.bias for bn in bns]),
+                         True, factor, bns[0].eps)
+        with torch.no_grad():
+            for i, bn in enumerate(bns):
+                bn.running_mean.copy_(rm[i * C:(i + 1) * C])
+                bn.running_var.copy_(rv[i * C:(i + 1) * C])
+        s = self.q.lif(y.reshape(T, B, N, 3 * C))
+        return s[..., :C], s[..., C:2 * C], s[..., 2 * C:]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, anchor: bool = False, scores: bool = False):
         """Output `[T, B, N, D]` and, if `scores`, STATA's anchor / mean-query scores (one fused pass)."""

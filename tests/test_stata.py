@@ -416,3 +416,26 @@ def test_lean_inference_skips_pruned_queries_and_the_last_anchor_only_at_inferen
     fan = {"fc1": D * H, "fc2": H * D}
     expect = sum(r * fan.get(k.split(".")[-2], D * D) for k, r in rows.items())
     assert sum(l.dense_macs for l in rep.layers if l.name.startswith("blocks.") and l.type == "Linear") == expect
+
+
+def test_fused_qkv_unit_gives_the_same_spikes_and_running_stats_as_three_units():
+    import copy
+
+    torch.manual_seed(0)
+    attn = tiny(embed_dim=32).blocks[0].attn.train()
+    ref = copy.deepcopy(attn)
+    x = torch.randint(0, 4, (2, 3, 17, 32)).float()
+    xf, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    fused = attn.qkv_fused(xf)
+    sep = (ref.q(xr), ref.k(xr), ref.v(xr))
+    for a, b in zip(fused, sep):
+        assert torch.equal(a, b) and 0 < a.mean() < 1
+    for a, b in zip(attn.buffers(), ref.buffers()):
+        assert torch.equal(a, b)  # running mean / var and the batch counters move exactly alike
+    g = [torch.randn_like(t) for t in sep]
+    sum((t * w).sum() for t, w in zip(fused, g)).backward()
+    sum((t * w).sum() for t, w in zip(sep, g)).backward()
+    torch.testing.assert_close(xf.grad, xr.grad, rtol=1e-5, atol=1e-6)  # the input gradient sums in another order
+    for (n, p), q in zip(attn.named_parameters(), ref.parameters()):
+        if p.grad is not None or q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=n)
