@@ -190,7 +190,7 @@ class SSA(nn.Module):
         bns, lifs = [u.bn for u in units], [u.lif for u in units]
         return (all(b.track_running_stats and b.affine and b.momentum == bns[0].momentum and b.eps == bns[0].eps for b in bns)
                 and all(type(n) is type(lifs[0]) and n.extra_repr() == lifs[0].extra_repr() and not n.store_membrane
-                        and n.peak_numel == lifs[0].peak_numel for n in lifs))
+                        and getattr(n, "peak_numel", 0) == getattr(lifs[0], "peak_numel", 0) for n in lifs))
 
     def qkv_fused(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Training: the three Linear -> BatchNorm -> LIF units as one wide unit (one matmul, one
