@@ -149,9 +149,15 @@ def main() -> None:
     ap.add_argument("--imagenet-steps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default=None, help="also write the rows here")
+    ap.add_argument("--compile-min-numel", type=int, default=None,
+                    help="override the LIF size from which `auto` compiles the loop on CPU (default 2^20 elements)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.compile_min_numel is not None:
+        from efficient.kernels import lif
+
+        lif.COMPILE_MIN_NUMEL = args.compile_min_numel
     rows = []
     if args.only in (None, "cifar"):
         rows += bench_pair(
