@@ -56,6 +56,12 @@ def encoder_fn(model, x, y):
 
 
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
+DEVICE = torch.device("cpu")
+
+
+def _sync() -> None:
+    if DEVICE.type == "cuda":  # kernels run asynchronously: time them to completion
+        torch.cuda.synchronize(DEVICE)
 
 
 def timed(fns: dict, steps: int, warmup: int) -> dict[str, dict[str, float]]:
@@ -67,8 +73,10 @@ def timed(fns: dict, steps: int, warmup: int) -> dict[str, dict[str, float]]:
     for i in range(warmup + steps):
         for k in keys[i % len(keys):] + keys[: i % len(keys)]:  # rotate the order: no model always runs first
             fn = fns[k]
+            _sync()
             t0 = {c: f() for c, f in CLOCKS.items()}
             fn()
+            _sync()
             t1 = {c: f() for c, f in CLOCKS.items()}
             if i >= warmup:
                 for c in CLOCKS:
@@ -113,14 +121,17 @@ def bench_pair(label, dense_name, stata_variants, img, batch, classes, steps, wa
     models = {dense_name: build(dense_name)}
     for vname, (zname, kw) in stata_variants.items():
         models[vname] = build(zname, **kw)
+    counts = {k: macs(m, x[:1]) for k, m in models.items()}  # counted on the CPU, before any move
+    x, y = x.to(DEVICE), y.to(DEVICE)
+    models = {k: m.to(DEVICE) for k, m in models.items()}
     steps_fns = {k: step_fn(m, x, y, torch.optim.AdamW(m.parameters(), lr=1e-4)) for k, m in models.items()}
     if with_sj:
         sj, reset = spikingjelly_cifar()
         if sj is not None:
+            sj = sj.to(DEVICE)
             steps_fns["spikingjelly-2.0 spikformer_cifar10"] = step_fn(sj, x, y, torch.optim.AdamW(sj.parameters(), lr=1e-4), reset)
     full = timed(steps_fns, steps, warmup)
     enc = timed({k: encoder_fn(m, x, y) for k, m in models.items()}, steps, warmup)
-    counts = {k: macs(m, x[:1]) for k, m in models.items()}
     rows = []
     d_macs, d_bmacs = counts[dense_name]
     for clock in CLOCKS:
@@ -151,7 +162,10 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the rows here")
     ap.add_argument("--compile-min-numel", type=int, default=None,
                     help="override the LIF size from which `auto` compiles the loop on CPU (default 2^20 elements)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (on CUDA the wall clock is the one to read)")
     args = ap.parse_args()
+    global DEVICE
+    DEVICE = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.compile_min_numel is not None:
