@@ -109,14 +109,3 @@ def test_zoo_entry_builds():
     m = efficient.load("bilipnet-digits")
     assert m(torch.rand(2, 1, 8, 8)).shape == (2, 10)
     assert m.lipschitz_bound() == pytest.approx(20.0)
-
-
-@pytest.mark.slow
-def test_recipe_runs_end_to_end_with_cost_report(tmp_path):
-    from efficient.config import load_recipe
-    from efficient.train.engine import Trainer
-
-    r = load_recipe("recipes/bilipnet_digits.yaml", ["train.max_steps=2", "train.progress=false"])
-    summary = Trainer(r, tmp_path / "run").fit()
-    assert summary["steps"] == 2 and 0 <= summary["val"]["acc"] <= 1
-    assert summary["cost"]["flops"] > 0

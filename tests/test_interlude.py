@@ -106,14 +106,3 @@ def test_ssl_digits_items():
     assert xl_w.shape == (1, 8, 8) and u_w.shape == (3, 1, 8, 8) and u_s.shape == (3, 1, 8, 8)
     assert d.meta["n_labeled"] == 20 and len(d.train) == d.meta["n_unlabeled"] // 3
     assert sorted({int(d.train.yl[i]) for i in range(20)}) == list(range(10))
-
-
-@pytest.mark.slow
-def test_recipe_runs_end_to_end_with_cost_report(tmp_path):
-    from efficient.config import load_recipe
-    from efficient.train.engine import Trainer
-
-    r = load_recipe("recipes/interlude_digits.yaml", ["train.max_steps=2", "train.progress=false"])
-    summary = Trainer(r, tmp_path / "run").fit()
-    assert summary["steps"] == 2 and 0 <= summary["val"]["acc"] <= 1
-    assert summary["cost"]["flops"] > 0

@@ -175,14 +175,3 @@ def test_merge_command_reports_parents_average_and_merge(tmp_path, capsys):
 
     m = efficient.load(out)
     assert type(m).__name__ == "MLP" and m.linears()[0].in_features == 64
-
-
-@pytest.mark.slow
-def test_recipe_runs_end_to_end_with_cost_report(tmp_path):
-    from efficient.config import load_recipe
-    from efficient.train.engine import Trainer
-
-    r = load_recipe("recipes/cca_merge_digits.yaml", ["train.max_steps=2", "train.progress=false"])
-    summary = Trainer(r, tmp_path / "run").fit()
-    assert summary["steps"] == 2 and 0 <= summary["val"]["acc"] <= 1
-    assert summary["cost"]["flops"] > 0

@@ -107,14 +107,3 @@ def test_odin_moves_the_length_correlation_to_the_length_head():
 def test_bad_heads_option():
     with pytest.raises(ConfigError, match="heads"):
         ODIN(heads=3)
-
-
-@pytest.mark.slow
-def test_recipe_runs_end_to_end_with_cost_report(tmp_path):
-    from efficient.config import load_recipe
-    from efficient.train.engine import Trainer
-
-    r = load_recipe("recipes/odin_text.yaml", ["train.max_steps=2", "train.progress=false", "data.num_train=64", "data.num_val=32"])
-    summary = Trainer(r, tmp_path / "run").fit()
-    assert summary["steps"] == 2 and {"rho_q", "rho_l", "acc"} <= set(summary["val"])
-    assert summary["cost"]["flops"] > 0

@@ -101,14 +101,3 @@ def test_bad_options_are_rejected():
         PULearning(prior=1.5)
     with pytest.raises(ConfigError, match="thresholds"):
         PULearning(thresholds=[0.5, 0.5])
-
-
-@pytest.mark.slow
-def test_recipe_runs_end_to_end_with_cost_report(tmp_path):
-    from efficient.config import load_recipe
-    from efficient.train.engine import Trainer
-
-    r = load_recipe("recipes/pu_digits.yaml", ["train.max_steps=2", "train.progress=false"])
-    summary = Trainer(r, tmp_path / "run").fit()
-    assert summary["steps"] == 2 and 0 <= summary["val"]["acc"] <= 1
-    assert summary["cost"]["flops"] > 0
