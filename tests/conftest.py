@@ -96,3 +96,13 @@ def fake_cifar(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
         return root
 
     return make
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module of tiny ops (on 2 shared cores thread hand-offs cost more than
+    the math); modules opt in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

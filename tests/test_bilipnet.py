@@ -8,12 +8,7 @@ import torch
 from efficient.models.bilipnet import BiLipClassifier, BiLipNet, MonLipLayer, PLNet, cayley, certified_radius
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: thread hand-offs cost more than the math
 
 
 def _randomise(module: torch.nn.Module, seed: int) -> None:

@@ -12,12 +12,7 @@ from efficient.models.mlp import MLP
 from efficient.objectives.interlude import InterLUDE, deinterleave, delta_consistency, fixmatch_unlabeled, fuse, interleave
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: thread hand-offs cost more than the math
 
 
 def _batch(B: int = 3, mu: int = 2, seed: int = 0):

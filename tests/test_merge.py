@@ -14,12 +14,7 @@ from efficient.merge import add_arguments, cca_transform, hidden_features, merge
 from efficient.models.mlp import MLP
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: thread hand-offs cost more than the math
 
 
 def _mlp(seed: int, activation: str = "relu", hidden=(12, 10)) -> MLP:

@@ -14,12 +14,7 @@ from efficient.metrics.catapult import agop, agop_alignment, frobenius_cosine, n
 from efficient.metrics.local_complexity import frame_directions, local_complexity
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: thread hand-offs cost more than the math
 
 
 def _relu_1d(seed: int = 0, width: int = 40) -> nn.Sequential:

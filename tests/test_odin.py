@@ -12,12 +12,7 @@ from efficient.errors import ConfigError
 from efficient.objectives.odin import ODIN, last_hidden, normalised_heads, odin_terms, pearson
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: thread hand-offs cost more than the math
 
 
 class BagLM(nn.Module):

@@ -23,13 +23,7 @@ from efficient.objectives.preference import (
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny ops on a shared 2-core machine: thread hand-offs cost more than the math
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: thread hand-offs cost more than the math
 
 
 class BigramLM(nn.Module):

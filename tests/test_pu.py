@@ -13,12 +13,7 @@ from efficient.errors import ConfigError
 from efficient.objectives.pu import PULearning, asymmetric_pu_risk, fence_posterior
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: thread hand-offs cost more than the math
 
 
 def _npdf(x: float, mu: float) -> float:
