@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
@@ -49,27 +48,16 @@ def local_complexity_run(epochs: int = 30) -> None:
             opt.step()
 
 
-class TwoLayer(nn.Module):
-    def __init__(self, d: int, m: int, seed: int) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.U = nn.Parameter(torch.randn(m, d, generator=g, dtype=torch.float64))
-        self.v = nn.Parameter(torch.randn(m, generator=g, dtype=torch.float64))
-        self.d, self.m = d, m
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (torch.relu(x @ self.U.T / math.sqrt(self.d)) @ self.v / math.sqrt(self.m)).unsqueeze(-1)
-
-
 def catapult_run() -> None:
     from efficient.metrics import ntk_top_eigenvalue
+    from efficient.models.mlp import NTKTwoLayer
 
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(16, 5, generator=g, dtype=torch.float64), torch.randn(16, 1, generator=g, dtype=torch.float64)
     print("| step / (2/lambda_0) | initial loss | peak loss | final loss | lambda_0 | lambda_final | 2/eta |")
     print("|---|---|---|---|---|---|---|")
     for factor in (0.5, 1.5):
-        net = TwoLayer(5, 1024, 0)
+        net = NTKTwoLayer(5, 1024, 0)
         lam0 = ntk_top_eigenvalue(net, (x,))["ntk_top_eig"]
         lr = factor * 2 / lam0
         losses = []

@@ -8,6 +8,7 @@ head, a fusion or a probe works on).
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -75,3 +76,18 @@ def mlp_small(hidden: list[int] = [64, 64], img_size: int = 16, in_chans: int = 
 @register_model("mlp-base", input_spec=DIGITS, description="digits MLP, two hidden layers of 256 (a strong student)", family="mlp", hidden=[256, 256])
 def mlp_base(hidden: list[int] = [256, 256], img_size: int = 16, in_chans: int = 1, num_classes: int = 10, activation: Activation = "relu", dropout: float = 0.0) -> MLP:  # noqa: B006
     return _digits_mlp(hidden, img_size, in_chans, num_classes, activation, dropout)
+
+
+class NTKTwoLayer(nn.Module):
+    """f(x) = v . relu(U x / sqrt(d)) / sqrt(m), fp64: the NTK-parameterised two-layer network of the
+    catapult papers (Lewkowycz et al. 2020), where the top NTK eigenvalue sets the 2/eta threshold."""
+
+    def __init__(self, d: int, m: int, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.U = nn.Parameter(torch.randn(m, d, generator=g, dtype=torch.float64))
+        self.v = nn.Parameter(torch.randn(m, generator=g, dtype=torch.float64))
+        self.d, self.m = d, m
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (torch.relu(x @ self.U.T / math.sqrt(self.d)) @ self.v / math.sqrt(self.m)).unsqueeze(-1)

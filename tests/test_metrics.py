@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ from efficient.errors import ConfigError
 from efficient.metrics import MEASURES, get_measure, measure
 from efficient.metrics.catapult import agop, agop_alignment, frobenius_cosine, ntk_top_eigenvalue, tangent_kernel
 from efficient.metrics.local_complexity import frame_directions, local_complexity
+from efficient.models.mlp import NTKTwoLayer
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: thread hand-offs cost more than the math
@@ -83,24 +83,10 @@ def test_tangent_kernel_of_a_linear_model():
     assert lam["ntk_critical_lr"] == pytest.approx(2 / lam["ntk_top_eig"])
 
 
-class TwoLayer(nn.Module):
-    """f(x) = v . relu(U x / sqrt(d)) / sqrt(m): the NTK parameterisation of the catapult papers."""
-
-    def __init__(self, d: int, m: int, seed: int) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.U = nn.Parameter(torch.randn(m, d, generator=g, dtype=torch.float64))
-        self.v = nn.Parameter(torch.randn(m, generator=g, dtype=torch.float64))
-        self.d, self.m = d, m
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (torch.relu(x @ self.U.T / math.sqrt(self.d)) @ self.v / math.sqrt(self.m)).unsqueeze(-1)
-
-
 def _gd(lr_factor: float, steps: int = 200) -> tuple[list[float], float, float]:
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(16, 5, generator=g, dtype=torch.float64), torch.randn(16, 1, generator=g, dtype=torch.float64)
-    net = TwoLayer(5, 1024, seed=0)
+    net = NTKTwoLayer(5, 1024, seed=0)
     lam0 = ntk_top_eigenvalue(net, (x, y))["ntk_top_eig"]
     lr = lr_factor * 2 / lam0
     losses = []
