@@ -38,33 +38,12 @@ from efficient.zoo import InputSpec, register_model
 PAPER = "Spike-driven Transformer (Yao et al., NeurIPS 2023)"
 
 
-class MSSPS(nn.Module):
-    """Stem: conv-BN-LIF x3 (+ max-pools on the last `pool_stages` stages), conv-BN(-pool) whose
-    real-valued output is both spiked for the conv position embedding and added back to it."""
+class MSSPS(SPS):
+    """Stem: SPS's conv-BN-LIF x3 (+ max-pools on the last `pool_stages` stages), then conv-BN(-pool)
+    whose real-valued output is both spiked for the conv position embedding and added back to it."""
 
     def __init__(self, img_size: int, in_chans: int, dim: int, pool_stages: int, lif_cfg: dict) -> None:
-        super().__init__()
-        if not 1 <= pool_stages <= 4:
-            raise ConfigError(f"pool_stages must be in 1..4 (got {pool_stages})")
-        stride = 2**pool_stages
-        if img_size < stride or img_size % stride:
-            raise ConfigError(
-                f"img_size {img_size} does not fit the SPS stem: with pool_stages={pool_stages} it must be a "
-                f"positive multiple of {stride}; resize the images or change pool_stages"
-            )
-        if dim % 8:
-            raise ConfigError(f"embed_dim must be divisible by 8 for the SPS stem, got {dim}")
-        chans = [in_chans, dim // 8, dim // 4, dim // 2, dim]
-        self.img_size, self.in_chans, self.grid = img_size, in_chans, img_size // stride
-        self.convs = nn.ModuleList(nn.Conv2d(chans[i], chans[i + 1], 3, 1, 1, bias=False) for i in range(4))
-        self.bns = nn.ModuleList(nn.BatchNorm2d(chans[i + 1]) for i in range(4))
-        self.lifs = nn.ModuleList(_lif(lif_cfg) for _ in range(4))
-        self.pools = nn.ModuleList(nn.MaxPool2d(3, 2, 1) if i >= 4 - pool_stages else nn.Identity() for i in range(4))
-        self.rpe_conv = nn.Conv2d(dim, dim, 3, 1, 1, bias=False)
-        self.rpe_bn = nn.BatchNorm2d(dim)
-        self.chans = chans
-
-    neuron_peak = SPS.neuron_peak
+        super().__init__(img_size, in_chans, dim, pool_stages, lif_cfg, rpe_lif=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         T, B = x.shape[:2]
@@ -177,11 +156,7 @@ class SpikeDrivenTransformer(Spikformer):
         anchor_init_std: float = 1.0,
     ) -> None:
         nn.Module.__init__(self)
-        if timesteps < 1 or depth < 1:
-            raise ConfigError(f"timesteps and depth must be >= 1 (got {timesteps}, {depth})")
-        lif_cfg = dict(tau=tau, v_reset=0.0, detach_reset=True, surrogate=surrogate, alpha=alpha, backend=backend)
-        kb = backend if backend in ("auto", "triton", "torch") else "auto"
-        self.timesteps, self.num_classes, self.embed_dim = timesteps, num_classes, embed_dim
+        lif_cfg, kb = self._init_core(timesteps, depth, num_classes, embed_dim, tau, surrogate, alpha, backend)
         self.patch_embed = MSSPS(img_size, in_chans, embed_dim, pool_stages, lif_cfg)
         self.blocks = nn.ModuleList(SDTBlock(embed_dim, num_heads, mlp_ratio, lif_cfg, reference_params) for _ in range(depth))
         self.head_lif = _lif(lif_cfg)

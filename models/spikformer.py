@@ -109,7 +109,7 @@ class SPS(nn.Module):
     conv relative-position embedding added to the tokens. `pool_stages` max-pools (on the last
     stages) set the token grid: img_size / 2**pool_stages per side."""
 
-    def __init__(self, img_size: int, in_chans: int, dim: int, pool_stages: int, lif_cfg: dict) -> None:
+    def __init__(self, img_size: int, in_chans: int, dim: int, pool_stages: int, lif_cfg: dict, rpe_lif: bool = True) -> None:
         super().__init__()
         if not 1 <= pool_stages <= 4:
             raise ConfigError(f"pool_stages must be in 1..4 (got {pool_stages})")
@@ -133,7 +133,8 @@ class SPS(nn.Module):
         )
         self.rpe_conv = nn.Conv2d(dim, dim, 3, 1, 1, bias=False)
         self.rpe_bn = nn.BatchNorm2d(dim)
-        self.rpe_lif = _lif(lif_cfg)
+        if rpe_lif:  # the Spike-driven Transformer's stem adds real-valued features instead
+            self.rpe_lif = _lif(lif_cfg)
         self.chans = chans
 
     def neuron_peak(self) -> int:
@@ -349,13 +350,7 @@ class Spikformer(nn.Module):
     ) -> None:
         super().__init__()
         self.lean_inference = bool(lean_inference)
-        if timesteps < 1:
-            raise ConfigError(f"timesteps must be >= 1 (got {timesteps})")
-        if depth < 1:
-            raise ConfigError(f"depth must be >= 1 (got {depth})")
-        lif_cfg = dict(tau=tau, v_reset=0.0, detach_reset=True, surrogate=surrogate, alpha=alpha, backend=backend)
-        kb = backend if backend in ("auto", "triton", "torch") else "auto"
-        self.timesteps, self.num_classes, self.embed_dim = timesteps, num_classes, embed_dim
+        lif_cfg, kb = self._init_core(timesteps, depth, num_classes, embed_dim, tau, surrogate, alpha, backend)
         self.patch_embed = SPS(img_size, in_chans, embed_dim, pool_stages, lif_cfg)
         self.blocks = nn.ModuleList(
             Block(embed_dim, num_heads, mlp_ratio, lif_cfg, qkv_bias, reference_norms, kb) for _ in range(depth)
@@ -366,6 +361,18 @@ class Spikformer(nn.Module):
 
         self.init_stata(kb, anchor, prune_blocks, keep_ratio, prune_point, fuse_pruned, keep_warmup_start,
                         keep_warmup_epochs, score, std_eps, anchor_init_std)
+
+    def _init_core(self, timesteps: int, depth: int, num_classes: int, embed_dim: int, tau: float, surrogate: str,
+                   alpha: float, backend: str) -> tuple[dict, str]:
+        """Checks and sizes shared with the Spike-driven Transformer; returns the neurons' config and
+        the attention / token-selection kernels' backend (they have no compiled-loop variant)."""
+        if timesteps < 1:
+            raise ConfigError(f"timesteps must be >= 1 (got {timesteps})")
+        if depth < 1:
+            raise ConfigError(f"depth must be >= 1 (got {depth})")
+        self.timesteps, self.num_classes, self.embed_dim = timesteps, num_classes, embed_dim
+        lif_cfg = dict(tau=tau, v_reset=0.0, detach_reset=True, surrogate=surrogate, alpha=alpha, backend=backend)
+        return lif_cfg, backend if backend in ("auto", "triton", "torch") else "auto"
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:
