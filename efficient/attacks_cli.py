@@ -90,20 +90,6 @@ def load_pixel_data(section: dict[str, Any]) -> tuple[Any, tuple[list[float], li
     return bundle, stats
 
 
-def resolve_device(name: str) -> Any:
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"--device {name!r}: not a device (use auto, cpu, cuda or cuda:N)") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"--device {name}: CUDA is not available here; use --device cpu")
-    return dev
-
-
 def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from torch import nn
@@ -137,7 +123,9 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
 
         model = nn.Sequential(Normalize(*stats), model)
         model.num_classes = num_classes  # type: ignore[assignment]
-    device = resolve_device(args.device)
+    from efficient.train.engine import resolve_device
+
+    device = resolve_device(args.device, "--device")
     model.to(device).eval()
     loader = DataLoader(bundle.val, batch_size=args.batch_size, shuffle=False, collate_fn=bundle.collate_fn)
     torch.manual_seed(args.seed)

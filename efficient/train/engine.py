@@ -74,15 +74,16 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, option: str = "train.device") -> torch.device:
+    """`auto` -> cuda when available, else cpu; errors name `option` (the recipe key or CLI flag)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dev = torch.device(name)
     except RuntimeError:
-        raise ConfigError(f"train.device: {name!r} is not a device (use auto, cpu, cuda, cuda:0)") from None
+        raise ConfigError(f"{option}: {name!r} is not a device (use auto, cpu, cuda, cuda:0)") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device: cuda requested but no CUDA device is available (use train.device=cpu)")
+        raise ConfigError(f"{option}: cuda requested but no CUDA device is available (use cpu)")
     return dev
 
 
