@@ -217,7 +217,9 @@ class SSA(nn.Module):
                 bn.running_mean.copy_(rm[i * C:(i + 1) * C])
                 bn.running_var.copy_(rv[i * C:(i + 1) * C])
         s = self.q.lif(y.reshape(T, B, N, 3 * C))
-        return s[..., :C], s[..., C:2 * C], s[..., 2 * C:]
+        # one split, not three slices: its backward concatenates the three gradients, where slices
+        # would each zero-fill a full-width gradient and add them up
+        return s.split(C, dim=-1)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, anchor: bool = False, scores: bool = False):
         """Output `[T, B, N, D]` and, if `scores`, STATA's anchor / mean-query scores (one fused pass)."""
