@@ -153,6 +153,15 @@ def _prefill(model, ids: torch.Tensor, cache) -> None:
             model.exit_hidden(e, h, mid, cache, 0)
 
 
+def check_threshold(threshold: float | None) -> float:
+    """The exit threshold as a max-probability in (0, 1]; None ("none") and 1 never exit."""
+    if threshold is None:
+        return 1.0
+    if not 0 < threshold <= 1:
+        raise ConfigError(f"the exit threshold is a max-probability in (0, 1] (1 or none = never exit), got {threshold}")
+    return float(threshold)
+
+
 @torch.inference_mode()  # no autograd bookkeeping at all: per-op overhead is what a decode step costs on CPU
 def generate(
     model,
@@ -168,10 +177,7 @@ def generate(
     max_pending: int | None = None,
 ) -> Generation:
     """Decode `max_new_tokens` tokens after `prompt` with early exits (see the module docstring)."""
-    if threshold is None:  # "none": never exit, the full model
-        threshold = 1.0
-    if not 0 < threshold <= 1:
-        raise ConfigError(f"generate: the exit threshold is a max-probability in (0, 1] (1 or none = never exit), got {threshold}")
+    threshold = check_threshold(threshold)
     if strategy not in STRATEGIES:
         raise ConfigError(f"generate: strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     if max_new_tokens < 1:

@@ -24,9 +24,12 @@ def _threshold(text: str) -> float | None:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number in (0, 1] or 'none', got {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"the exit threshold is a max-probability in (0, 1] ('none' never exits), got {value}")
-    return value
+    from efficient.decoding import check_threshold
+
+    try:
+        return check_threshold(value)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

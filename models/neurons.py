@@ -44,9 +44,13 @@ class SpikingNeuron(nn.Module):
         self.surrogate, self.alpha, self.backend = surrogate, float(alpha), backend
         self.store_membrane, self.spike_dtype = store_membrane, spike_dtype
 
+    def _backend_for(self, x: torch.Tensor) -> str:
+        """The backend this call runs on (subclasses may choose per model rather than per call)."""
+        return self.backend
+
     def _run(self, x: torch.Tensor, return_membrane: bool, **kw) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         want = return_membrane or self.store_membrane
-        out = lif(x, return_membrane=want, backend=self.backend, **kw)
+        out = lif(x, return_membrane=want, backend=self._backend_for(x), **kw)
         if not want:
             return out
         spikes, h = out

@@ -31,7 +31,6 @@ from efficient.models.spikformer import (
     SPS,
     Spikformer,
     _lif,
-    share_neuron_backend,
 )
 from efficient.zoo import InputSpec, register_model
 
@@ -162,7 +161,7 @@ class SpikeDrivenTransformer(Spikformer):
         self.head_lif = _lif(lif_cfg)
         self.head = nn.Linear(embed_dim, num_classes)
         self.apply(self._init_weights)
-        share_neuron_backend(self, max(self.patch_embed.neuron_peak(), int(embed_dim * mlp_ratio) * (self.patch_embed.grid**2 + 1)))
+        self._share_neuron_peak(mlp_ratio)
         self.init_stata(kb, anchor, prune_blocks, keep_ratio, prune_point, fuse_pruned, keep_warmup_start,
                         keep_warmup_epochs, score, std_eps, anchor_init_std)
 

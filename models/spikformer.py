@@ -25,7 +25,7 @@ from torch import nn
 from efficient.errors import ConfigError
 from efficient.kernels.ssa import attention_ref, scores_ref, spiking_attention
 from efficient.kernels.token_select import gather_tokens, select_tokens
-from efficient.kernels.lif import COMPILE_MIN_NUMEL, lif, resolve_backend
+from efficient.kernels.lif import COMPILE_MIN_NUMEL, resolve_backend
 from efficient.models.neurons import LIF
 from efficient.zoo import InputSpec, register_model
 
@@ -53,14 +53,10 @@ class ModelLIF(LIF):
 
     peak_numel: int = 0
 
-    def forward(self, x: torch.Tensor, return_membrane: bool = False):
-        if self.backend != "auto" or self.store_membrane or self.peak_numel <= 0:
-            return super().forward(x, return_membrane)
-        backend = resolve_backend("auto", x.device, max(x.numel(), x.shape[0] * x.shape[1] * self.peak_numel))
-        return lif(
-            x, self.tau, self.v_threshold, self.v_reset, self.detach_reset, self.decay_input, self.surrogate,
-            self.alpha, spike_dtype=self.spike_dtype, return_membrane=return_membrane, backend=backend,
-        )
+    def _backend_for(self, x: torch.Tensor) -> str:
+        if self.backend != "auto" or self.store_membrane or self.peak_numel <= 0 or x.dim() < 2:
+            return self.backend
+        return resolve_backend("auto", x.device, max(x.numel(), x.shape[0] * x.shape[1] * self.peak_numel))
 
 
 def _lif(cfg: dict, **kw) -> ModelLIF:
@@ -359,7 +355,7 @@ class Spikformer(nn.Module):
         )
         self.head = nn.Linear(embed_dim, num_classes)
         self.apply(self._init_weights)
-        share_neuron_backend(self, max(self.patch_embed.neuron_peak(), int(embed_dim * mlp_ratio) * (self.patch_embed.grid**2 + 1)))
+        self._share_neuron_peak(mlp_ratio)
 
         self.init_stata(kb, anchor, prune_blocks, keep_ratio, prune_point, fuse_pruned, keep_warmup_start,
                         keep_warmup_epochs, score, std_eps, anchor_init_std)
@@ -375,6 +371,12 @@ class Spikformer(nn.Module):
         self.timesteps, self.num_classes, self.embed_dim = timesteps, num_classes, embed_dim
         lif_cfg = dict(tau=tau, v_reset=0.0, detach_reset=True, surrogate=surrogate, alpha=alpha, backend=backend)
         return lif_cfg, backend if backend in ("auto", "triton", "torch") else "auto"
+
+    def _share_neuron_peak(self, mlp_ratio: float) -> None:
+        """Every neuron learns the model's largest neuron input per timestep and sample: the stem's
+        widest stage, or the MLP's hidden layer over every token plus one prefix token."""
+        hidden = int(self.embed_dim * mlp_ratio) * (self.patch_embed.grid**2 + 1)
+        share_neuron_backend(self, max(self.patch_embed.neuron_peak(), hidden))
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:

@@ -330,6 +330,7 @@ def test_load_stata_forward_and_pretrained_run_dir(tmp_path):
 def test_model_neurons_share_the_compiled_path_once_the_largest_one_needs_it(monkeypatch):
     """`auto` picks one LIF path per model: compiled for every neuron once the largest crosses the
     compile threshold (it is compiled anyway), the eager loop otherwise; spikes do not change."""
+    import efficient.models.neurons as neurons
     import efficient.models.spikformer as sf
     from efficient.kernels import lif as K
 
@@ -338,8 +339,8 @@ def test_model_neurons_share_the_compiled_path_once_the_largest_one_needs_it(mon
     peak = lifs[0].peak_numel
     assert peak == max(m.patch_embed.neuron_peak(), 64 * 65) and all(x.peak_numel == peak for x in lifs)
     seen = []
-    real = sf.lif
-    monkeypatch.setattr(sf, "lif", lambda *a, backend, **kw: seen.append(backend) or real(*a, backend="loop", **kw))
+    real = neurons.lif  # every neuron call goes through it, with the backend its module chose
+    monkeypatch.setattr(neurons, "lif", lambda *a, backend, **kw: seen.append(backend) or real(*a, backend="loop", **kw))
     x = digits_like(2)
     small = m.eval()(x)
     assert set(seen) == {"loop"}  # 2 x 2 x peak is far below the threshold
