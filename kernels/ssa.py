@@ -61,35 +61,63 @@ if HAS_TRITON:
     def _ssa_fwd_kernel(
         q_ptr, k_ptr, v_ptr, y_ptr, s_ptr, c_ptr, N, D, scale,
         P: tl.constexpr, SCORES: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
     ):
-        # one program per (t, b, head): M = K^T V once, then y = scale * Q M by query blocks
-        pid = tl.program_id(0)
+        # program (t*B*H + b*H + h, e): columns [e*BLOCK_E, (e+1)*BLOCK_E) of y for one head, in three
+        # passes over fixed-size row blocks so registers and shared memory do not grow with N:
+        #   1. (scores only) sum of the patch queries -> mean query; the anchor query (P == 1)
+        #   2. over key/value blocks: M[:, cols] += K_blk^T V_blk[:, cols]; scores of the block's keys
+        #   3. over query blocks: y_blk[:, cols] = scale * Q_blk M[:, cols]
+        # All products run in fp32 with IEEE precision: on binary spikes every partial sum is an
+        # integer, so y is bit-identical to the reference.
+        pid = tl.program_id(0).to(tl.int64)
+        e0 = tl.program_id(1) * BLOCK_E
         base = pid * N * D
-        rn = tl.arange(0, BLOCK_N)
+        rb = tl.arange(0, BLOCK_N)
         rd = tl.arange(0, BLOCK_D)
-        kv_mask = (rn[:, None] < N) & (rd[None, :] < D)
-        kk = tl.load(k_ptr + base + rn[:, None] * D + rd[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        vv = tl.load(v_ptr + base + rn[:, None] * D + rd[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        m = tl.dot(tl.trans(kk), vv, input_precision="ieee")  # [BLOCK_D, BLOCK_D]
-        qsum = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for q0 in range(0, N, BLOCK_Q):
-            rq = q0 + tl.arange(0, BLOCK_Q)
-            qm = (rq[:, None] < N) & (rd[None, :] < D)
-            qq = tl.load(q_ptr + base + rq[:, None] * D + rd[None, :], mask=qm, other=0.0).to(tl.float32)
-            y = tl.dot(qq, m, input_precision="ieee") * scale
-            tl.store(y_ptr + base + rq[:, None] * D + rd[None, :], y.to(y_ptr.dtype.element_ty), mask=qm)
-            if SCORES:
-                qsum += tl.sum(tl.where((rq[:, None] >= P) & qm, qq, 0.0), 0)
+        re = e0 + tl.arange(0, BLOCK_E)
+        d_ok = rd < D
+        e_ok = re < D
         if SCORES:
-            qbar = qsum / (N - P)
-            c = tl.sum(kk * qbar[None, :], 1)
-            out_mask = (rn >= P) & (rn < N)
-            tl.store(c_ptr + pid * (N - P) + rn - P, c, mask=out_mask)
+            qsum = tl.zeros([BLOCK_D], dtype=tl.float32)
+            for n0 in range(P, N, BLOCK_N):
+                rn = n0 + rb
+                msk = (rn[:, None] < N) & d_ok[None, :]
+                qq = tl.load(q_ptr + base + rn[:, None] * D + rd[None, :], mask=msk, other=0.0).to(tl.float32)
+                qsum += tl.sum(qq, 0)
+            cnt = tl.zeros([BLOCK_D], dtype=tl.float32) + (N - P)
+            qbar = tl.math.div_rn(qsum, cnt)
             if P == 1:
-                qa = tl.load(q_ptr + base + rd, mask=rd < D, other=0.0).to(tl.float32)
-                s = tl.sum(kk * qa[None, :], 1)
-                tl.store(s_ptr + pid * (N - P) + rn - P, s, mask=out_mask)
+                qa = tl.load(q_ptr + base + rd, mask=d_ok, other=0.0).to(tl.float32)
+            else:
+                qa = qbar
+            score_base = pid * (N - P) - P
+        m = tl.zeros([BLOCK_D, BLOCK_E], dtype=tl.float32)
+        for n0 in range(0, N, BLOCK_N):
+            rn = n0 + rb
+            rows = rn[:, None] < N
+            kk = tl.load(k_ptr + base + rn[:, None] * D + rd[None, :], mask=rows & d_ok[None, :], other=0.0).to(tl.float32)
+            vv = tl.load(v_ptr + base + rn[:, None] * D + re[None, :], mask=rows & e_ok[None, :], other=0.0).to(tl.float32)
+            m += tl.dot(tl.trans(kk), vv, input_precision="ieee")
+            if SCORES:
+                out = (rn >= P) & (rn < N) & (e0 == 0)  # the first column block writes the scores
+                tl.store(c_ptr + score_base + rn, tl.sum(kk * qbar[None, :], 1), mask=out)
+                if P == 1:
+                    tl.store(s_ptr + score_base + rn, tl.sum(kk * qa[None, :], 1), mask=out)
+        for n0 in range(0, N, BLOCK_N):
+            rn = n0 + rb
+            rows = rn[:, None] < N
+            qq = tl.load(q_ptr + base + rn[:, None] * D + rd[None, :], mask=rows & d_ok[None, :], other=0.0).to(tl.float32)
+            y = tl.dot(qq, m, input_precision="ieee") * scale
+            tl.store(y_ptr + base + rn[:, None] * D + re[None, :], y.to(y_ptr.dtype.element_ty), mask=rows & e_ok[None, :])
+
+
+def ssa_blocks(d: int) -> dict:
+    """Launch parameters of `_ssa_fwd_kernel` for head dim `d`: fixed 32-row blocks (independent of
+    N), the whole head dim as the contraction block, at most 64 output columns per program, and 8
+    warps from head dim 64 up (4 warps hold a 64 x 64 fp32 tile only by spilling)."""
+    block_d = max(16, _next_pow2(d))
+    return {"BLOCK_N": 32, "BLOCK_D": block_d, "BLOCK_E": min(64, block_d), "num_warps": 8 if block_d >= 64 else 4}
 
 
 def ssa_triton(q: Tensor, k: Tensor, v: Tensor, scale: float, anchor: bool, scores: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -100,11 +128,9 @@ def ssa_triton(q: Tensor, k: Tensor, v: Tensor, scale: float, anchor: bool, scor
     m = N - p if scores else 0
     s_h = torch.empty(T, B, H, m, device=q.device, dtype=torch.float32)
     c_h = torch.empty(T, B, H, m, device=q.device, dtype=torch.float32)
-    block_n = max(16, _next_pow2(N))
-    _ssa_fwd_kernel[(T * B * H,)](
-        q, k, v, y, s_h, c_h, N, D, scale, P=p, SCORES=scores,
-        BLOCK_N=block_n, BLOCK_D=max(16, _next_pow2(D)), BLOCK_Q=min(64, block_n),
-    )
+    blocks = ssa_blocks(D)
+    grid = (T * B * H, triton.cdiv(D, blocks["BLOCK_E"]))
+    _ssa_fwd_kernel[grid](q, k, v, y, s_h, c_h, N, D, scale, P=p, SCORES=scores, **blocks)
     if not scores:
         return y, s_h.new_empty(0), c_h.new_empty(0)
     c = c_h.sum(2).to(q.dtype)

@@ -9,7 +9,12 @@ with a fake implementation:
   the lower index, so a timestep whose scores are constant (anchor silent) abstains with z_t = 0 and
   an all-abstaining sample keeps the first k tokens in order.
 * `gather_tokens(x [T, B, N, D], idx [B, k])` -> `[T, B, k, D]`, the same tokens at every t; its
-  backward scatters the gradient back (pruned tokens get zero).
+  backward adds the gradient back into the picked rows (pruned tokens get zero, a token picked twice
+  gets the sum of both gradients). Indices must lie in [0, N).
+
+The Triton kernels work on fixed-size blocks, so registers and shared memory do not grow with N:
+selection standardizes in row blocks, ranks tile by tile (no N x N matrix) and places each kept
+token by a running prefix sum.
 """
 
 from __future__ import annotations
@@ -75,7 +80,8 @@ def gather_tokens_ref(x: Tensor, idx: Tensor) -> Tensor:
 def scatter_tokens_ref(g: Tensor, idx: Tensor, n: int) -> Tensor:
     T, B, k, D = g.shape
     out = g.new_zeros(T, B, n, D)
-    return out.scatter(2, idx[None, :, :, None].expand(T, B, k, D), g)
+    # scatter_add, not scatter: a token picked twice receives the sum of both gradients
+    return out.scatter_add(2, idx[None, :, :, None].expand(T, B, k, D), g)
 
 
 # --------------------------------------------------------------------------------- Triton kernels
@@ -83,52 +89,88 @@ def scatter_tokens_ref(g: Tensor, idx: Tensor, n: int) -> Tensor:
 if HAS_TRITON:
 
     @triton.jit
-    def _select_kernel(
-        s_ptr, z_ptr, idx_ptr, T, B, N, K, eps,
-        STANDARDIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    ):
-        # one program per sample: standardize each timestep's row, average over t, rank, write kept indices
-        b = tl.program_id(0)
-        offs = tl.arange(0, BLOCK_N)
-        valid = offs < N
-        z = tl.zeros([BLOCK_N], dtype=tl.float32)
+    def _zscore_kernel(s_ptr, z_ptr, T, B, N, eps, STANDARDIZE: tl.constexpr, BLOCK: tl.constexpr):
+        # one program per sample, fixed row blocks: per timestep a pass for the mean, one for the
+        # population std, one adding z_t into z (zero-initialised); then z /= T. Exact division and
+        # square root (div_rn, sqrt_rn) as torch computes them, so near-ties resolve the same way.
+        b = tl.program_id(0).to(tl.int64)
+        rb = tl.arange(0, BLOCK)
+        nf = tl.zeros([BLOCK], dtype=tl.float32) + N
         for t in range(T):
-            s = tl.load(s_ptr + (t * B + b) * N + offs, mask=valid, other=0.0).to(tl.float32)
+            row = s_ptr + (t * B + b) * N
             if STANDARDIZE:
-                mu = tl.sum(s, 0) / N
-                d = tl.where(valid, s - mu, 0.0)
-                sd = tl.sqrt(tl.sum(d * d, 0) / N)
-                z += d / (sd + eps)
-            else:
-                z += s
-        z = z / T
-        tl.store(z_ptr + b * N + offs, z, mask=valid)
-        # rank_i = #{j valid: z_j > z_i or (z_j == z_i and j < i)}; kept iff rank_i < K
-        zi = z[:, None]
-        zj = z[None, :]
-        ii = offs[:, None]
-        jj = offs[None, :]
-        ahead = ((zj > zi) | ((zj == zi) & (jj < ii))) & (jj < N)
-        rank = tl.sum(ahead.to(tl.int32), 1)
-        kept = (rank < K) & valid
-        # output slot of a kept token = number of kept tokens before it
-        before = (kept[None, :] & (jj < ii)).to(tl.int32)
-        pos = tl.sum(before, 1)
-        tl.store(idx_ptr + b * K + pos, offs.to(tl.int64), mask=kept)
+                acc = tl.zeros([BLOCK], dtype=tl.float32)
+                for n0 in range(0, N, BLOCK):
+                    rn = n0 + rb
+                    acc += tl.load(row + rn, mask=rn < N, other=0.0).to(tl.float32)
+                mu = tl.math.div_rn(tl.zeros([BLOCK], dtype=tl.float32) + tl.sum(acc, 0), nf)
+                acc2 = tl.zeros([BLOCK], dtype=tl.float32)
+                for n0 in range(0, N, BLOCK):
+                    rn = n0 + rb
+                    x = tl.load(row + rn, mask=rn < N, other=0.0).to(tl.float32)
+                    d = tl.where(rn < N, x - mu, 0.0)
+                    acc2 += d * d
+                sd = tl.sqrt_rn(tl.math.div_rn(tl.zeros([BLOCK], dtype=tl.float32) + tl.sum(acc2, 0), nf))
+                den = sd + eps
+            for n0 in range(0, N, BLOCK):
+                rn = n0 + rb
+                x = tl.load(row + rn, mask=rn < N, other=0.0).to(tl.float32)
+                if STANDARDIZE:
+                    x = tl.math.div_rn(x - mu, den)
+                zp = z_ptr + b * N + rn
+                tl.store(zp, tl.load(zp, mask=rn < N, other=0.0) + x, mask=rn < N)
+            tl.debug_barrier()
+        tf = tl.zeros([BLOCK], dtype=tl.float32) + T
+        for n0 in range(0, N, BLOCK):
+            rn = n0 + rb
+            zp = z_ptr + b * N + rn
+            tl.store(zp, tl.math.div_rn(tl.load(zp, mask=rn < N, other=0.0), tf), mask=rn < N)
+
+    @triton.jit
+    def _rank_kernel(z_ptr, kept_ptr, N, K, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
+        # program (b, i-block): rank_i = #{j: z_j > z_i or (z_j == z_i and j < i)}, counted tile by
+        # tile over j; token i is kept iff rank_i < K (ties go to the lower index)
+        b = tl.program_id(0).to(tl.int64)
+        ri = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+        zi = tl.load(z_ptr + b * N + ri, mask=ri < N, other=0.0)
+        rank = tl.zeros([BLOCK_I], dtype=tl.int32)
+        for j0 in range(0, N, BLOCK_J):
+            rj = j0 + tl.arange(0, BLOCK_J)
+            zj = tl.load(z_ptr + b * N + rj, mask=rj < N, other=0.0)
+            ahead = (zj[None, :] > zi[:, None]) | ((zj[None, :] == zi[:, None]) & (rj[None, :] < ri[:, None]))
+            rank += tl.sum((ahead & (rj[None, :] < N)).to(tl.int32), 1)
+        tl.store(kept_ptr + b * N + ri, (rank < K).to(tl.int32), mask=ri < N)
+
+    @triton.jit
+    def _slot_kernel(kept_ptr, idx_ptr, N, K, BLOCK: tl.constexpr):
+        # one program per sample: a kept token goes to slot = number of kept tokens before it, so
+        # the indices come out ascending (a running prefix sum over row blocks)
+        b = tl.program_id(0).to(tl.int64)
+        rb = tl.arange(0, BLOCK)
+        carry = tl.zeros([BLOCK], dtype=tl.int32)
+        for n0 in range(0, N, BLOCK):
+            rn = n0 + rb
+            kept = tl.load(kept_ptr + b * N + rn, mask=rn < N, other=0)
+            pos = carry + tl.cumsum(kept, 0) - kept
+            tl.store(idx_ptr + b * K + pos, rn.to(tl.int64), mask=(kept != 0) & (rn < N))
+            carry += tl.sum(kept, 0)
 
     @triton.jit
     def _gather_kernel(src_ptr, idx_ptr, out_ptr, B, N_SRC, K, D, SCATTER: tl.constexpr, BLOCK_D: tl.constexpr):
-        # program (t*B + b, p): copies row idx[b, p] of src to row p of out (or back, for SCATTER)
-        tb = tl.program_id(0)
-        p = tl.program_id(1)
+        # program (t*B + b, p): copies row idx[b, p] of src to row p of out, or for SCATTER adds row
+        # p of src into row idx[b, p] of out (atomically: repeated indices accumulate their gradients).
+        # Indices outside [0, N_SRC) touch nothing (the public function rejects them first).
+        tb = tl.program_id(0).to(tl.int64)
+        p = tl.program_id(1).to(tl.int64)
         b = tb % B
         j = tl.load(idx_ptr + b * K + p)
+        ok = (j >= 0) & (j < N_SRC)
         for d0 in range(0, D, BLOCK_D):
             offs = d0 + tl.arange(0, BLOCK_D)
-            m = offs < D
+            m = (offs < D) & ok
             if SCATTER:
                 v = tl.load(src_ptr + (tb * K + p) * D + offs, mask=m)
-                tl.store(out_ptr + (tb * N_SRC + j) * D + offs, v, mask=m)
+                tl.atomic_add(out_ptr + (tb * N_SRC + j) * D + offs, v, mask=m)
             else:
                 v = tl.load(src_ptr + (tb * N_SRC + j) * D + offs, mask=m)
                 tl.store(out_ptr + (tb * K + p) * D + offs, v, mask=m)
@@ -138,12 +180,19 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+SELECT_BLOCK = 256  # row block of the z-score and slot kernels
+RANK_BLOCK = 64  # i and j tile of the rank kernel
+
+
 def select_tokens_triton(scores: Tensor, k: int, eps: float = 1e-6, standardize: bool = True) -> tuple[Tensor, Tensor]:
     T, B, N = scores.shape
     s = scores.detach().contiguous()
-    z = torch.empty(B, N, device=s.device, dtype=torch.float32)
+    z = torch.zeros(B, N, device=s.device, dtype=torch.float32)
+    kept = torch.empty(B, N, device=s.device, dtype=torch.int32)
     idx = torch.empty(B, k, device=s.device, dtype=torch.int64)
-    _select_kernel[(B,)](s, z, idx, T, B, N, k, eps, STANDARDIZE=standardize, BLOCK_N=max(16, _next_pow2(N)))
+    _zscore_kernel[(B,)](s, z, T, B, N, eps, STANDARDIZE=standardize, BLOCK=SELECT_BLOCK)
+    _rank_kernel[(B, triton.cdiv(N, RANK_BLOCK))](z, kept, N, k, BLOCK_I=RANK_BLOCK, BLOCK_J=RANK_BLOCK)
+    _slot_kernel[(B,)](kept, idx, N, k, BLOCK=SELECT_BLOCK)
     return idx, z
 
 
@@ -152,12 +201,13 @@ def _gather_triton(src: Tensor, idx: Tensor, n_out: int, scatter: bool) -> Tenso
     src = src.contiguous()
     idx = idx.contiguous()
     k = idx.shape[1]
-    if scatter:  # src is [T, B, k, D] -> out [T, B, n_out, D]
+    block_d = min(1024, _next_pow2(D))
+    if scatter:  # src is [T, B, k, D] -> out [T, B, n_out, D]; atomics need a zeroed output
         out = src.new_zeros(T, B, n_out, D)
-        _gather_kernel[(T * B, k)](src, idx, out, B, n_out, k, D, SCATTER=True, BLOCK_D=min(1024, _next_pow2(D)))
+        _gather_kernel[(T * B, k)](src, idx, out, B, n_out, k, D, SCATTER=True, BLOCK_D=block_d)
     else:
         out = src.new_empty(T, B, k, D)
-        _gather_kernel[(T * B, k)](src, idx, out, B, n_in, k, D, SCATTER=False, BLOCK_D=min(1024, _next_pow2(D)))
+        _gather_kernel[(T * B, k)](src, idx, out, B, n_in, k, D, SCATTER=False, BLOCK_D=block_d)
     return out
 
 
@@ -249,4 +299,8 @@ def gather_tokens(x: Tensor, idx: Tensor, backend: str = "auto") -> Tensor:
     """`x[:, b, idx[b]]` for every t: `[T, B, N, D]`, `[B, k]` -> `[T, B, k, D]` (differentiable in x)."""
     if x.dim() != 4 or idx.dim() != 2 or idx.shape[0] != x.shape[1]:
         raise ValueError(f"expected x [T, B, N, D] and idx [B, k]; got {list(x.shape)} and {list(idx.shape)}")
+    if idx.numel() and not torch.compiler.is_compiling():
+        lo, hi = torch.aminmax(idx)
+        if lo.item() < 0 or hi.item() >= x.shape[2]:
+            raise ValueError(f"idx must lie in [0, N={x.shape[2]}); got values from {lo.item()} to {hi.item()}")
     return _gather_op(x, idx.to(torch.int64), resolve_backend(backend, x))

@@ -98,3 +98,61 @@ def test_triton_kernel_matches_reference_in_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, "-c", TRITON_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "TRITON-OK" in r.stdout, r.stderr[-3000:]
+
+
+# The zoo's real per-head shapes: Spikformer-4-384 on CIFAR (N=64 tokens, head dim 32), Spikformer-
+# 8-512 on ImageNet (196 patches + the anchor = 197, head dim 64) and N=1024; small T, B, H keep the
+# interpreter quick. Every loop runs several row blocks (asserted in the script).
+REAL_SHAPE_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    import torch
+    from efficient.kernels import ssa
+    T, B, H, N, D = (int(a) for a in sys.argv[1:6])
+    dtype = getattr(torch, sys.argv[6])
+    assert N >= 2 * ssa.ssa_blocks(D)["BLOCK_N"], "the case must span several row blocks"
+    g = torch.Generator().manual_seed(N + D)
+    t0 = time.perf_counter()
+    for anchor in (True, False):
+        q, k, v = ((torch.rand(T, B, H, N, D, generator=g) < 0.3).to(dtype) for _ in range(3))
+        y, s, c = ssa.ssa_triton(q, k, v, 0.125, anchor, True)
+        assert y.dtype == s.dtype == c.dtype == dtype and y.shape == q.shape and s.shape == (T, B, N - anchor)
+        y_same, _, _ = ssa.ssa_ref(q, k, v, 0.125, anchor, False)  # the reference in the input dtype
+        y32, s32, c32 = ssa.ssa_ref(q.float(), k.float(), v.float(), 0.125, anchor, True)
+        assert torch.equal(y, y_same), "y differs from the reference in the input dtype"
+        assert torch.equal(y, y32.to(dtype)), "y differs from the fp32 reference"  # fp16 rounds above 2048
+        tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-3, atol=1e-5)  # fp16: one ulp
+        torch.testing.assert_close(c.float(), c32, **tol)
+        torch.testing.assert_close(s.float(), s32, **tol)
+        if anchor:  # anchor scores are integer sums: exact
+            assert torch.equal(s.float(), s32.to(dtype).float())
+        y2, _, _ = ssa.ssa_triton(q, k, v, 0.125, anchor, False)
+        assert torch.equal(y2, y)
+    print("TRITON-OK", round(time.perf_counter() - t0, 2))
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "T, B, H, N, D, dtype",
+    [
+        (2, 2, 2, 64, 32, "float32"),  # CIFAR Spikformer-4-384
+        (2, 1, 2, 64, 32, "float16"),
+        (1, 2, 2, 197, 64, "float32"),  # ImageNet Spikformer-8-512, anchor included
+        (1, 1, 2, 197, 64, "float16"),
+        (1, 1, 1, 1024, 64, "float32"),
+        pytest.param(1, 1, 1, 1024, 64, "float16", marks=pytest.mark.slow),
+    ],
+)
+def test_triton_kernel_at_real_shapes_in_interpreter(T, B, H, N, D, dtype):
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    args = [str(a) for a in (T, B, H, N, D, dtype)]
+    r = subprocess.run([sys.executable, "-c", REAL_SHAPE_SCRIPT, *args], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "TRITON-OK" in r.stdout, r.stderr[-3000:]
+
+
+def test_block_sizes_do_not_grow_with_n():
+    b = ssa.ssa_blocks(64)
+    assert b["BLOCK_N"] == 32 and b["BLOCK_D"] == 64 and b["BLOCK_E"] == 64
+    assert ssa.ssa_blocks(128)["BLOCK_E"] == 64  # wider heads split over output-column programs
