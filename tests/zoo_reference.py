@@ -107,6 +107,13 @@ def _short(t: torch.Tensor) -> str:
     return fingerprint(t, digest=16)  # type: ignore[return-value]
 
 
+def checkpoint_named_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """`model.parameters()` in their (optimizer) order, each named by its checkpoint key: the
+    state-dict key, which a module may keep stable when a parameter moves between submodules."""
+    key = {id(t): k for k, t in model.state_dict(keep_vars=True).items()}
+    return [(key[id(p)], p) for p in model.parameters()]
+
+
 def _inputs(model: torch.nn.Module, name: str, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     from efficient.zoo import get_entry
 
@@ -125,7 +132,10 @@ def _inputs(model: torch.nn.Module, name: str, seq_len: int) -> tuple[torch.Tens
 
 def _stata_record(model: torch.nn.Module) -> dict[str, Any]:
     """What the STATA objective and its logs read after a forward: scores and statistics."""
-    scores, stats = model.stata_scores, model.stata_stats
+    from efficient.models.stata import stata_outputs
+
+    out = stata_outputs(model)
+    scores, stats = out.scores, out.stats
     rec: dict[str, Any] = {}
     for i, (s, c) in enumerate(scores):
         rec[f"scores.{i}.s"], rec[f"scores.{i}.c"] = _short(s), _short(c)
@@ -151,7 +161,9 @@ def _run_mode(model: torch.nn.Module, case: Case, mode: str, x: torch.Tensor, y:
     else:
         model.train()
         if stata:
-            model.set_progress(WARMUP_PROGRESS[mode.split(":")[1]])
+            from efficient.models.progress import inform_progress
+
+            inform_progress(model, WARMUP_PROGRESS[mode.split(":")[1]])
             seen: list[torch.Tensor] = []
             hook = model.register_forward_hook(lambda m, a, out: seen.append(out))
             loss, logs = Stata(label_smoothing=0.1).loss(model, (x, y))
@@ -165,7 +177,7 @@ def _run_mode(model: torch.nn.Module, case: Case, mode: str, x: torch.Tensor, y:
             rec["output"] = fingerprint(out, full=True)
         rec["loss"] = fingerprint(loss, full=True)
         loss.backward()
-        rec["grads"] = {n: _short(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+        rec["grads"] = {n: _short(p.grad) for n, p in checkpoint_named_parameters(model) if p.grad is not None}
         params = {id(p) for p in model.parameters()}
         rec["buffers"] = {n: _short(b) for n, b in model.named_buffers() if id(b) not in params}  # BN statistics
     if case.name.startswith(("spikformer", "sdt")) and (stata or mode == "eval"):
@@ -185,7 +197,7 @@ def compute_case(case: Case) -> dict[str, Any]:
         "name": case.name,
         "overrides": case.overrides,
         "state_dict_keys": list(init),
-        "parameter_names": [n for n, _ in model.named_parameters()],
+        "parameter_names": [n for n, _ in checkpoint_named_parameters(model)],
         "init": hashlib.sha256("".join(fingerprint(v) for v in init.values()).encode()).hexdigest(),
         "modes": {},
     }
