@@ -25,7 +25,7 @@ from efficient.errors import ConfigError
 from efficient.kernels.ssa import scores_ref
 from efficient.models.spiking_transformer import CIFAR_MEAN, CIFAR_STD, SpikingTransformer, SpikingTransformerConfig, _lif
 from efficient.models.spikformer import SPS, STATA, STATA_PAPER, LinearBNLIF
-from efficient.models.stata import PruneStep
+from efficient.models.stata import PruneStep, residual_block
 from efficient.zoo import InputSpec, Variant, config_from_options, register_variants
 
 PAPER = "Spike-driven Transformer (Yao et al., NeurIPS 2023)"
@@ -109,13 +109,7 @@ class SDTBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, step: PruneStep | None = None, anchor: bool = False) -> torch.Tensor:
         a, s, c = self.attn(x, anchor=anchor, scores=step is not None)
-        x = x + a
-        if step is not None and step.point == "after_attn":
-            x = step(x, s, c)
-        x = x + self.mlp(x)
-        if step is not None and step.point == "after_block":
-            x = step(x, s, c)
-        return x
+        return residual_block(x, a, s, c, self.mlp, step)
 
 
 @dataclass

@@ -38,6 +38,7 @@ from efficient.models.stata import (  # noqa: F401 - the STATA names Spikformer 
     Score,
     StataConfig,
     anchor_scores,
+    residual_block,
     kept_count,
     warmup_keep_ratio,
 )
@@ -237,13 +238,7 @@ class Block(nn.Module):
             return self.forward_lean(x, step, int(anchor), last)
         q, k, v = self.attn.qkv(x)
         a, s, c = self.attn.attend(q, k, v, anchor=anchor, scores=step is not None)
-        x = x + a
-        if step is not None and step.point == "after_attn":
-            x = step(x, s, c)
-        x = x + self.mlp(x)
-        if step is not None and step.point == "after_block":
-            x = step(x, s, c)
-        return x
+        return residual_block(x, a, s, c, self.mlp, step)
 
     def forward_lean(self, x: torch.Tensor, step: PruneStep | None = None, p: int = 0, last: bool = False) -> torch.Tensor:
         """Inference (eval-mode BN, no fusion, pruning after attention): compute only the rows some

@@ -262,6 +262,19 @@ class PruneStep:
         return self.pruner.prune(x, s, c, self.ratio)
 
 
+def residual_block(x: torch.Tensor, attn_out: torch.Tensor, s: torch.Tensor | None, c: torch.Tensor | None,
+                   mlp: nn.Module, step: PruneStep | None) -> torch.Tensor:
+    """x += attention; x += MLP(x), pruned by `step` (if any) at its `prune_point`: after the
+    attention residual (where EViT prunes) or after the whole block. `s`, `c`: the block's scores."""
+    x = x + attn_out
+    if step is not None and step.point == "after_attn":
+        x = step(x, s, c)
+    x = x + mlp(x)
+    if step is not None and step.point == "after_block":
+        x = step(x, s, c)
+    return x
+
+
 def find_pruner(model: nn.Module) -> TokenPruner | None:
     """The model's `TokenPruner` (through DDP / compile wrappers), or None for a model without STATA."""
     return next((m for m in model.modules() if isinstance(m, TokenPruner)), None)
