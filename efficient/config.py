@@ -337,28 +337,31 @@ def build_dataclass(cls: type, values: dict[str, Any], source: str, path: str) -
 
 def check_kwargs_against(fn: Callable[..., Any], values: dict[str, Any], source: str, path: str, skip: typing.Iterable[str] = ()) -> dict[str, Any]:
     """Type-check `values` against the keyword parameters of `fn` (its annotations)."""
-    sig = inspect.signature(fn)
-    try:
-        hints = typing.get_type_hints(fn.__init__ if isinstance(fn, type) else fn)
-    except Exception:
-        hints = {}
-    params = {k: p for k, p in sig.parameters.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
-    var_kw = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+    return check_options(*_signature(fn), values, source, path, skip)
+
+
+def check_options(params: dict[str, inspect.Parameter], open_: bool, values: dict[str, Any], source: str, path: str,
+                  skip: typing.Iterable[str] = ()) -> dict[str, Any]:
+    """Type-check `values` against `params` (option name -> parameter with its type); with `open_`
+    unknown keys pass through unchecked."""
     out: dict[str, Any] = {}
     skip = set(skip)
     for k, v in values.items():
         if k in skip:
             continue
         if k not in params:
-            if var_kw:
+            if open_:
                 out[k] = v
                 continue
             raise _err(source, f"{path}.{k}", f"unknown key.{did_you_mean(str(k), params)} Valid keys: {', '.join(sorted(params))}.")
-        out[k] = coerce(v, hints.get(k, Any), source, f"{path}.{k}")
+        tp = params[k].annotation
+        out[k] = coerce(v, Any if tp is inspect.Parameter.empty else tp, source, f"{path}.{k}")
     return out
 
 
-def _named_section(raw: Any, section: str, source: str, resolve: Callable[[str], Callable[..., Any]], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def _named_section(raw: Any, section: str, source: str, resolve: Callable[[str], tuple[dict[str, inspect.Parameter], bool]],
+                   extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A `name:` section: the component `resolve(name)` gives its options (and whether it takes any key)."""
     if raw is None:
         raise _err(source, section, "missing section; it needs at least `name:`")
     if not isinstance(raw, dict):
@@ -366,7 +369,7 @@ def _named_section(raw: Any, section: str, source: str, resolve: Callable[[str],
     if "name" not in raw or not isinstance(raw["name"], str):
         raise _err(source, f"{section}.name", "required: the registered name of the component")
     try:
-        fn = resolve(raw["name"])
+        params, open_ = resolve(raw["name"])
     except ConfigError as e:
         raise _err(source, f"{section}.name", str(e)) from None
     out = {"name": raw["name"]}
@@ -374,26 +377,40 @@ def _named_section(raw: Any, section: str, source: str, resolve: Callable[[str],
     for k, tp in extra.items():
         if k in raw:
             out[k] = coerce(raw[k], tp, source, f"{section}.{k}")
-    out.update(check_kwargs_against(fn, {k: v for k, v in raw.items() if k != "name"}, source, section, skip=extra))
+    out.update(check_options(params, open_, {k: v for k, v in raw.items() if k != "name"}, source, section, skip=extra))
     return out
+
+
+def _signature(fn: Callable[..., Any]) -> tuple[dict[str, inspect.Parameter], bool]:
+    """The typed keyword parameters of `fn`, and whether it also takes `**kwargs`."""
+    from efficient.zoo import signature_options
+
+    return signature_options(fn), any(p.kind is p.VAR_KEYWORD for p in inspect.signature(fn).parameters.values())
+
+
+def _model_options(name: str) -> tuple[dict[str, inspect.Parameter], bool]:
+    """A zoo model's options, from its config dataclass (or its builder's signature)."""
+    from efficient.zoo import get_entry
+
+    entry = get_entry(name)
+    return entry.accepted_kwargs(), entry.open_options()
 
 
 def validate(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
     """Validate a parsed recipe dict; raise ConfigError on the first problem."""
     from efficient.data import get_dataset_builder
     from efficient.objectives import get_objective
-    from efficient.zoo import get_entry
 
     for k in data:
         if k not in SECTIONS:
             raise _err(source, str(k), f"unknown section.{did_you_mean(str(k), SECTIONS)} Sections: {', '.join(SECTIONS)}.")
-    model = _named_section(data.get("model"), "model", source, lambda n: get_entry(n).options_fn(), {"pretrained": typing.Optional[str]})
-    dataset = _named_section(data.get("data"), "data", source, get_dataset_builder, DATA_LOADER_KEYS)
+    model = _named_section(data.get("model"), "model", source, _model_options, {"pretrained": typing.Optional[str]})
+    dataset = _named_section(data.get("data"), "data", source, lambda n: _signature(get_dataset_builder(n)), DATA_LOADER_KEYS)
     for k, v in DATA_LOADER_DEFAULTS.items():
         dataset.setdefault(k, v)
     if dataset["batch_size"] < 1:
         raise _err(source, "data.batch_size", f"must be >= 1, got {dataset['batch_size']}")
-    objective = _named_section(data.get("objective") or {"name": "classification"}, "objective", source, get_objective)
+    objective = _named_section(data.get("objective") or {"name": "classification"}, "objective", source, lambda n: _signature(get_objective(n)))
     fixed = {}
     for s, cls in FIXED_SECTIONS.items():
         raw = data.get(s) or {}

@@ -1,11 +1,16 @@
-"""Model registry: `register_model`, `create`, `load` -- names, run dirs and safetensors files.
+"""Model registry: `register_model`, `register_variants`, `create`, `load` -- names, run dirs and
+safetensors files.
 
-A zoo entry is a builder function plus metadata (default config, input spec, paper). Entries are
+A zoo entry is a builder plus metadata (default config, input spec, paper). A model with a config
+dataclass registers its variants as data (`register_variants(Model, {name: Variant(...)})`): their
+options are the config's fields, nested config dataclasses flattened (`keep_ratio`, not
+`stata.keep_ratio`), and the recipe validator checks them against the fields' types. Entries are
 also registered into `timm.create_model` under the same name with underscores.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import fnmatch
 import importlib
@@ -62,6 +67,7 @@ class ModelEntry:
     description: str = ""
     default_cfg: dict[str, Any] = field(default_factory=dict)
     family: str = ""
+    config: type | None = None  # the model's config dataclass, if it has one: its fields are the options
 
     def options_fn(self) -> Callable[..., Any]:
         """The callable whose typed signature lists this model's options: the builder, or, for a
@@ -76,14 +82,77 @@ class ModelEntry:
         return ret if isinstance(ret, type) and issubclass(ret, nn.Module) else self.builder
 
     def accepted_kwargs(self) -> dict[str, inspect.Parameter]:
-        sig = inspect.signature(self.options_fn())
-        return {k: p for k, p in sig.parameters.items() if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD}
+        """This model's options: name -> keyword parameter with its type (resolved) and default."""
+        if self.config is not None:
+            return config_options(self.config)
+        return signature_options(self.options_fn())
+
+    def open_options(self) -> bool:
+        """Whether the builder takes any keyword (`**kw` with no typed model class behind it)."""
+        if self.config is not None:
+            return False
+        return any(p.kind is p.VAR_KEYWORD for p in inspect.signature(self.options_fn()).parameters.values())
 
     def resolved_cfg(self, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
         cfg = {k: p.default for k, p in self.accepted_kwargs().items() if p.default is not inspect.Parameter.empty}
         cfg.update(self.default_cfg)
         cfg.update(overrides or {})
         return cfg
+
+
+def signature_options(fn: Callable[..., Any]) -> dict[str, inspect.Parameter]:
+    """The keyword parameters of `fn` (a function or a class), annotations resolved to types."""
+    try:
+        hints = typing.get_type_hints(fn.__init__ if isinstance(fn, type) else fn)
+    except Exception:
+        hints = {}
+    return {k: p.replace(annotation=hints.get(k, inspect.Parameter.empty)) for k, p in inspect.signature(fn).parameters.items()
+            if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+
+
+def config_options(cls: type) -> dict[str, inspect.Parameter]:
+    """The flat options of config dataclass `cls`: its fields, a nested config dataclass's fields
+    standing in for it, each with its type and default."""
+    hints = typing.get_type_hints(cls)
+    out: dict[str, inspect.Parameter] = {}
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            out.update(config_options(tp))
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else inspect.Parameter.empty)
+        out[f.name] = inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=tp)
+    return out
+
+
+def config_to_options(cfg: Any) -> dict[str, Any]:
+    """Flat option values of a config dataclass instance (inverse of `config_from_options`)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        out.update(config_to_options(v) if dataclasses.is_dataclass(v) else {f.name: v})
+    return out
+
+
+def config_from_options(cls: type, options: dict[str, Any], base: Any = None) -> Any:
+    """Config `cls` from flat `options` over `base` (the class defaults if None); an option that is
+    no field raises TypeError, as an unknown keyword argument would."""
+    unknown = [k for k in options if k not in config_options(cls)]
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no option {unknown[0]!r}")
+    hints = typing.get_type_hints(cls)
+    kw: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        cur = getattr(base, f.name) if base is not None else None
+        if dataclasses.is_dataclass(hints[f.name]):
+            sub = config_options(hints[f.name])
+            kw[f.name] = config_from_options(hints[f.name], {k: v for k, v in options.items() if k in sub}, cur)
+        elif f.name in options:
+            kw[f.name] = options[f.name]
+        elif base is not None:
+            kw[f.name] = cur
+    return cls(**kw)
 
 
 _REGISTRY: dict[str, ModelEntry] = {}
@@ -103,18 +172,58 @@ def register_model(
 
     `default_cfg` are the keyword arguments that define this variant; users override any of them.
     """
-    if name != name.lower() or "_" in name or " " in name:
-        raise ValueError(f"zoo names are lowercase with hyphens, got {name!r}")
+    _check_name(name)
 
     def deco(builder: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
-        if name in _REGISTRY:
-            raise ValueError(f"model {name!r} is registered twice")
-        entry = ModelEntry(name, builder, input_spec, paper, description, dict(default_cfg), family)
-        _REGISTRY[name] = entry
-        _register_timm(entry)
+        _add(ModelEntry(name, builder, input_spec, paper, description, dict(default_cfg), family))
         return builder
 
     return deco
+
+
+def _check_name(name: str) -> None:
+    if name != name.lower() or "_" in name or " " in name:
+        raise ValueError(f"zoo names are lowercase with hyphens, got {name!r}")
+
+
+def _add(entry: ModelEntry) -> None:
+    if entry.name in _REGISTRY:
+        raise ValueError(f"model {entry.name!r} is registered twice")
+    _REGISTRY[entry.name] = entry
+    _register_timm(entry)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A zoo entry as data: what the model eats, the paper, a one-line description, and its config
+    (an instance of the model's config dataclass)."""
+
+    input_spec: InputSpec
+    paper: str
+    description: str
+    config: Any
+
+
+def register_variants(model_cls: Callable[[Any], nn.Module], variants: dict[str, Variant], family: str = "") -> None:
+    """Register each variant `name` of a model built as `model_cls(config)`. A variant's options are
+    its config's flat fields; those that differ from the class defaults define it."""
+    for name, v in variants.items():
+        _check_name(name)
+        cls = type(v.config)
+        defaults, values = config_to_options(cls()), config_to_options(v.config)
+
+        builder = _config_builder(model_cls, cls, name)
+        default_cfg = {k: val for k, val in values.items() if val != defaults[k]}
+        _add(ModelEntry(name, builder, v.input_spec, v.paper, v.description, default_cfg, family, config=cls))
+
+
+def _config_builder(model_cls: Callable[[Any], nn.Module], cls: type, name: str) -> Callable[..., nn.Module]:
+    def builder(**options: Any) -> nn.Module:
+        return model_cls(config_from_options(cls, options))
+
+    builder.__module__ = model_cls.__module__
+    builder.__qualname__ = builder.__name__ = name.replace("-", "_")
+    return builder
 
 
 def _register_timm(entry: ModelEntry) -> None:
@@ -183,8 +292,7 @@ def get_entry(name: str) -> ModelEntry:
 def check_kwargs(entry: ModelEntry, kwargs: dict[str, Any], where: str = "model") -> None:
     """Fail on keyword arguments the builder does not take, naming the closest valid ones."""
     accepted = entry.accepted_kwargs()
-    has_var_kw = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(entry.options_fn()).parameters.values())
-    if has_var_kw:
+    if entry.open_options():
         return
     for k in kwargs:
         if k not in accepted:

@@ -17,13 +17,13 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Literal
+from typing import Any, Iterable, Iterator, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from efficient.zoo import InputSpec, register_model
+from efficient.zoo import InputSpec, Variant, config_from_options, register_variants
 
 PAPER = "EE-LLM: Large-Scale Training and Inference of Early-Exit LLMs with 3D Parallelism (Chen et al., ICML 2024)"
 HeadKind = Literal["minimal", "norm", "norm_mlp", "norm_block"]
@@ -152,47 +152,57 @@ class ExitState:
 # ------------------------------------------------------------------------------------- model
 
 
+@dataclass
+class EEGPTConfig:
+    """EE-GPT's options (recipe keys of the same names). `mlp_hidden=None` is SwiGLU's 8/3 d rounded
+    up to 64; `exit_layers` are 1-based (the final head is always the last exit)."""
+
+    vocab_size: int = 256
+    n_layer: int = 4
+    n_embd: int = 128
+    n_head: int = 4
+    mlp_hidden: int | None = None
+    seq_len: int = 256
+    tie_embeddings: bool = True
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    exit_layers: list[int] | tuple[int, ...] = ()
+    exit_position: Literal["post", "pre"] = "post"
+    exit_head: HeadKind = "norm"
+    exit_tied: bool = True
+
+
 class EEGPT(nn.Module):
-    def __init__(
-        self,
-        vocab_size: int = 256,
-        n_layer: int = 4,
-        n_embd: int = 128,
-        n_head: int = 4,
-        mlp_hidden: int | None = None,
-        seq_len: int = 256,
-        tie_embeddings: bool = True,
-        rope_base: float = 10000.0,
-        norm_eps: float = 1e-5,
-        init_std: float = 0.02,
-        exit_layers: list[int] | tuple[int, ...] = (),
-        exit_position: Literal["post", "pre"] = "post",
-        exit_head: HeadKind = "norm",
-        exit_tied: bool = True,
-    ) -> None:
+    """Built from an `EEGPTConfig`, or from its flat options (`EEGPT(n_layer=2, exit_layers=[1])`)."""
+
+    def __init__(self, config: EEGPTConfig | None = None, **options: Any) -> None:
         super().__init__()
+        cfg = self.config = config_from_options(EEGPTConfig, options, config)
+        n_embd, n_head, vocab_size, norm_eps = cfg.n_embd, cfg.n_head, cfg.vocab_size, cfg.norm_eps
         if n_embd % n_head or (n_embd // n_head) % 2:
             raise ValueError(f"n_embd={n_embd} must split into n_head={n_head} heads of even size")
-        mlp_hidden = mlp_hidden or 64 * math.ceil(8 * n_embd / 3 / 64)  # SwiGLU's 8/3 d, rounded up to 64
-        self.vocab_size, self.num_layers, self.n_embd, self.n_head, self.seq_len = vocab_size, n_layer, n_embd, n_head, seq_len
-        self.exit_position = exit_position
-        self.exit_layers = self._resolve_exits(list(exit_layers), n_layer, exit_position, exit_head)
+        mlp_hidden = cfg.mlp_hidden or 64 * math.ceil(8 * n_embd / 3 / 64)  # SwiGLU's 8/3 d, rounded up to 64
+        self.vocab_size, self.num_layers, self.n_embd, self.n_head, self.seq_len = vocab_size, cfg.n_layer, n_embd, n_head, cfg.seq_len
+        self.exit_position = cfg.exit_position
+        self.exit_layers = self._resolve_exits(list(cfg.exit_layers), cfg.n_layer, cfg.exit_position, cfg.exit_head)
 
         self.tok_emb = nn.Embedding(vocab_size, n_embd)
-        self.layers = nn.ModuleList(Block(n_embd, n_head, mlp_hidden, norm_eps) for _ in range(n_layer))
+        self.layers = nn.ModuleList(Block(n_embd, n_head, mlp_hidden, norm_eps) for _ in range(cfg.n_layer))
         self.norm_f = RMSNorm(n_embd, norm_eps)
         # tied: the final head reads the embedding matrix (no second parameter, so checkpoints
         # hold each tensor once)
-        self.lm_head = None if tie_embeddings else nn.Linear(n_embd, vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(n_embd, vocab_size, bias=False)
         # one head per early exit, keyed by the layer whose output it reads
         self.exits = nn.ModuleDict(
-            {str(k): ExitHead(exit_head, n_embd, n_head, mlp_hidden, norm_eps, vocab_size, exit_tied) for k in self.exit_layers[:-1]}
+            {str(k): ExitHead(cfg.exit_head, n_embd, n_head, mlp_hidden, norm_eps, vocab_size, cfg.exit_tied)
+             for k in self.exit_layers[:-1]}
         )
-        cos, sin = rope_tables(n_embd // n_head, seq_len, rope_base)
+        cos, sin = rope_tables(n_embd // n_head, cfg.seq_len, cfg.rope_base)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self._forced: int | None = None
-        self.init_std = init_std
+        self.init_std = cfg.init_std
         self.apply(self._init)
 
     @staticmethod
@@ -367,70 +377,23 @@ def _spec(seq_len: int, vocab: int) -> InputSpec:
     return InputSpec((seq_len,), dtype="long", num_classes=vocab)
 
 
-def _builder(
-    vocab_size: int = 256,
-    n_layer: int = 4,
-    n_embd: int = 128,
-    n_head: int = 4,
-    mlp_hidden: int | None = None,
-    seq_len: int = 256,
-    tie_embeddings: bool = True,
-    rope_base: float = 10000.0,
-    norm_eps: float = 1e-5,
-    init_std: float = 0.02,
-    exit_layers: list[int] = [1, 2],  # noqa: B006 - read-only default shown to the recipe validator
-    exit_position: Literal["post", "pre"] = "post",
-    exit_head: HeadKind = "norm",
-    exit_tied: bool = True,
-) -> EEGPT:
-    return EEGPT(**{k: v for k, v in locals().items()})
+TINY = EEGPTConfig(n_layer=4, n_embd=128, n_head=4, seq_len=256, exit_layers=[1, 2])
 
+VARIANTS: dict[str, Variant] = {
+    "ee-gpt-tiny": Variant(
+        _spec(128, 256), PAPER,
+        "4-layer byte-level EE-GPT, exits after layers 1 and 2 (1/4, 1/2 depth); trains on a CPU in minutes", TINY),
+    "ee-gpt-small": Variant(
+        _spec(512, 256), PAPER, "12-layer 512-wide byte-level EE-GPT, exits after layers 3 and 6 (GPU-sized)",
+        EEGPTConfig(n_layer=12, n_embd=512, n_head=8, seq_len=1024, exit_layers=[3, 6])),
+    "ee-gpt-1.3b": Variant(
+        _spec(2048, 32000), PAPER, "paper-shaped 1.3B (24 x 2048, Llama vocab, tied), minimal exits after layers 6 and 12",
+        EEGPTConfig(vocab_size=32000, n_layer=24, n_embd=2048, n_head=16, mlp_hidden=5504, seq_len=2048, init_std=0.01,
+                    exit_layers=[6, 12], exit_head="minimal", exit_tied=True, tie_embeddings=True)),
+    "ee-gpt-7b": Variant(
+        _spec(2048, 32000), PAPER, "paper-shaped 7B (32 x 4096, Llama vocab, untied), minimal untied exits after layers 8 and 16",
+        EEGPTConfig(vocab_size=32000, n_layer=32, n_embd=4096, n_head=32, mlp_hidden=11008, seq_len=2048, init_std=0.01,
+                    exit_layers=[8, 16], exit_head="minimal", exit_tied=False, tie_embeddings=False)),
+}
 
-@register_model(
-    "ee-gpt-tiny",
-    input_spec=_spec(128, 256),
-    paper=PAPER,
-    description="4-layer byte-level EE-GPT, exits after layers 1 and 2 (1/4, 1/2 depth); trains on a CPU in minutes",
-    family="ee-gpt",
-    n_layer=4, n_embd=128, n_head=4, seq_len=256, exit_layers=[1, 2],
-)
-def ee_gpt_tiny(**kw) -> EEGPT:
-    return _builder(**kw)
-
-
-@register_model(
-    "ee-gpt-small",
-    input_spec=_spec(512, 256),
-    paper=PAPER,
-    description="12-layer 512-wide byte-level EE-GPT, exits after layers 3 and 6 (GPU-sized)",
-    family="ee-gpt",
-    n_layer=12, n_embd=512, n_head=8, seq_len=1024, exit_layers=[3, 6],
-)
-def ee_gpt_small(**kw) -> EEGPT:
-    return _builder(**kw)
-
-
-@register_model(
-    "ee-gpt-1.3b",
-    input_spec=_spec(2048, 32000),
-    paper=PAPER,
-    description="paper-shaped 1.3B (24 x 2048, Llama vocab, tied), minimal exits after layers 6 and 12",
-    family="ee-gpt",
-    vocab_size=32000, n_layer=24, n_embd=2048, n_head=16, mlp_hidden=5504, seq_len=2048, init_std=0.01,
-    exit_layers=[6, 12], exit_head="minimal", exit_tied=True, tie_embeddings=True,
-)
-def ee_gpt_1_3b(**kw) -> EEGPT:
-    return _builder(**kw)
-
-
-@register_model(
-    "ee-gpt-7b",
-    input_spec=_spec(2048, 32000),
-    paper=PAPER,
-    description="paper-shaped 7B (32 x 4096, Llama vocab, untied), minimal untied exits after layers 8 and 16",
-    family="ee-gpt",
-    vocab_size=32000, n_layer=32, n_embd=4096, n_head=32, mlp_hidden=11008, seq_len=2048, init_std=0.01,
-    exit_layers=[8, 16], exit_head="minimal", exit_tied=False, tie_embeddings=False,
-)
-def ee_gpt_7b(**kw) -> EEGPT:
-    return _builder(**kw)
+register_variants(EEGPT, VARIANTS, family="ee-gpt")

@@ -1,4 +1,4 @@
-"""Spike-driven Transformer (Yao et al., NeurIPS 2023) with the STATA switches of `spikformer.py`.
+"""Spike-driven Transformer (Yao et al., NeurIPS 2023) with STATA token sparsification.
 
 Differences from Spikformer that matter here (reference: BICLab/Spike-Driven-Transformer):
 * membrane shortcut: the residual stream is real-valued and every branch starts with a LIF on it
@@ -8,31 +8,25 @@ Differences from Spikformer that matter here (reference: BICLab/Spike-Driven-Tra
 * the stem pools before its last LIF and adds the pre-spike features back (real-valued tokens);
 * head: mean over tokens -> LIF -> Linear per timestep -> mean over time.
 
+It shares the encoder loop, options and `TokenPruner` with Spikformer (`spiking_transformer.py`).
 STATA scores: SDSA never forms Q K^T, so each pruning block computes them explicitly from its
 binary Q and K (anchor row s_t(i) = <q_anchor, k_i>, mean-query column c_t), O(N D) per timestep.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+from typing import Any
+
 import torch
 from torch import nn
 
 from efficient.errors import ConfigError
 from efficient.kernels.ssa import scores_ref
-from efficient.models.spikformer import (
-    CIFAR_MEAN,
-    CIFAR_STD,
-    STATA_PAPER,
-    STATA_CFG,
-    Anchor,
-    LinearBNLIF,
-    PrunePoint,
-    Score,
-    SPS,
-    Spikformer,
-    _lif,
-)
-from efficient.zoo import InputSpec, register_model
+from efficient.models.spiking_transformer import CIFAR_MEAN, CIFAR_STD, SpikingTransformer, SpikingTransformerConfig, _lif
+from efficient.models.spikformer import SPS, STATA, STATA_PAPER, LinearBNLIF
+from efficient.models.stata import PruneStep, residual_block
+from efficient.zoo import InputSpec, Variant, config_from_options, register_variants
 
 PAPER = "Spike-driven Transformer (Yao et al., NeurIPS 2023)"
 
@@ -106,95 +100,59 @@ class SDTMLP(nn.Module):
 
 
 class SDTBlock(nn.Module):
-    """x += SDSA(LIF(x)); [prune]; x += MLP(LIF(x)) -- same pruning interface as `spikformer.Block`."""
+    """x += SDSA(LIF(x)); [prune]; x += MLP(LIF(x)) -- the pruning interface of `spikformer.Block`."""
 
     def __init__(self, dim: int, heads: int, mlp_ratio: float, lif_cfg: dict, reference_params: bool = False) -> None:
         super().__init__()
         self.attn = SDSA(dim, heads, lif_cfg, reference_params)
         self.mlp = SDTMLP(dim, int(dim * mlp_ratio), lif_cfg)
 
-    def forward(self, x: torch.Tensor, prune=None, anchor: bool = False, point: str = "after_attn") -> torch.Tensor:
-        a, s, c = self.attn(x, anchor=anchor, scores=prune is not None)
-        x = x + a
-        if prune is not None and point == "after_attn":
-            x = prune(x, s, c)
-        x = x + self.mlp(x)
-        if prune is not None and point == "after_block":
-            x = prune(x, s, c)
-        return x
+    def forward(self, x: torch.Tensor, step: PruneStep | None = None, anchor: bool = False) -> torch.Tensor:
+        a, s, c = self.attn(x, anchor=anchor, scores=step is not None)
+        return residual_block(x, a, s, c, self.mlp, step)
 
 
-class SpikeDrivenTransformer(Spikformer):
-    """SDT classifier with the STATA switches (see `Spikformer` for their meaning). Input `[B, C, H, W]`."""
+@dataclass
+class SDTConfig(SpikingTransformerConfig):
+    """The Spike-driven Transformer's options: the shared ones (CIFAR-sized defaults) and
+    `reference_params` (the reference code's unused talking-heads convs, counted in its sizes)."""
 
-    def __init__(
-        self,
-        img_size: int = 32,
-        in_chans: int = 3,
-        num_classes: int = 10,
-        embed_dim: int = 512,
-        depth: int = 2,
-        num_heads: int = 8,
-        mlp_ratio: float = 4.0,
-        timesteps: int = 4,
-        pool_stages: int = 2,
-        tau: float = 2.0,
-        surrogate: str = "sigmoid",
-        alpha: float = 4.0,
-        backend: str = "auto",
-        reference_params: bool = False,
-        anchor: Anchor = "off",
-        prune_blocks: list[int] | None = None,
-        keep_ratio: float | list[float] = 1.0,
-        prune_point: PrunePoint = "after_attn",
-        fuse_pruned: bool = False,
-        keep_warmup_start: float = 0.0,
-        keep_warmup_epochs: float = 0.0,
-        score: Score = "standardized",
-        std_eps: float = 1e-6,
-        anchor_init_std: float = 1.0,
-    ) -> None:
-        nn.Module.__init__(self)
-        lif_cfg, kb = self._init_core(timesteps, depth, num_classes, embed_dim, tau, surrogate, alpha, backend)
-        self.patch_embed = MSSPS(img_size, in_chans, embed_dim, pool_stages, lif_cfg)
-        self.blocks = nn.ModuleList(SDTBlock(embed_dim, num_heads, mlp_ratio, lif_cfg, reference_params) for _ in range(depth))
+    embed_dim: int = 512
+    depth: int = 2
+    num_heads: int = 8
+    reference_params: bool = False
+
+
+class SpikeDrivenTransformer(SpikingTransformer):
+    """SDT classifier with STATA (see `TokenPruner`). Input `[B, C, H, W]` (repeated over T) or
+    `[T, B, C, H, W]`; built from an `SDTConfig` or its flat options."""
+
+    def __init__(self, config: SDTConfig | None = None, **options: Any) -> None:
+        super().__init__(config_from_options(SDTConfig, options, config))
+
+    def build_stem(self, cfg: SDTConfig, lif_cfg: dict) -> MSSPS:
+        return MSSPS(cfg.img_size, cfg.in_chans, cfg.embed_dim, cfg.pool_stages, lif_cfg)
+
+    def build_block(self, cfg: SDTConfig, lif_cfg: dict) -> SDTBlock:
+        return SDTBlock(cfg.embed_dim, cfg.num_heads, cfg.mlp_ratio, lif_cfg, cfg.reference_params)
+
+    def build_head(self, cfg: SDTConfig, lif_cfg: dict) -> None:
         self.head_lif = _lif(lif_cfg)
-        self.head = nn.Linear(embed_dim, num_classes)
-        self.apply(self._init_weights)
-        self._share_neuron_peak(mlp_ratio)
-        self.init_stata(kb, anchor, prune_blocks, keep_ratio, prune_point, fuse_pruned, keep_warmup_start,
-                        keep_warmup_epochs, score, std_eps, anchor_init_std)
+        self.head = nn.Linear(cfg.embed_dim, cfg.num_classes)
 
-    lean_inference = False  # SDT blocks compute every row (they have no `forward_lean`)
-
-    def forward_head(self, x: torch.Tensor) -> torch.Tensor:
-        """Mean over tokens (anchor excluded) -> LIF -> Linear at every timestep -> mean over time."""
-        return self.head(self.head_lif(x[:, :, self.n_prefix:].mean(2))).mean(0)
+    def pool_head(self, patches: torch.Tensor) -> torch.Tensor:
+        """Mean over tokens -> LIF -> Linear at every timestep -> mean over time."""
+        return self.head(self.head_lif(patches.mean(2))).mean(0)
 
 
 CIFAR10 = InputSpec((3, 32, 32), timesteps=4, mean=CIFAR_MEAN, std=CIFAR_STD, num_classes=10)
-SDT_CIFAR = dict(embed_dim=512, depth=2, num_heads=8, img_size=32, pool_stages=2, num_classes=10, reference_params=True)
+SDT_CIFAR = SDTConfig(embed_dim=512, depth=2, num_heads=8, img_size=32, pool_stages=2, num_classes=10, reference_params=True)
 
+VARIANTS: dict[str, Variant] = {
+    "sdt-2-512": Variant(CIFAR10, PAPER, "CIFAR-10 config: 2 blocks, D=512, 8 heads, T=4, membrane shortcut, SDSA", SDT_CIFAR),
+    "sdt-stata": Variant(
+        CIFAR10, STATA_PAPER, "sdt-2-512 + STATA: anchor per timestep, prune blocks 1,2 at rho=0.7 (65->46->33 tokens)",
+        replace(SDT_CIFAR, stata=replace(STATA, prune_blocks=[1, 2]))),
+}
 
-@register_model(
-    "sdt-2-512",
-    input_spec=CIFAR10,
-    paper=PAPER,
-    description="CIFAR-10 config: 2 blocks, D=512, 8 heads, T=4, membrane shortcut, SDSA",
-    family="sdt",
-    **SDT_CIFAR,
-)
-def sdt_2_512(**kw) -> SpikeDrivenTransformer:
-    return SpikeDrivenTransformer(**kw)
-
-
-@register_model(
-    "sdt-stata",
-    input_spec=CIFAR10,
-    paper=STATA_PAPER,
-    description="sdt-2-512 + STATA: anchor per timestep, prune blocks 1,2 at rho=0.7 (65->46->33 tokens)",
-    family="sdt",
-    **SDT_CIFAR, **STATA_CFG, prune_blocks=[1, 2],
-)
-def sdt_stata(**kw) -> SpikeDrivenTransformer:
-    return SpikeDrivenTransformer(**kw)
+register_variants(SpikeDrivenTransformer, VARIANTS, family="sdt")

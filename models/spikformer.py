@@ -4,85 +4,50 @@ Spikformer: SPS conv stem -> blocks of spiking self-attention (binary Q, K, V, n
 spiking MLP on an integer-valued residual stream -> mean over tokens, then time -> linear head.
 Tensors are time-major `[T, B, N, C]` (tokens last-but-one, as in the CIFAR reference code).
 
-STATA (our reconstruction, see seeds/stata.md): a learnable anchor token per timestep sits at token
-index 0; in each pruning block the anchor's query scores the patch tokens (s_t(i) = <q_anchor,
-k_i>), the scores are standardized per timestep and averaged over time, and the top ceil(rho*N)
-tokens -- one set for every t, so membrane state stays aligned -- are physically gathered, so the
-following layers run on fewer tokens. The anchor is never pruned and never pooled. The last
-forward's scores are kept on the model (`stata_scores`) for the alignment losses in
-`efficient.objectives.stata`.
+STATA (anchor, keep-ratio schedule, scoring, selection, fusion) is the model's `TokenPruner`
+(`efficient.models.stata`); the encoder loop and the options shared with the Spike-driven
+Transformer are in `efficient.models.spiking_transformer`. Variants are data: `VARIANTS` below.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Literal
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from efficient.errors import ConfigError
-from efficient.kernels.ssa import attention_ref, scores_ref, spiking_attention
-from efficient.kernels.token_select import gather_tokens, select_tokens
-from efficient.kernels.lif import COMPILE_MIN_NUMEL, resolve_backend
-from efficient.models.neurons import LIF
-from efficient.zoo import InputSpec, register_model
+from efficient.kernels.lif import COMPILE_MIN_NUMEL
+from efficient.kernels.ssa import attention_ref, spiking_attention
+from efficient.kernels.token_select import gather_tokens
+from efficient.models.spiking_transformer import (  # noqa: F401 - ModelLIF, share_neuron_backend: public here too
+    CIFAR_MEAN,
+    CIFAR_STD,
+    ModelLIF,
+    SpikingTransformer,
+    SpikingTransformerConfig,
+    _lif,
+    share_neuron_backend,
+)
+from efficient.models.stata import (  # noqa: F401 - the STATA names Spikformer users import from here
+    Anchor,
+    PruneStep,
+    PrunePoint,
+    Score,
+    StataConfig,
+    anchor_scores,
+    residual_block,
+    kept_count,
+    warmup_keep_ratio,
+)
+from efficient.zoo import InputSpec, Variant, config_from_options, register_variants
 
 PAPER = "Spikformer: When Spiking Neural Network Meets Transformer (Zhou et al., ICLR 2023)"
 STATA_PAPER = "Towards Efficient Spiking Transformer: a Token Sparsification Framework (Zhuge et al., ICML 2024)"
-CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 DIGITS_MEAN, DIGITS_STD = (0.3,), (0.38,)
-
-Anchor = Literal["per_timestep", "shared", "off"]
-PrunePoint = Literal["after_attn", "after_block"]
-Score = Literal["standardized", "raw"]
-
-
-class ModelLIF(LIF):
-    """LIF whose `auto` backend is chosen once for the whole model, not per call.
-
-    On CPU, `auto` compiles the fused LIF loop only for inputs of at least `COMPILE_MIN_NUMEL`
-    elements, since compiling costs seconds that small inputs never repay. In a model whose largest
-    neuron input crosses that size the loop gets compiled anyway, so every neuron of that model uses
-    it (same spikes and membrane as the eager loop, several times faster at Spikformer's sizes).
-    `peak_numel` (elements per timestep and sample of the model's largest neuron input) is set by the
-    model; input is time-major `[T, B, ...]`.
-    """
-
-    peak_numel: int = 0
-
-    def _backend_for(self, x: torch.Tensor) -> str:
-        if self.backend != "auto" or self.store_membrane or self.peak_numel <= 0 or x.dim() < 2:
-            return self.backend
-        return resolve_backend("auto", x.device, max(x.numel(), x.shape[0] * x.shape[1] * self.peak_numel))
-
-
-def _lif(cfg: dict, **kw) -> ModelLIF:
-    return ModelLIF(**{**cfg, **kw})
-
-
-def share_neuron_backend(model: nn.Module, peak_numel: int) -> None:
-    """Tell every `ModelLIF` of `model` the size of its largest neuron input (per timestep and sample)."""
-    for m in model.modules():
-        if isinstance(m, ModelLIF):
-            m.peak_numel = int(peak_numel)
-
-
-def kept_count(ratio: float, n: int) -> int:
-    """ceil(ratio * n), robust to float round-off (0.7 * 50 must give 35, not 36)."""
-    return max(1, math.ceil(ratio * n - 1e-9))
-
-
-def warmup_keep_ratio(target: float, epoch: float, start: float, span: float) -> float:
-    """EViT's keep-rate warm-up: 1 before `start`, then cosine from 1 down to `target` over `span` epochs."""
-    if epoch < start:
-        return 1.0
-    if span <= 0:
-        return target
-    u = min(1.0, (epoch - start) / span)
-    return target + (1.0 - target) * 0.5 * (1.0 + math.cos(math.pi * u))
 
 
 class LinearBNLIF(nn.Module):
@@ -219,10 +184,25 @@ class SSA(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, anchor: bool = False, scores: bool = False):
         """Output `[T, B, N, D]` and, if `scores`, STATA's anchor / mean-query scores (one fused pass)."""
-        T, B, H, N, d = q.shape
         y, s, c = spiking_attention(q, k, v, self.scale, anchor=anchor, scores=scores, backend=self.kernel_backend)
-        y = y.transpose(2, 3).reshape(T, B, N, H * d)
-        return self.proj(self.attn_lif(y)), s, c
+        return self.output(y), s, c
+
+    def output(self, y: torch.Tensor) -> torch.Tensor:
+        """Per-head attention `[T, B, H, n, d]` -> LIF_0.5 -> projection unit: `[T, B, n, D]`."""
+        T, B, H, n, d = y.shape
+        return self.proj(self.attn_lif(y.transpose(2, 3).reshape(T, B, n, H * d)))
+
+    # the pieces of a lean pass, in which some queries attend to every key (`Block.forward_lean`)
+
+    def queries(self, x: torch.Tensor) -> torch.Tensor:
+        return self.split_heads(self.q(x))
+
+    def keys_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.split_heads(self.k(x)), self.split_heads(self.v(x))
+
+    def attend_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Output rows `[T, B, n, D]` of the `n` queries `q` over all keys and values (no scores)."""
+        return self.output(attention_ref(q, k, v, self.scale))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.attend(*self.qkv(x))[0]
@@ -239,7 +219,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """x += SSA(x); [prune]; x += MLP(x). `prune(x, s, c)` (from the model) gathers the kept tokens."""
+    """x += SSA(x); [prune]; x += MLP(x). `step` (a `PruneStep` from the model's pruner, or None)
+    gathers the kept tokens after the attention or after the block; `anchor`: token 0 is STATA's anchor."""
 
     def __init__(self, dim: int, heads: int, mlp_ratio: float, lif_cfg: dict, qkv_bias: bool = True,
                  reference_norms: bool = False, kernel_backend: str = "auto") -> None:
@@ -251,409 +232,134 @@ class Block(nn.Module):
             # published parameter counts (9.33M for 4-384) include them. Frozen, off the compute path.
             self.norm1, self.norm2 = nn.LayerNorm(dim).requires_grad_(False), nn.LayerNorm(dim).requires_grad_(False)
 
-    def forward(self, x: torch.Tensor, prune=None, anchor: bool = False, point: str = "after_attn",
-                lean: bool = False, last: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: PruneStep | None = None, anchor: bool = False, lean: bool = False,
+                last: bool = False) -> torch.Tensor:
         if lean:
-            return self.forward_lean(x, prune, int(anchor), last)
+            return self.forward_lean(x, step, int(anchor), last)
         q, k, v = self.attn.qkv(x)
-        a, s, c = self.attn.attend(q, k, v, anchor=anchor, scores=prune is not None)
-        x = x + a
-        if prune is not None and point == "after_attn":
-            x = prune(x, s, c)
-        x = x + self.mlp(x)
-        if prune is not None and point == "after_block":
-            x = prune(x, s, c)
-        return x
+        a, s, c = self.attn.attend(q, k, v, anchor=anchor, scores=step is not None)
+        return residual_block(x, a, s, c, self.mlp, step)
 
-    def forward_lean(self, x: torch.Tensor, select=None, p: int = 0, last: bool = False) -> torch.Tensor:
+    def forward_lean(self, x: torch.Tensor, step: PruneStep | None = None, p: int = 0, last: bool = False) -> torch.Tensor:
         """Inference (eval-mode BN, no fusion, pruning after attention): compute only the rows some
         later op reads. Keys and values of every token are needed (they are attended to), but the
         queries, attention output and MLP only of the tokens that survive: the kept candidates, plus
         the anchor unless this is the last block (nothing after it reads the anchor). A pruning block
-        scores the candidates with the anchor's query alone (`select(s)` -> kept indices `[B, k]`, or
-        None to keep all). Every op left is row-wise in eval mode, so the surviving rows are bitwise
-        those of `forward` (which keeps the anchor: drop it, `x[:, :, p:]`, to compare after the last block).
+        scores the candidates with the anchor's query alone. Every op left is row-wise in eval mode,
+        so the surviving rows are bitwise those of `forward` (which keeps the anchor: drop it,
+        `x[:, :, p:]`, to compare after the last block).
         """
         attn = self.attn
-        k, v = attn.split_heads(attn.k(x)), attn.split_heads(attn.v(x))
+        k, v = attn.keys_values(x)
         prefix, cand = x[:, :, :p], x[:, :, p:]
         q_prefix = q_cand = idx = None
-        if select is not None:
-            if p:  # the anchor's query alone scores the candidates: s_t(i) = sum_h <q_anchor, k_i>
-                q_prefix = attn.split_heads(attn.q(prefix))
-                s = torch.einsum("tbhd,tbhmd->tbm", q_prefix[..., 0, :], k[..., p:, :])
+        if step is not None:
+            if p:  # the anchor's query alone scores the candidates
+                q_prefix = attn.queries(prefix)
+                s = anchor_scores(q_prefix[..., 0, :], k[..., p:, :])
             else:  # no anchor: the mean patch query scores them, so every query is needed
-                q_cand = attn.split_heads(attn.q(cand))
-                s = scores_ref(q_cand, k, False)[0]
-            idx = select(s)
+                q_cand = attn.queries(cand)
+                s = step.scores(q_cand, k)[0]
+            idx = step.select(s)
         if idx is not None:
             cand = gather_tokens(cand, idx, attn.kernel_backend)
             if q_cand is not None:  # [T, B, H, N, d]: gather on the token axis
                 T, B, H, _, d = q_cand.shape
                 q_cand = q_cand.gather(3, idx[None, :, None, :, None].expand(T, B, H, idx.shape[1], d))
         if q_cand is None:
-            q_cand = attn.split_heads(attn.q(cand))
+            q_cand = attn.queries(cand)
         rows, q = cand, q_cand
         if p and not last:
             if q_prefix is None:
-                q_prefix = attn.split_heads(attn.q(prefix))
+                q_prefix = attn.queries(prefix)
             rows, q = torch.cat([prefix, cand], 2), torch.cat([q_prefix, q_cand], 3)
-        T, B, H, n, d = q.shape
-        y = attention_ref(q, k, v, attn.scale).transpose(2, 3).reshape(T, B, n, H * d)
-        rows = rows + attn.proj(attn.attn_lif(y))
+        rows = rows + attn.attend_rows(q, k, v)
         return rows + self.mlp(rows)
 
 
-class Spikformer(nn.Module):
+@dataclass
+class SpikformerConfig(SpikingTransformerConfig):
+    """Spikformer's options: the shared ones, bias-free q/k/v (`qkv_bias=False`, the ImageNet code),
+    the reference code's unused LayerNorms (`reference_norms`, counted in its published sizes), and
+    `lean_inference` (see `Spikformer`)."""
+
+    qkv_bias: bool = True
+    reference_norms: bool = False
+    lean_inference: bool = False
+
+
+class Spikformer(SpikingTransformer):
     """Spikformer classifier. Input `[B, C, H, W]` (repeated over T) or `[T, B, C, H, W]`.
 
-    STATA switches: `anchor` (per_timestep | shared | off), `prune_blocks` (1-based block indices),
-    `keep_ratio` (one rho for every pruning block, or one per block), `prune_point`, `fuse_pruned`
-    (EViT-style fused token), `keep_warmup_start` / `keep_warmup_epochs` (cosine warm-up of rho,
-    driven by `set_progress`), `score` (standardized | raw, for ablation), `std_eps`, `anchor_init_std`.
-    With `anchor="off"` the mean patch query scores the tokens. `lean_inference` (on in the STATA zoo
-    entries): at inference skip the rows nobody reads -- pruned tokens' queries and attention outputs,
-    the last block's anchor -- with bitwise the same logits (`uses_lean_path`); off, every row is
-    computed as in training (the cost arithmetic of the reconstruction).
+    Built from a `SpikformerConfig`, or from its flat options (`Spikformer(embed_dim=64, keep_ratio=0.5)`).
+    `lean_inference` (on in the STATA zoo entries): at inference skip the rows nobody reads --
+    pruned tokens' queries and attention outputs, the last block's anchor -- with bitwise the same
+    logits (`uses_lean_path`); off, every row is computed as in training (the cost arithmetic of the
+    reconstruction).
     """
 
-    def __init__(
-        self,
-        img_size: int = 32,
-        in_chans: int = 3,
-        num_classes: int = 10,
-        embed_dim: int = 384,
-        depth: int = 4,
-        num_heads: int = 12,
-        mlp_ratio: float = 4.0,
-        timesteps: int = 4,
-        pool_stages: int = 2,
-        tau: float = 2.0,
-        surrogate: str = "sigmoid",
-        alpha: float = 4.0,
-        backend: str = "auto",
-        qkv_bias: bool = True,
-        reference_norms: bool = False,
-        anchor: Anchor = "off",
-        prune_blocks: list[int] | None = None,
-        keep_ratio: float | list[float] = 1.0,
-        prune_point: PrunePoint = "after_attn",
-        fuse_pruned: bool = False,
-        keep_warmup_start: float = 0.0,
-        keep_warmup_epochs: float = 0.0,
-        score: Score = "standardized",
-        std_eps: float = 1e-6,
-        anchor_init_std: float = 1.0,
-        lean_inference: bool = False,
-    ) -> None:
-        super().__init__()
-        self.lean_inference = bool(lean_inference)
-        lif_cfg, kb = self._init_core(timesteps, depth, num_classes, embed_dim, tau, surrogate, alpha, backend)
-        self.patch_embed = SPS(img_size, in_chans, embed_dim, pool_stages, lif_cfg)
-        self.blocks = nn.ModuleList(
-            Block(embed_dim, num_heads, mlp_ratio, lif_cfg, qkv_bias, reference_norms, kb) for _ in range(depth)
-        )
-        self.head = nn.Linear(embed_dim, num_classes)
-        self.apply(self._init_weights)
-        self._share_neuron_peak(mlp_ratio)
+    def __init__(self, config: SpikformerConfig | None = None, **options: Any) -> None:
+        cfg = config_from_options(SpikformerConfig, options, config)
+        super().__init__(cfg)
+        self.lean_inference = cfg.lean_inference
 
-        self.init_stata(kb, anchor, prune_blocks, keep_ratio, prune_point, fuse_pruned, keep_warmup_start,
-                        keep_warmup_epochs, score, std_eps, anchor_init_std)
+    def build_stem(self, cfg: SpikformerConfig, lif_cfg: dict) -> SPS:
+        return SPS(cfg.img_size, cfg.in_chans, cfg.embed_dim, cfg.pool_stages, lif_cfg)
 
-    def _init_core(self, timesteps: int, depth: int, num_classes: int, embed_dim: int, tau: float, surrogate: str,
-                   alpha: float, backend: str) -> tuple[dict, str]:
-        """Checks and sizes shared with the Spike-driven Transformer; returns the neurons' config and
-        the attention / token-selection kernels' backend (they have no compiled-loop variant)."""
-        if timesteps < 1:
-            raise ConfigError(f"timesteps must be >= 1 (got {timesteps})")
-        if depth < 1:
-            raise ConfigError(f"depth must be >= 1 (got {depth})")
-        self.timesteps, self.num_classes, self.embed_dim = timesteps, num_classes, embed_dim
-        lif_cfg = dict(tau=tau, v_reset=0.0, detach_reset=True, surrogate=surrogate, alpha=alpha, backend=backend)
-        return lif_cfg, backend if backend in ("auto", "triton", "torch") else "auto"
+    def build_block(self, cfg: SpikformerConfig, lif_cfg: dict) -> Block:
+        return Block(cfg.embed_dim, cfg.num_heads, cfg.mlp_ratio, lif_cfg, cfg.qkv_bias, cfg.reference_norms, self.kernel_backend)
 
-    def _share_neuron_peak(self, mlp_ratio: float) -> None:
-        """Every neuron learns the model's largest neuron input per timestep and sample: the stem's
-        widest stage, or the MLP's hidden layer over every token plus one prefix token."""
-        hidden = int(self.embed_dim * mlp_ratio) * (self.patch_embed.grid**2 + 1)
-        share_neuron_backend(self, max(self.patch_embed.neuron_peak(), hidden))
+    def build_head(self, cfg: SpikformerConfig, lif_cfg: dict) -> None:
+        self.head = nn.Linear(cfg.embed_dim, cfg.num_classes)
 
-    @staticmethod
-    def _init_weights(m: nn.Module) -> None:
-        if isinstance(m, nn.Linear):
-            nn.init.trunc_normal_(m.weight, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):
-            nn.init.ones_(m.weight)
-            nn.init.zeros_(m.bias)
-
-    def init_stata(self, kernel_backend: str, anchor: str, prune_blocks, keep_ratio, prune_point: str, fuse_pruned: bool,
-                   keep_warmup_start: float, keep_warmup_epochs: float, score: str, std_eps: float, anchor_init_std: float) -> None:
-        """Validate the STATA switches and create the anchor (shared with the Spike-driven Transformer)."""
-        depth, timesteps, embed_dim, kb = len(self.blocks), self.timesteps, self.embed_dim, kernel_backend
-        self.kernel_backend, self.prune_point, self.fuse_pruned = kb, prune_point, fuse_pruned
-        self.standardize, self.std_eps = score == "standardized", std_eps
-        self.warmup = (float(keep_warmup_start), float(keep_warmup_epochs))
-        if keep_warmup_start < 0 or keep_warmup_epochs < 0:
-            raise ConfigError("keep_warmup_start and keep_warmup_epochs must be >= 0")
-        blocks = sorted(prune_blocks or [])
-        bad = [b for b in blocks if not 1 <= b <= depth]
-        if bad or len(set(blocks)) != len(blocks):
-            raise ConfigError(
-                f"prune_blocks {list(prune_blocks or [])}: block indices are 1-based, distinct and at most depth={depth}"
-                + (f"; {bad} is out of range" if bad else "")
-            )
-        ratios = list(keep_ratio) if isinstance(keep_ratio, (list, tuple)) else [keep_ratio] * len(blocks)
-        if isinstance(keep_ratio, (list, tuple)) and len(ratios) != len(blocks):
-            raise ConfigError(f"keep_ratio has {len(ratios)} values for {len(blocks)} prune_blocks; give one ratio or one per block")
-        for r in ratios if ratios else [keep_ratio]:
-            if not (isinstance(r, (int, float)) and 0 < r <= 1):
-                raise ConfigError(f"keep_ratio must be in (0, 1] (the fraction of tokens a pruning block keeps), got {r}")
-        self.prune_at = {b - 1: r for b, r in zip(blocks, ratios)}  # 0-based block -> target rho
-        self.anchor_mode = anchor
-        self.n_prefix = 0 if anchor == "off" else 1
-        self.n_patches = self.patch_embed.grid**2
-        self.token_schedule()  # validates: raises if a block would keep zero tokens
-        if anchor != "off":
-            self.anchor = nn.Parameter(torch.zeros(timesteps if anchor == "per_timestep" else 1, embed_dim))
-            # unit scale, like the spike-count residual stream: a 0.02-scale anchor (ViT's CLS init) never
-            # makes its query fire, so every timestep abstains and selection degenerates to index order
-            nn.init.trunc_normal_(self.anchor, std=anchor_init_std, a=-2 * anchor_init_std, b=2 * anchor_init_std)
-        self._epoch: float | None = None
-        self.record_scores = False  # also keep scores in eval mode (training always keeps them)
-        self.stata_scores: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.stata_stats: dict = {}
-
-
-    # ------------------------------------------------------------------ keep-ratio schedule
-
-    def set_progress(self, epoch: float) -> None:
-        """Called by the trainer before every step (fractional epoch): drives the keep-ratio warm-up."""
-        self._epoch = float(epoch)
-
-    def keep_ratios(self) -> dict[int, float]:
-        """Current rho per pruning block (0-based): the warm-up value while training, rho* in eval."""
-        if not self.training or self._epoch is None:
-            return dict(self.prune_at)
-        start, span = self.warmup
-        return {b: warmup_keep_ratio(r, self._epoch, start, span) for b, r in self.prune_at.items()}
-
-    def token_schedule(self, ratios: dict[int, float] | None = None) -> list[tuple[int, int]]:
-        """(tokens into attention, tokens into the MLP) per block, anchor and fused token included."""
-        ratios = self.prune_at if ratios is None else ratios
-        p = self.n_prefix
-        cand, out = self.n_patches, []
-        for i in range(len(self.blocks)):
-            n_attn = cand + p
-            if i in ratios:
-                if ratios[i] * cand < 1:
-                    raise ConfigError(
-                        f"keep schedule leaves zero tokens: block {i + 1} keeps {ratios[i]:g} x {cand} candidate tokens "
-                        f"= {ratios[i] * cand:.2f} < 1; raise keep_ratio or prune in fewer blocks"
-                    )
-                k = kept_count(ratios[i], cand)
-                cand = k + (1 if self.fuse_pruned and k < cand else 0)
-            n_mlp = cand + p if self.prune_point == "after_attn" else n_attn
-            out.append((n_attn, n_mlp))
-        return out
-
-    # ---------------------------------------------------------------------------- forward
-
-    def encode_input(self, x: torch.Tensor) -> torch.Tensor:
-        sps = self.patch_embed
-        if x.dim() == 4:
-            x = x.unsqueeze(0).expand(self.timesteps, *x.shape)
-        if x.dim() != 5 or x.shape[2] != sps.in_chans or x.shape[-2:] != (sps.img_size, sps.img_size):
-            raise ValueError(
-                f"Spikformer expects images [B, {sps.in_chans}, {sps.img_size}, {sps.img_size}] "
-                f"(or [T, B, ...]); got {list(x.shape)}"
-            )
-        if self.anchor_mode == "per_timestep" and x.shape[0] != self.timesteps:
-            raise ValueError(f"this model has one anchor per timestep (T={self.timesteps}); got T={x.shape[0]}")
-        return x
-
-    def _select(self, s: torch.Tensor, ratio: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(kept indices `[B, k]`, selection score `[B, N]`) of the top ceil(ratio*N) candidates by
-        standardized score, the same set at every t; None when every candidate is kept."""
-        n = s.shape[2]
-        k = kept_count(ratio, n)
-        self.stata_stats["degenerate"] += int((s.detach().float().std(-1, correction=0) == 0).all(0).sum())
-        if k == n:  # nothing to prune: keep order and shape exactly (identity at rho = 1)
-            return None
-        idx, z = select_tokens(s, k, self.std_eps, self.standardize, self.kernel_backend)
-        self.stata_stats.setdefault("kept_idx", []).append(idx)
-        return idx, z
-
-    def _select_idx(self, s: torch.Tensor, ratio: float) -> torch.Tensor | None:
-        sel = self._select(s, ratio)
-        return None if sel is None else sel[0]
-
-    def _prune(self, x: torch.Tensor, s: torch.Tensor, c: torch.Tensor, ratio: float) -> torch.Tensor:
-        """Keep the top ceil(ratio*N) candidates by standardized anchor score, the same set at every t."""
-        p = self.n_prefix
-        cand = x[:, :, p:]
-        if self.training or self.record_scores:
-            self.stata_scores.append((s, c))
-        sel = self._select(s, ratio)
-        if sel is None:
-            return x
-        idx, z = sel
-        if p:  # one gather of the anchor and the kept tokens: no concatenation copy (nor its backward)
-            idx_all = torch.cat([torch.arange(p, device=idx.device).expand(idx.shape[0], p), idx + p], 1)
-            kept = gather_tokens(x, idx_all, self.kernel_backend)
-        else:
-            kept = gather_tokens(cand, idx, self.kernel_backend)
-        if not self.fuse_pruned:
-            return kept
-        # EViT: one token = softmax(z)-weighted sum of the pruned tokens
-        w = z.scatter(1, idx, float("-inf")).softmax(-1).to(x.dtype)  # [B, N], zero on kept tokens
-        return torch.cat([kept, torch.einsum("bn,tbnd->tbd", w, cand).unsqueeze(2)], 2)
-
-    def embed(self, x: torch.Tensor) -> torch.Tensor:
-        """Images -> tokens `[T, B, N, D]` from the SPS stem, with the anchor at index 0 if enabled."""
-        x = self.patch_embed(self.encode_input(x))
-        T, B, _, D = x.shape
-        if self.n_prefix:
-            x = torch.cat([self.anchor[:, None, None, :].expand(T, B, 1, D).to(x.dtype), x], 2)
-        return x
+    def pool_head(self, patches: torch.Tensor) -> torch.Tensor:
+        """Patch tokens `[T, B, N, D]` -> logits: mean over tokens, then over time, then the linear classifier."""
+        return self.head(patches.mean(2).mean(0))
 
     def uses_lean_path(self, x: torch.Tensor) -> bool:
         """Whether `forward` skips the rows nobody reads (`Block.forward_lean`): inference only (in
         training, every row enters BatchNorm's batch statistics), without fusion or recorded scores
         (they need every token's query), and when an anchor or a pruning block leaves rows to skip.
         T*B >= 2 keeps every projection a matrix product (a one-row product may round differently)."""
-        return (self.lean_inference and not self.training and not self.record_scores and not self.fuse_pruned
-                and self.prune_point == "after_attn" and bool(self.n_prefix or self.prune_at)
+        st = self.stata
+        return (self.lean_inference and not self.training and not st.record_scores and not st.cfg.fuse_pruned
+                and st.cfg.prune_point == "after_attn" and bool(st.n_prefix or st.prune_at)
                 and x.shape[0] * x.shape[1] >= 2)
 
-    def forward_blocks(self, x: torch.Tensor, lean: bool = False) -> torch.Tensor:
-        """The encoder: tokens through every block, pruning where the schedule says. With `lean`
-        (see `uses_lean_path`) the last block returns the patch tokens only (no anchor)."""
-        self.stata_scores = []
-        self.stata_stats = {"tokens_in": [], "degenerate": 0}
-        ratios = self.keep_ratios()
-        self.stata_stats["keep_ratio"] = min(ratios.values(), default=1.0)
-        last = len(self.blocks) - 1
-        for i, blk in enumerate(self.blocks):
-            self.stata_stats["tokens_in"].append(x.shape[2])
-            prune = None
-            if i in ratios:
-                r = ratios[i]
-                if lean:
-                    prune = lambda s_, r=r: self._select_idx(s_, r)  # noqa: E731
-                else:
-                    prune = lambda x_, s_, c_, r=r: self._prune(x_, s_, c_, r)  # noqa: E731
-            if lean and (prune is not None or i == last):
-                x = blk(x, prune, anchor=self.n_prefix == 1, lean=True, last=i == last)
-            else:
-                x = blk(x, prune, anchor=self.n_prefix == 1, point=self.prune_point)
-        self.stata_stats["tokens_out"] = x.shape[2] + (self.n_prefix if lean else 0)
-        return x
 
-    def pool_head(self, patches: torch.Tensor) -> torch.Tensor:
-        """Patch tokens `[T, B, N, D]` -> logits: mean over tokens, then over time, then the linear classifier."""
-        return self.head(patches.mean(2).mean(0))
-
-    def forward_head(self, x: torch.Tensor) -> torch.Tensor:
-        """Mean over tokens (anchor excluded), then over time, then the linear classifier."""
-        return self.pool_head(x[:, :, self.n_prefix:])
-
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """Token features `[T, B, N', D]` after the last block (anchor at index 0 if present)."""
-        return self.forward_blocks(self.embed(x))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tokens = self.embed(x)
-        if self.uses_lean_path(tokens):
-            return self.pool_head(self.forward_blocks(tokens, lean=True))
-        return self.forward_head(self.forward_blocks(tokens))
-
-
-def _spikformer(**kw) -> Spikformer:
-    return Spikformer(**kw)
-
+# ---------------------------------------------------------------------------------- variants
 
 CIFAR10 = InputSpec((3, 32, 32), timesteps=4, mean=CIFAR_MEAN, std=CIFAR_STD, num_classes=10)
 DIGITS = InputSpec((1, 16, 16), timesteps=4, mean=DIGITS_MEAN, std=DIGITS_STD, num_classes=10)
 IMAGENET = InputSpec((3, 224, 224), timesteps=4, mean=IMAGENET_MEAN, std=IMAGENET_STD, num_classes=1000)
 
-CIFAR_CFG = dict(embed_dim=384, depth=4, num_heads=12, img_size=32, pool_stages=2, num_classes=10, reference_norms=True)
+CIFAR = SpikformerConfig(embed_dim=384, depth=4, num_heads=12, img_size=32, pool_stages=2, num_classes=10, reference_norms=True)
 # the ImageNet reference code has bias-free q/k/v projections
-IMAGENET_CFG = dict(embed_dim=512, depth=8, num_heads=8, img_size=224, pool_stages=4, num_classes=1000,
-                    qkv_bias=False, reference_norms=True)
-TINY_CFG = dict(embed_dim=64, depth=2, num_heads=4, img_size=16, in_chans=1, pool_stages=1, num_classes=10)
+IMAGENET_CFG = SpikformerConfig(embed_dim=512, depth=8, num_heads=8, img_size=224, pool_stages=4, num_classes=1000,
+                                qkv_bias=False, reference_norms=True)
+TINY = SpikformerConfig(embed_dim=64, depth=2, num_heads=4, img_size=16, in_chans=1, pool_stages=1, num_classes=10)
 # paper-like STATA default (seeds/stata.md): anchor per timestep, EViT's rho = 0.7 and keep-rate warm-up
-STATA_CFG = dict(anchor="per_timestep", keep_ratio=0.7, keep_warmup_start=10.0, keep_warmup_epochs=60.0)
+STATA = StataConfig(anchor="per_timestep", keep_ratio=0.7, keep_warmup_start=10.0, keep_warmup_epochs=60.0)
 
 
-@register_model(
-    "spikformer-4-384",
-    input_spec=CIFAR10,
-    paper=PAPER,
-    description="CIFAR-10 config: 4 blocks, D=384, 12 heads, T=4",
-    family="spikformer",
-    **CIFAR_CFG,
-)
-def spikformer_4_384(**kw) -> Spikformer:
-    return _spikformer(**kw)
+def with_stata(cfg: SpikformerConfig, **stata: Any) -> SpikformerConfig:
+    """`cfg` with STATA switched on: the paper-like defaults `STATA` updated by `stata`, lean inference."""
+    return replace(cfg, lean_inference=True, stata=replace(STATA, **stata))
 
 
-@register_model(
-    "spikformer-stata",
-    input_spec=CIFAR10,
-    paper=STATA_PAPER,
-    description="spikformer-4-384 + STATA: anchor per timestep, prune blocks 2,3 at rho=0.7 (65->46->33 tokens)",
-    family="spikformer",
-    **CIFAR_CFG, **STATA_CFG, prune_blocks=[2, 3], lean_inference=True,
-)
-def spikformer_stata(**kw) -> Spikformer:
-    return _spikformer(**kw)
+VARIANTS: dict[str, Variant] = {
+    "spikformer-4-384": Variant(CIFAR10, PAPER, "CIFAR-10 config: 4 blocks, D=384, 12 heads, T=4", CIFAR),
+    "spikformer-stata": Variant(
+        CIFAR10, STATA_PAPER, "spikformer-4-384 + STATA: anchor per timestep, prune blocks 2,3 at rho=0.7 (65->46->33 tokens)",
+        with_stata(CIFAR, prune_blocks=[2, 3])),
+    "spikformer-8-512": Variant(IMAGENET, PAPER, "ImageNet config: 8 blocks, D=512, 8 heads, 224px, T=4", IMAGENET_CFG),
+    "spikformer-8-512-stata": Variant(
+        IMAGENET, STATA_PAPER, "spikformer-8-512 + STATA: prune blocks 4,6,8 at rho=0.7 (197->139->98->69 tokens)",
+        with_stata(IMAGENET_CFG, prune_blocks=[4, 6, 8])),
+    "spikformer-tiny": Variant(DIGITS, PAPER, "digits-sized: 2 blocks, D=64, 4 heads, 16px grayscale, 8x8 tokens, T=4", TINY),
+    "spikformer-tiny-stata": Variant(
+        DIGITS, STATA_PAPER, "spikformer-tiny + STATA: anchor per timestep, prune blocks 1,2 at rho=0.5 (65->33->17 tokens)",
+        replace(TINY, lean_inference=True, stata=StataConfig(anchor="per_timestep", prune_blocks=[1, 2], keep_ratio=0.5))),
+}
 
-
-@register_model(
-    "spikformer-8-512",
-    input_spec=IMAGENET,
-    paper=PAPER,
-    description="ImageNet config: 8 blocks, D=512, 8 heads, 224px, T=4",
-    family="spikformer",
-    **IMAGENET_CFG,
-)
-def spikformer_8_512(**kw) -> Spikformer:
-    return _spikformer(**kw)
-
-
-@register_model(
-    "spikformer-8-512-stata",
-    input_spec=IMAGENET,
-    paper=STATA_PAPER,
-    description="spikformer-8-512 + STATA: prune blocks 4,6,8 at rho=0.7 (197->139->98->69 tokens)",
-    family="spikformer",
-    **IMAGENET_CFG, **STATA_CFG, prune_blocks=[4, 6, 8], lean_inference=True,
-)
-def spikformer_8_512_stata(**kw) -> Spikformer:
-    return _spikformer(**kw)
-
-
-@register_model(
-    "spikformer-tiny",
-    input_spec=DIGITS,
-    paper=PAPER,
-    description="digits-sized: 2 blocks, D=64, 4 heads, 16px grayscale, 8x8 tokens, T=4",
-    family="spikformer",
-    **TINY_CFG,
-)
-def spikformer_tiny(**kw) -> Spikformer:
-    return _spikformer(**kw)
-
-
-@register_model(
-    "spikformer-tiny-stata",
-    input_spec=DIGITS,
-    paper=STATA_PAPER,
-    description="spikformer-tiny + STATA: anchor per timestep, prune blocks 1,2 at rho=0.5 (65->33->17 tokens)",
-    family="spikformer",
-    **TINY_CFG, anchor="per_timestep", prune_blocks=[1, 2], keep_ratio=0.5, lean_inference=True,
-)
-def spikformer_tiny_stata(**kw) -> Spikformer:
-    return _spikformer(**kw)
+register_variants(Spikformer, VARIANTS, family="spikformer")

@@ -1,7 +1,8 @@
 """STATA objective: classification CE + lambda_intra * L_intra + lambda_inter * L_inter.
 
-The alignment terms (our reconstruction, seeds/stata.md) act on the scores a STATA model keeps from
-its last forward (`model.stata_scores`: one (s, c) pair per pruning block, each `[T, B, N]`):
+The alignment terms (our reconstruction, seeds/stata.md) act on the scores the model's STATA
+`TokenPruner` returns for its last forward (`stata_outputs(model).scores`: one (s, c) pair per
+pruning block, each `[T, B, N]`):
 
     p_t = softmax(standardize(s_t) / tau)      anchor scores, with gradient (anchor query, patch keys)
     q_t = softmax(standardize(c_t) / tau)      mean-patch-query scores = QK^T column mean, no gradient
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from efficient.models.stata import stata_outputs
 from efficient.objectives import register_objective
 from efficient.objectives.classification import Classification
 
@@ -74,7 +76,7 @@ class Stata(Classification):
 
     def alignment(self, model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean over pruning blocks of (L_intra, L_inter) from the model's last forward."""
-        scores = getattr(getattr(model, "module", model), "stata_scores", None) or []
+        scores = stata_outputs(model).scores
         if not scores:
             z = torch.zeros(())
             return z, z
@@ -91,7 +93,7 @@ class Stata(Classification):
             intra, inter = self.alignment(model)
             loss = ce + self.lambda_intra * intra.to(ce.device) + self.lambda_inter * inter.to(ce.device)
             logs.update({"stata/intra": intra.item(), "stata/inter": inter.item()})
-        stats = getattr(getattr(model, "module", model), "stata_stats", {}) or {}
+        stats = stata_outputs(model).stats
         for k in ("keep_ratio", "tokens_out", "degenerate"):
             if k in stats:
                 logs[f"stata/{k}"] = float(stats[k])

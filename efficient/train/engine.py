@@ -26,6 +26,7 @@ from efficient.config import Recipe
 from efficient.data import DataBundle, build_data
 from efficient.errors import ConfigError
 from efficient.io import append_jsonl, write_json, write_text
+from efficient.models.progress import inform_progress
 from efficient.objectives import Objective, build_objective
 from efficient.train import checkpoint as ckpt
 from efficient.train import distributed as dist_utils
@@ -332,8 +333,7 @@ class Trainer:
             return
         for batch in self.train_loader(s.epoch, s.step_in_epoch):
             progress = s.epoch + s.step_in_epoch / self.steps_per_epoch
-            if hasattr(self.model, "set_progress"):
-                self.model.set_progress(progress)
+            inform_progress(self.model, progress)
             self.objective.set_progress(progress, s.global_step)
             batch = to_device(batch, self.device)
             with self.autocast():
