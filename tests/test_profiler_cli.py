@@ -67,7 +67,8 @@ def test_unknown_energy_preset(capsys):
 
 def test_input_shape_that_does_not_fit(capsys):
     rc, _, err = _run(capsys, "spikformer-tiny", "--input", "3x32x32")
-    assert rc == 2 and "does not fit the model" in err and "1x16x16" in err
+    assert rc == 2 and "does not fit the model: it is 3x32x32 per sample, but the model was built for 1x16x16 per sample" in err
+    assert "--input 1x16x16" in err
     rc, _, err = _run(capsys, "spikformer-tiny", "--input", "3xabc")
     assert rc == 2 and "expected sizes like 3x32x32" in err
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Literal, Sequence
 
 import torch
 from torch import nn
@@ -14,6 +15,7 @@ from efficient.errors import ConfigError
 from efficient.profiler.counting import UNATTRIBUTED, CountingMode, ModuleStack
 from efficient.profiler.energy import EnergyModel, EnergySpec, resolve_energy
 from efficient.profiler.report import LayerStat, Report
+from efficient.zoo import InputSpec, get_entry
 
 MAX_DATA_BATCHES = 16  # batches of `data=` used to measure an exit distribution
 
@@ -31,13 +33,14 @@ def profile(
     spike_matmul: str = "operand",
     exit_threshold: float | None = None,
     name: str | None = None,
+    random: Literal["normal", "unit"] = "normal",
 ) -> Report:
     """Count MACs, synaptic operations and energy of one forward pass of `model`.
 
     inputs: a tensor, a tuple of positional tensors or a dict of keyword tensors; or give
       `input_shape` (per sample, without batch: ``(3, 32, 32)`` or ``"3x32x32"``) and `batch`
       for a seeded random input; or `data` (an iterable of batches; its first batch is used).
-      With none of these, a zoo model uses its registered input shape.
+      With none of these, a zoo model uses the input shape it was built for (`built_input_spec`).
     timesteps: overrides the model's `timesteps` (or `T`) for this pass.
     energy: preset name ("45nm-fp32", "45nm-fp16", "45nm-int8"), EnergyModel, or
       {"e_mac_pj": .., "e_ac_pj": .., "preset": ..}.
@@ -45,6 +48,8 @@ def profile(
     flops_per_mac: FLOPs = flops_per_mac x dense_macs (2: a multiply and an add, as FlopCounterMode).
     spike_matmul: spike x spike matmuls charge "operand" = nnz(left operand) x fan-out (default) or
       "coincidence" = number of (1, 1) products (spikingjelly's SynOpCounter convention).
+    random: values of the seeded random input: "normal" (standard normal, like normalised pixels)
+      or "unit" (uniform in [0, 1], for models fed unnormalised images).
     """
     if not isinstance(model, nn.Module):
         raise ConfigError(f"profile() needs a torch.nn.Module, got {type(model).__name__}")
@@ -57,11 +62,14 @@ def profile(
         raise ConfigError(f"timesteps must be a positive integer, got {timesteps!r}")
     if not isinstance(batch, int) or batch < 1:
         raise ConfigError(f"batch must be a positive integer, got {batch!r}")
+    if random not in ("normal", "unit"):
+        raise ConfigError(f"random must be 'normal' or 'unit', got {random!r}")
 
     data_batches = list(itertools.islice(iter(data), MAX_DATA_BATCHES)) if data is not None else None
     random_input = inputs is None and not data_batches
-    args, kwargs, source = _resolve_inputs(model, inputs, input_shape, batch, data_batches)
+    args, kwargs, source = _resolve_inputs(model, inputs, input_shape, batch, data_batches, random)
     label = name or getattr(model, "zoo_name", None) or type(model).__name__
+    _check_input_shape(model, args, kwargs, source, label)
     warnings: list[str] = []
 
     with _timesteps_override(model, timesteps) as (t_used, repeat_input):
@@ -120,16 +128,59 @@ def parse_shape(spec: Sequence[int] | str) -> tuple[int, ...]:
     return dims
 
 
-def _zoo_spec(model: nn.Module) -> Any:
+def built_input_spec(model: nn.Module) -> InputSpec | None:
+    """The input a zoo-built model was built for: its entry's spec with the model's own image size,
+    channels, sequence length and timesteps applied (a run with `img_size: 8` eats 8x8, not the default)."""
     name = getattr(model, "zoo_name", None)
     if not name:
         return None
-    from efficient.zoo import get_entry
-
     try:
-        return get_entry(name).input_spec
+        spec = get_entry(name).input_spec
     except ConfigError:
         return None
+    cfg = getattr(model, "zoo_cfg", None) or {}
+    shape = tuple(spec.shape)
+    if spec.dtype != "long" and len(shape) == 3 and isinstance(cfg.get("img_size"), int):
+        shape = (int(cfg.get("in_chans", shape[0])), cfg["img_size"], cfg["img_size"])
+    if spec.dtype == "long" and len(shape) == 1 and isinstance(cfg.get("seq_len"), int):
+        shape = (min(shape[0], cfg["seq_len"]),)
+    t = next((getattr(model, a) for a in ("timesteps", "T") if isinstance(getattr(model, a, None), int)), spec.timesteps)
+    return dataclasses.replace(spec, shape=shape, timesteps=t)
+
+
+def fmt_shape(shape: Sequence[int]) -> str:
+    """(1, 8, 8) -> '1x8x8', the form `--input` takes."""
+    return "x".join(str(d) for d in shape)
+
+
+def _built_for(spec: InputSpec) -> str:
+    shape = f"tokens[{fmt_shape(spec.shape)}]" if spec.dtype == "long" else fmt_shape(spec.shape)
+    return f"{shape} per sample" + (f" (T={spec.timesteps})" if spec.timesteps else "")
+
+
+def _check_input_shape(model: nn.Module, args: tuple, kwargs: dict, source: str, label: str) -> None:
+    """Fail before the pass when an image input's per-sample shape is not the one the model was built for."""
+    spec = built_input_spec(model)
+    x = args[0] if args else None
+    if spec is None or spec.dtype == "long" or not isinstance(x, torch.Tensor) or kwargs:
+        return
+    n = len(spec.shape)
+    if x.dim() == n + 2 and spec.timesteps and x.shape[0] == spec.timesteps:  # time-major [T, B, ...]
+        per_sample = tuple(x.shape[2:])
+    elif x.dim() == n + 1:
+        per_sample = tuple(x.shape[1:])
+    else:
+        return  # another layout (e.g. flattened features): the forward pass decides
+    if per_sample != tuple(spec.shape):
+        want = fmt_shape(spec.shape)
+        todo = (f"Pass --input {want} (input_shape={tuple(spec.shape)} from Python), or leave the shape out to use the model's"
+                if source.startswith("random") else
+                f"Give inputs of that shape (with --data, a recipe whose data section yields {want}), "
+                f"or profile random ones with --input {want}")
+        raise ConfigError(
+            f"profiling {label}: the input ({source}) does not fit the model: it is {fmt_shape(per_sample)} per sample, "
+            f"but the model was built for {_built_for(spec)}. {todo}."
+        )
 
 
 def _device(model: nn.Module) -> torch.device:
@@ -152,7 +203,7 @@ def _first_input(batch: Any) -> Any:
 
 
 def _resolve_inputs(model: nn.Module, inputs: Any, input_shape: Any, batch: int,
-                    data_batches: list[Any] | None) -> tuple[tuple, dict, str]:
+                    data_batches: list[Any] | None, random: str = "normal") -> tuple[tuple, dict, str]:
     dev = _device(model)
     if inputs is not None:
         if isinstance(inputs, dict):
@@ -162,7 +213,7 @@ def _resolve_inputs(model: nn.Module, inputs: Any, input_shape: Any, batch: int,
     if data_batches:
         x = _first_input(data_batches[0]).to(dev)
         return (x,), {}, f"data: first batch {_shape(x)}"
-    spec = _zoo_spec(model)
+    spec = built_input_spec(model)
     if input_shape is not None:
         shape = parse_shape(input_shape)
     elif spec is not None:
@@ -173,9 +224,12 @@ def _resolve_inputs(model: nn.Module, inputs: Any, input_shape: Any, batch: int,
     if spec is not None and spec.dtype == "long":
         vocab = int(getattr(model, "vocab_size", 256))
         x = torch.randint(0, vocab, (batch, *shape), generator=g)
+    elif random == "unit":
+        x = torch.rand((batch, *shape), generator=g)
     else:
         x = torch.randn((batch, *shape), generator=g)
-    return (x.to(dev),), {}, f"random {_shape(x)}"
+    kind = "random" if random == "normal" or x.dtype == torch.long else "random uniform [0, 1]"
+    return (x.to(dev),), {}, f"{kind} {_shape(x)}"
 
 
 def _shape(x: Any) -> str:
@@ -256,8 +310,9 @@ def _run_counted(model: nn.Module, args: tuple, kwargs: dict, spike_matmul: str,
         with torch.no_grad(), _eager_neurons_on_cpu(model), stack, mode:
             model(*args, **kwargs)
     except (RuntimeError, ValueError, IndexError, TypeError, AssertionError) as e:
-        spec = _zoo_spec(model)
-        expect = f" It expects {spec.describe()} per sample." if spec is not None else ""
+        spec = built_input_spec(model)
+        expect = (f" The model was built for {_built_for(spec)}; try --input {fmt_shape(spec.shape)}."
+                  if spec is not None else "")
         raise ConfigError(
             f"profiling {label}: the input ({source}) does not fit the model.{expect} "
             f"The forward pass failed with {type(e).__name__}: {e}"

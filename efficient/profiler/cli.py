@@ -1,10 +1,13 @@
 """Profile a model's cost: MACs, synaptic operations, FLOPs, energy, firing rates (`efficient profile MODEL`).
 
-MODEL is a zoo name, a run dir or a .safetensors checkpoint. Examples:
+MODEL is a zoo name, a run dir or a .safetensors checkpoint. A run dir is profiled as it was trained:
+the model of its config.yaml, its last checkpoint, and its own validation samples (the ones its
+report.md used), so the totals equal summary.json's "cost". Examples:
 
     efficient profile spikformer-4-384
     efficient profile spikformer-stata --compare spikformer-4-384
-    efficient profile runs/stata --data cifar10 --format md --plot energy.png
+    efficient profile runs/stata --compare runs/dense --plot compare.png
+    efficient profile runs/stata --data random --input 1x8x8 --format md
 """
 
 from __future__ import annotations
@@ -21,28 +24,29 @@ from efficient.errors import ConfigError
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL", help="zoo name, run dir or .safetensors checkpoint")
-    p.add_argument("--input", metavar="SHAPE", help="input shape per sample, e.g. 3x32x32 (default: the zoo entry's)")
-    p.add_argument("--batch", type=int, default=1, metavar="N", help="batch size of the profiled pass (default 1)")
+    p.add_argument("--input", metavar="SHAPE",
+                   help="profile a random input of this shape per sample, e.g. 3x32x32 (default: the shape the model was built for)")
+    p.add_argument("--batch", type=int, metavar="N",
+                   help="samples in the profiled pass (default: a run's profile.samples on its validation data, else 1)")
     p.add_argument("--timesteps", type=int, metavar="T", help="override the model's time steps")
-    p.add_argument("--pretrained", metavar="RUN", help="load weights from a run dir or .safetensors file")
-    p.add_argument("--data", metavar="RECIPE_OR_NAME",
-                   help="profile on real validation inputs: a recipe YAML or a dataset name (also measures exits)")
-    p.add_argument("--data-batches", type=int, default=4, metavar="K", help="validation batches used with --data (default 4)")
+    p.add_argument("--checkpoint", choices=("last", "best"), default="last",
+                   help="weights of a run dir: last (default; what the run's report profiled) or best")
+    p.add_argument("--pretrained", metavar="RUN", help="load weights from a run dir or .safetensors file (zoo names)")
+    p.add_argument("--data", metavar="SOURCE",
+                   help="inputs: 'val' (a run's own validation data; default for run dirs), 'random' (default for "
+                        "zoo names), or a recipe YAML / dataset name for its validation inputs (also measures exits)")
+    p.add_argument("--data-batches", type=int, default=4, metavar="K", help="validation batches used with --data DATASET (default 4)")
     p.add_argument("--format", choices=("table", "json", "md", "csv"), default="table")
-    p.add_argument("--plot", metavar="PNG", help="write energy / firing rate per layer to this PNG")
-    p.add_argument("--compare", metavar="OTHER_MODEL", help="profile a second model and show both side by side")
-    p.add_argument("--energy", default="45nm-fp32", metavar="PRESET", help="45nm-fp32 (default), 45nm-fp16, 45nm-int8")
-    p.add_argument("--flops-per-mac", type=float, default=2.0, help="FLOPs per MAC (default 2)")
-    p.add_argument("--exit-threshold", type=float, help="confidence threshold for early-exit models with --data")
+    p.add_argument("--plot", metavar="PNG", help="write energy / firing rate per layer to this PNG (both models with --compare)")
+    p.add_argument("--compare", metavar="OTHER_MODEL",
+                   help="profile a second model (zoo name or run dir) on its own inputs and show both, with ratios")
+    p.add_argument("--energy", metavar="PRESET",
+                   help="45nm-fp32, 45nm-fp16, 45nm-int8 (default: a run's profile.energy, else 45nm-fp32)")
+    p.add_argument("--flops-per-mac", type=float, metavar="F", help="FLOPs per MAC (default: a run's profile.flops_per_mac, else 2)")
+    p.add_argument("--exit-threshold", type=float, help="confidence threshold for early-exit models with --data DATASET")
     p.add_argument("--layers", type=int, default=40, metavar="N", help="layers shown in table/md output (default 40)")
     p.add_argument("--depth", type=int, default=1, metavar="D", help="module depth of the top-modules summary (default 1)")
     p.add_argument("-o", "--output", metavar="FILE", help="write the json/md/csv output to FILE instead of stdout")
-
-
-def _load(name: str, pretrained: str | None) -> Any:
-    from efficient.zoo import load
-
-    return load(name, pretrained=pretrained)
 
 
 def _data_batches(spec: str, batch: int, k: int) -> list[Any]:
@@ -66,49 +70,89 @@ def _data_batches(spec: str, batch: int, k: int) -> list[Any]:
     return batches
 
 
-def _profile(name: str, args: argparse.Namespace, data: list[Any] | None) -> Any:
+def _mode(name: str, args: argparse.Namespace, run: Any) -> str:
+    """'val', 'random' or 'dataset': where the inputs of model `name` come from."""
+    if args.data in (None, "val", "random"):
+        mode = args.data or ("random" if args.input or run is None or run.run_dir is None else "val")
+    else:
+        mode = "dataset"
+    if args.input and mode != "random":
+        raise ConfigError(f"--input sets the shape of a random input, but --data {args.data} brings its own inputs; "
+                          "give one of them (or --data random --input SHAPE)")
+    if mode == "val" and (run is None or run.run_dir is None):
+        what = "a zoo name" if run is None else "a .safetensors file outside a run dir"
+        raise ConfigError(f"--data val profiles a run dir on its own validation data, and {name} is {what}; "
+                          "use --data random or --data DATASET")
+    return mode
+
+
+def _profile(name: str, args: argparse.Namespace, data: list[Any] | None, pretrained: str | None) -> Any:
     from efficient.profiler import profile
+    from efficient.profiler.run import find_run, load_run_model, profile_run_model
+    from efficient.zoo import load
 
-    model = _load(name, args.pretrained if name == args.model else None)
-    inputs = None
-    if data:
-        import torch
+    run = find_run(name, args.checkpoint)
+    mode = _mode(name, args, run)
+    if run is not None:
+        if pretrained:
+            raise ConfigError(f"--pretrained applies to zoo names; {name} brings its own weights (pick them with --checkpoint)")
+        model, label = load_run_model(run), run.label
+        if mode in ("val", "random"):
+            return profile_run_model(model, run, data=mode, samples=args.batch, input_shape=args.input,
+                                     timesteps=args.timesteps, energy=args.energy, flops_per_mac=args.flops_per_mac)
+    else:
+        model, label = load(name, pretrained=pretrained), name
+    energy = args.energy or "45nm-fp32"
+    flops_per_mac = args.flops_per_mac if args.flops_per_mac is not None else 2
+    if mode == "random":
+        return profile(model, input_shape=args.input, batch=args.batch or 1, timesteps=args.timesteps, energy=energy,
+                       flops_per_mac=flops_per_mac, name=label)
+    import torch
 
-        from efficient.profiler.api import _first_input
+    from efficient.profiler.api import _first_input
 
-        inputs = torch.cat([_first_input(b) for b in data])  # all K batches in one pass
-    return profile(model, inputs=inputs, input_shape=args.input, batch=args.batch, timesteps=args.timesteps,
-                   energy=args.energy, data=data, flops_per_mac=args.flops_per_mac,
-                   exit_threshold=args.exit_threshold, name=Path(name).name if Path(name).exists() else name)
+    inputs = torch.cat([_first_input(b) for b in data])  # all K batches in one pass
+    return profile(model, inputs=inputs, timesteps=args.timesteps, energy=energy, data=data, flops_per_mac=flops_per_mac,
+                   exit_threshold=args.exit_threshold, name=label)
 
 
 def run(args: argparse.Namespace) -> int:
     from efficient.profiler.energy import resolve_energy
 
-    resolve_energy(args.energy)  # fail on a bad preset before loading anything
-    if args.batch < 1:
+    if args.energy is not None:
+        resolve_energy(args.energy)  # fail on a bad preset before loading anything
+    if args.batch is not None and args.batch < 1:
         raise ConfigError(f"--batch must be >= 1, got {args.batch}")
+    if args.flops_per_mac is not None and not args.flops_per_mac > 0:
+        raise ConfigError(f"--flops-per-mac must be a positive number, got {args.flops_per_mac}")
     if args.input:
         from efficient.profiler.api import parse_shape
 
         parse_shape(args.input)
-    data = _data_batches(args.data, args.batch, args.data_batches) if args.data else None
-    report = _profile(args.model, args, data)
-    other = _profile(args.compare, args, data) if args.compare else None
+    dataset = args.data not in (None, "val", "random")
+    data = _data_batches(args.data, args.batch or 1, args.data_batches) if dataset else None
+    report = _profile(args.model, args, data, args.pretrained)
+    other = _profile(args.compare, args, data, None) if args.compare else None
     cmp = report.compare(other) if other is not None else None
 
     if args.plot:
-        report.plot(args.plot)
+        (cmp if cmp is not None else report).plot(args.plot)
     if args.format == "table":
         from rich.console import Console
+        from rich.rule import Rule
 
         console = Console(width=None if sys.stdout.isatty() else 160)  # pipes: don't squeeze layer names
-        for r in report.to_table(max_layers=args.layers, depth=args.depth):
-            console.print(r)
+        for rep in (report, other) if other is not None else (report,):
+            if other is not None:
+                console.print(Rule(str(rep.meta.get("model"))))
+            for r in rep.to_table(max_layers=args.layers, depth=args.depth):
+                console.print(r)
         if cmp is not None:
+            console.print(Rule("comparison"))
             console.print(cmp.to_table())
-        for w in report.warnings + (other.warnings if other is not None else []):
-            console.print(f"[yellow]warning:[/yellow] {w}")
+        for rep in (report, other) if other is not None else (report,):
+            for w in rep.warnings:
+                console.print(f"[yellow]warning ({rep.meta.get('model')}):[/yellow] {w}")
         if args.plot:
             console.print(f"plot written to {args.plot}")
         return 0

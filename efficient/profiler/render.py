@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from efficient.profiler.report import fmt_count, fmt_energy, fmt_rate
 
@@ -134,56 +134,188 @@ def rich_tables(report: "Report", max_layers: int = 40, depth: int = 1) -> list[
     return out
 
 
+_COMPARE_LABELS = {
+    "params": "params",
+    "dense_macs": "dense MACs / sample",
+    "macs": "MACs / sample",
+    "sops": "SOPs / sample",
+    "flops": "FLOPs / sample",
+    "energy_pj": "energy / sample",
+    "mean_firing_rate": "mean firing rate",
+}
+
+
+def _compare_cells(r: dict[str, Any]) -> list[str]:
+    ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}x"
+    change = "-" if r["change_pct"] is None else f"{r['change_pct']:+.1f}%"
+    return [_COMPARE_LABELS.get(r["metric"], r["metric"]), _fmt_total(r["metric"], r["a"]),
+            _fmt_total(r["metric"], r["b"]), ratio, change]
+
+
+def _compare_caption(c: "Comparison") -> str:
+    a, b = c.a.meta.get("model"), c.b.meta.get("model")
+    inputs = f"{a}: {c.a.meta.get('input')}; {b}: {c.b.meta.get('input')}"
+    conv = convention_line(c.a)
+    if convention_line(c.b) != conv:
+        conv = f"{a}: {conv}; {b}: {convention_line(c.b)}"
+    return f"ratio = {b} / {a}, change = {b} vs {a}, per sample. Inputs: {inputs}. {conv}"
+
+
 def comparison_markdown(c: "Comparison") -> str:
     a, b = c.a.meta.get("model"), c.b.meta.get("model")
-    lines = [f"| metric | {a} | {b} | change |", "|---|---|---|---|"]
+    lines = [f"| metric | {a} | {b} | ratio | change |", "|---|---|---|---|---|"]
     for r in c.rows:
-        ch = "-" if r["change_pct"] is None else f"{r['change_pct']:+.1f}%"
-        lines.append(f"| {r['metric']} | {_fmt_total(r['metric'], r['a'])} | {_fmt_total(r['metric'], r['b'])} | {ch} |")
-    return "\n".join(lines) + "\n"
+        lines.append("| " + " | ".join(_compare_cells(r)) + " |")
+    return "\n".join(lines) + "\n\n" + _compare_caption(c) + "\n"
 
 
 def comparison_table(c: "Comparison") -> Any:
+    """The comparison as a rich table with its caption (ratio direction, inputs, convention) below it."""
+    from rich.console import Group
     from rich.table import Table
+    from rich.text import Text
 
-    t = Table(title=f"{c.a.meta.get('model')} vs {c.b.meta.get('model')}", caption=convention_line(c.a))
-    for col in ("metric", str(c.a.meta.get("model")), str(c.b.meta.get("model")), "change"):
+    t = Table(title=f"{c.a.meta.get('model')} vs {c.b.meta.get('model')}")
+    for col in ("metric", str(c.a.meta.get("model")), str(c.b.meta.get("model")), "ratio", "change"):
         t.add_column(col, justify="left" if col == "metric" else "right")
     for r in c.rows:
-        ch = "-" if r["change_pct"] is None else f"{r['change_pct']:+.1f}%"
-        t.add_row(r["metric"], _fmt_total(r["metric"], r["a"]), _fmt_total(r["metric"], r["b"]), ch)
-    return t
+        t.add_row(*_compare_cells(r))
+    return Group(t, Text(_compare_caption(c)))
+
+
+# ---------------------------------------------------------------------------------------------
+# PNG
+
+_E_MAC_COLOR, _E_AC_COLOR, _RATE_COLOR = "#c0504d", "#4f81bd", "#9bbb59"
+
+
+def _wrap(text: str, width_in: float, fontsize: float, margin_in: float = 0.7) -> str:
+    """Wrap a title to the characters that fit `width_in` inches less `margin_in` (the axis labels) at `fontsize` points."""
+    import textwrap
+
+    return textwrap.fill(text, width=max(20, int((width_in - margin_in) * 72 / (0.55 * fontsize))))
+
+
+def _layer_energy(report: "Report") -> tuple[list[float], list[float]]:
+    """(MAC energy, AC energy) per compute layer, per sample, in pJ."""
+    n = report.totals.get("batch_size") or 1
+    e = report.meta["energy"]
+    compute = report.compute_layers
+    return [e["e_mac_pj"] * layer.macs / n for layer in compute], [e["e_ac_pj"] * layer.sops / n for layer in compute]
+
+
+def _energy_unit(peak_pj: float) -> tuple[str, float]:
+    for unit, scale in (("mJ", 1e9), ("uJ", 1e6), ("nJ", 1e3)):
+        if peak_pj >= scale:
+            return unit, scale
+    return "pJ", 1.0
+
+
+def _title(report: "Report") -> str:
+    label, zoo = report.meta.get("model"), report.meta.get("zoo_model")
+    return f"{label} ({zoo})" if zoo and zoo != label else str(label)
+
+
+def _draw_energy(ax: Any, report: "Report", width_in: float, unit: tuple[str, float], legend: bool = True) -> None:
+    compute = report.compute_layers
+    e_mac, e_ac = _layer_energy(report)
+    name, scale = unit
+    xs = list(range(len(compute)))
+    ax.bar(xs, [v / scale for v in e_mac], label="MAC energy", color=_E_MAC_COLOR)
+    ax.bar(xs, [v / scale for v in e_ac], bottom=[v / scale for v in e_mac], label="AC (SOP) energy", color=_E_AC_COLOR)
+    ax.set_ylabel(f"energy / sample ({name})")
+    title = f"{_title(report)}: energy per layer, {fmt_energy(report.per_sample('energy_pj'))} / sample"
+    ax.set_title(_wrap(title, width_in, 9), fontsize=9)
+    ax.set_xticks(xs, [layer.name for layer in compute], rotation=90, fontsize=6)
+    if legend:
+        ax.legend(fontsize=7)
+
+
+def _peak_energy(report: "Report") -> float:
+    e_mac, e_ac = _layer_energy(report)
+    return max((m + a for m, a in zip(e_mac, e_ac)), default=0.0)
+
+
+def _draw_rates(ax: Any, report: "Report", width_in: float) -> None:
+    neurons = report.neurons
+    if not neurons:
+        ax.text(0.5, 0.5, "no spiking neurons", ha="center", va="center", transform=ax.transAxes, fontsize=9)
+        ax.set_axis_off()
+        return
+    xs = list(range(len(neurons)))
+    ax.bar(xs, [nrn.output_firing_rate or 0.0 for nrn in neurons], color=_RATE_COLOR)
+    ax.set_ylabel("firing rate")
+    title = f"{_title(report)}: firing rate per neuron layer, mean {fmt_rate(report.totals.get('mean_firing_rate'))}"
+    ax.set_title(_wrap(title, width_in, 9), fontsize=9)
+    ax.set_xticks(xs, [nrn.name for nrn in neurons], rotation=90, fontsize=6)
+
+
+def _fit_ylim(column: Any, reports: Sequence["Report"], unit: tuple[str, float]) -> None:
+    """Energy (and firing-rate) axes from 0 to just above the tallest bar of any report: one scale, nothing cut off."""
+    peak = max(_peak_energy(r) for r in reports) / unit[1]
+    column[0].set_ylim(0, 1.08 * peak or 1.0)
+    if len(column) > 1:
+        top = max((nrn.output_firing_rate or 0.0 for r in reports for nrn in r.neurons), default=0.0)
+        column[1].set_ylim(0, 1.08 * top or 1.0)
+
+
+def _save(fig: Any, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _column_width(report: "Report") -> float:
+    return min(20.0, max(5.0, 0.22 * max(len(report.compute_layers), len(report.neurons), 1)))
 
 
 def plot(report: "Report", path: Path) -> Path:
+    """PNG: energy per compute layer (per sample) over firing rate per neuron layer."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    compute = report.compute_layers
-    neurons = report.neurons
-    n_panels = 2 if neurons else 1
-    width = max(6.0, 0.25 * max(len(compute), len(neurons), 1))
-    fig, axes = plt.subplots(n_panels, 1, figsize=(min(width, 40), 3.2 * n_panels + 1), squeeze=False)
-    ax = axes[0][0]
-    xs = range(len(compute))
-    e_mac = [report.meta["energy"]["e_mac_pj"] * layer.macs for layer in compute]
-    e_ac = [report.meta["energy"]["e_ac_pj"] * layer.sops for layer in compute]
-    ax.bar(xs, e_mac, label="MAC energy", color="#c0504d")
-    ax.bar(xs, e_ac, bottom=e_mac, label="AC (SOP) energy", color="#4f81bd")
-    ax.set_ylabel("energy (pJ)")
-    ax.set_title(f"{report.meta.get('model')}: energy per layer ({convention_line(report)})", fontsize=8)
-    ax.set_xticks(list(xs), [layer.name for layer in compute], rotation=90, fontsize=6)
-    ax.legend(fontsize=7)
-    if neurons:
-        ax2 = axes[1][0]
-        ax2.bar(range(len(neurons)), [n.output_firing_rate or 0.0 for n in neurons], color="#9bbb59")
-        ax2.set_ylabel("firing rate")
-        ax2.set_title("firing rate per spiking neuron (spikes / neuron / step)", fontsize=8)
-        ax2.set_xticks(list(range(len(neurons))), [n.name for n in neurons], rotation=90, fontsize=6)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    n_rows = 2 if report.neurons else 1
+    width = _column_width(report)
+    fig, axes = plt.subplots(n_rows, 1, figsize=(width, 3.6 * n_rows + 1.6), squeeze=False, layout="constrained")
+    unit = _energy_unit(_peak_energy(report))
+    _draw_energy(axes[0][0], report, width, unit)
+    if report.neurons:
+        _draw_rates(axes[1][0], report, width)
+    _fit_ylim(axes[:, 0], [report], unit)
+    fig.supxlabel(_wrap(convention_line(report), width, 7, margin_in=0.3), fontsize=7)
+    return _save(fig, path)
+
+
+def plot_comparison(c: "Comparison", path: Path) -> Path:
+    """Both reports in two columns: energy per layer (per sample, same scale) over firing rates."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    reports = (c.a, c.b)
+    widths = [_column_width(r) for r in reports]
+    n_rows = 2 if any(r.neurons for r in reports) else 1
+    fig, axes = plt.subplots(n_rows, 2, figsize=(sum(widths), 3.6 * n_rows + 2.0), squeeze=False, sharey="row",
+                             width_ratios=widths, layout="constrained")
+    peak = max(_peak_energy(r) for r in reports)
+    unit = _energy_unit(peak)
+    for col, (r, w) in enumerate(zip(reports, widths)):
+        _draw_energy(axes[0][col], r, w, unit, legend=col == 0)
+        if n_rows == 2:
+            _draw_rates(axes[1][col], r, w)
+    _fit_ylim(axes[:, 0], reports, unit)
+    for ax in axes[:, 1]:  # shared scale: the right column repeats the left one's tick labels
+        ax.tick_params(labelleft=True)
+    energy = next(r for r in c.rows if r["metric"] == "energy_pj")
+    head = _wrap(f"{_title(c.a)} vs {_title(c.b)}", sum(widths), 11, margin_in=0.3)
+    if energy["ratio"] is not None:
+        head += f"\nenergy per sample, right / left: {energy['ratio']:.3f}x"
+    fig.suptitle(head, fontsize=11)
+    fig.supxlabel(_wrap(_compare_caption(c), sum(widths), 7, margin_in=0.3), fontsize=7)
+    return _save(fig, path)

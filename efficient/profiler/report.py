@@ -11,6 +11,9 @@ from typing import Any
 
 # Columns compared side by side and shown in tables, in order.
 TOTAL_KEYS = ("params", "dense_macs", "macs", "sops", "flops", "energy_pj", "energy_pj_per_sample", "mean_firing_rate")
+# Totals that grow with the profiled batch; a comparison divides them by each report's batch size.
+PER_SAMPLE_KEYS = ("dense_macs", "macs", "sops", "flops", "energy_pj")
+COMPARE_KEYS = ("params", *PER_SAMPLE_KEYS, "mean_firing_rate")
 
 
 @dataclass
@@ -123,7 +126,15 @@ class Report:
         return plot(self, Path(path))
 
     def compare(self, other: "Report") -> "Comparison":
+        """This report and `other` side by side, per sample (each may have run on its own batch)."""
         return Comparison(self, other)
+
+    def per_sample(self, key: str) -> float | None:
+        """A total divided by the profiled batch size for batch-extensive keys (MACs, SOPs, energy)."""
+        v = self.totals.get(key)
+        if v is None or key not in PER_SAMPLE_KEYS:
+            return v
+        return v / (self.totals.get("batch_size") or 1)
 
     def __repr__(self) -> str:
         t = self.totals
@@ -133,7 +144,9 @@ class Report:
 
 @dataclass
 class Comparison:
-    """Two reports side by side; `rows` give each total and the percentage change (b vs a)."""
+    """Two reports side by side. `rows` give each metric per sample (MACs, SOPs, FLOPs, energy are
+    divided by each report's batch size, so reports on different inputs compare), the ratio b / a
+    and the percentage change of b vs a."""
 
     a: Report
     b: Report
@@ -141,15 +154,22 @@ class Comparison:
     @property
     def rows(self) -> list[dict[str, Any]]:
         out = []
-        for k in TOTAL_KEYS:
-            va, vb = self.a.totals.get(k), self.b.totals.get(k)
+        for k in COMPARE_KEYS:
+            va, vb = self.a.per_sample(k), self.b.per_sample(k)
             if va is None and vb is None:
                 continue
-            out.append({"metric": k, "a": va, "b": vb, "change_pct": pct_change(va, vb)})
+            out.append({"metric": k, "per_sample": k in PER_SAMPLE_KEYS, "a": va, "b": vb,
+                        "ratio": ratio(va, vb), "change_pct": pct_change(va, vb)})
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return {"a": self.a.meta.get("model"), "b": self.b.meta.get("model"), "rows": self.rows}
+        return {"a": self.a.meta.get("model"), "b": self.b.meta.get("model"), "ratio": "b / a", "rows": self.rows}
+
+    def plot(self, path: str | Path) -> Path:
+        """PNG: both models side by side, energy per layer (per sample) and firing rate per neuron layer."""
+        from efficient.profiler.render import plot_comparison
+
+        return plot_comparison(self, Path(path))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, default=_json_default)
@@ -163,6 +183,15 @@ class Comparison:
         from efficient.profiler.render import comparison_table
 
         return comparison_table(self)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """b / a; None when undefined (a missing value, or a == 0 with b != 0); 1 when both are 0."""
+    if a is None or b is None:
+        return None
+    if a == 0:
+        return 1.0 if b == 0 else None
+    return b / a
 
 
 def pct_change(a: float | None, b: float | None) -> float | None:

@@ -397,10 +397,9 @@ class Trainer:
     def cost_report(self) -> tuple[dict[str, Any], str]:
         """Profile the trained model on a few validation inputs (per-sample costs)."""
         from efficient.profiler import profile
+        from efficient.profiler.run import validation_inputs
 
-        n = self.recipe.profile.samples
-        batch = next(iter(DataLoader(self.data.val, batch_size=n, shuffle=False, collate_fn=self.data.collate_fn)))
-        x = batch[0] if isinstance(batch, (list, tuple)) else batch
+        x = validation_inputs(self.data, self.recipe.profile.samples)  # the samples `efficient profile RUN` uses
         self.model.eval()
         rep = profile(self.model, inputs=to_device(x, self.device), energy=self.recipe.profile.energy,
                       flops_per_mac=self.recipe.profile.flops_per_mac)
