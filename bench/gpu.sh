@@ -31,16 +31,27 @@ status=0
 
 pack() {
   if [ -n "${OUT:-}" ]; then
-    tar -czf "$OUT/gpu_results.tar.gz" -C "$WORK" . 2>/dev/null || true
+    tar -czf "$OUT/gpu_results.tar.gz" --exclude="*.safetensors" --exclude="*.pt" -C "$WORK" . 2>/dev/null || true
     cp "$LOG" "$OUT/gpu.log" 2>/dev/null || true
   fi
 }
 trap pack EXIT
 
+# whole-run budget: a part gets at most what is left of it, so the results are packed before any
+# outer time limit (a lent GPU's, a job scheduler's) ends the run
+BUDGET=${GPU_BUDGET_S:-575}
+
 # part NAME LIMIT_S CMD...: runs one check under its own time limit, logging to $WORK/NAME.txt
 part() {
   local name=$1 limit=$2
   shift 2
+  local left=$((BUDGET - SECONDS - 5))
+  if [ "$left" -lt 15 ]; then
+    echo "=== $name: skipped, ${left}s of the ${BUDGET}s budget left" | tee -a "$LOG"
+    status=1
+    return
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
   local t0=$SECONDS
   echo "=== $name (limit ${limit}s): $*" | tee -a "$LOG"
   timeout -k 10 "$limit" "$@" 2>&1 | tee "$WORK/$name.txt" >>"$LOG"
@@ -48,6 +59,7 @@ part() {
   echo "=== $name: exit $rc after $((SECONDS - t0))s" | tee -a "$LOG"
   tail -n 25 "$WORK/$name.txt"
   [ "$rc" = 0 ] || status=1
+  pack
 }
 want() { [[ " $PARTS " == *" all "* || " $PARTS " == *" $1 "* ]]; }
 
