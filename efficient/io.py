@@ -93,7 +93,7 @@ def read_json(path: str | os.PathLike[str], what: str = "JSON file", expect: typ
     except RecursionError:
         raise ArtifactError(f"{p}: malformed {what}: nested too deeply. {_RESAVE}") from None
     if not isinstance(obj, expect):
-        raise ArtifactError(f"{p}: {what} should hold a JSON {_json_kind(expect)}, found a {_json_kind(type(obj))}. {_RESAVE}")
+        raise ArtifactError(f"{p}: {what} should hold {_a('JSON ' + _json_kind(expect))}, found {_a(_json_kind(type(obj)))}. {_RESAVE}")
     return obj
 
 
@@ -106,12 +106,16 @@ def parse_json_field(text: Any, source: str, key: str, expect: type = dict) -> A
     except (json.JSONDecodeError, RecursionError) as e:
         raise ArtifactError(f"{source}: metadata {key!r} is not valid JSON ({getattr(e, 'msg', e)}). {_RESAVE}") from None
     if not isinstance(obj, expect):
-        raise ArtifactError(f"{source}: metadata {key!r} should be a JSON {_json_kind(expect)}, found a {_json_kind(type(obj))}. {_RESAVE}")
+        raise ArtifactError(f"{source}: metadata {key!r} should be {_a('JSON ' + _json_kind(expect))}, found {_a(_json_kind(type(obj)))}. {_RESAVE}")
     return obj
 
 
 def _json_kind(t: type) -> str:
     return {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}.get(t, t.__name__)
+
+
+def _a(noun: str) -> str:
+    return ("an " if noun[0] in "aeiou" else "a ") + noun
 
 
 def _safetensors_problem(p: Path) -> str | None:
