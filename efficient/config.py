@@ -184,6 +184,8 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:  # a directory, no permission
+        raise ConfigError(f"{p}: cannot read it as a YAML file ({e.strerror or e})") from None
     return parse_yaml(text, str(p))
 
 
@@ -194,8 +196,8 @@ def parse_yaml(text: str, source: str = "<recipe>") -> dict[str, Any]:
         mark = e.problem_mark or e.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
         raise ConfigError(f"{source}: malformed YAML at {where}: {e.problem or e}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{source}: malformed YAML: {e}") from None
+    except yaml.YAMLError as e:  # e.g. a control character: PyYAML's text spans lines
+        raise ConfigError(f"{source}: malformed YAML: {' '.join(str(e).split())}") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):

@@ -9,3 +9,9 @@ class ConfigError(ValueError):
 
 class DataError(ConfigError):
     """A dataset that cannot be found or read; the message says where we looked."""
+
+
+class ArtifactError(ConfigError):
+    """A weights file, run dir or checkpoint that cannot be used (missing, empty, truncated,
+    corrupted, or written for another model). The message names the file, says what is wrong
+    with it and what to do instead."""

@@ -1,13 +1,28 @@
-"""Atomic file writes: write to a temp file in the same directory, fsync, then rename."""
+"""Artifact files: atomic writes (temp file in the same directory, fsync, rename) and readers that
+turn an unreadable, corrupt, truncated or foreign file into an `ArtifactError` naming the file,
+what is wrong with it and what to do, instead of a traceback from the parsing library."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import struct
 import tempfile
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
+
+from efficient.errors import ArtifactError
+
+if TYPE_CHECKING:
+    import torch
+
+# safetensors refuses headers above 100 MB; we say so before it does.
+SAFETENSORS_MAX_HEADER = 100_000_000
+CHECKSUM_KEY = "efficient.sha256"
+_RESAVE = "Re-save it (efficient.zoo.save_model or a training run) or copy it again from its source."
 
 
 @contextmanager
@@ -29,11 +44,13 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
 
 
 def write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Replace `path` with `text` in one rename."""
     with atomic_path(path) as tmp:
         tmp.write_text(text)
 
 
 def write_json(path: str | os.PathLike[str], obj: Any) -> None:
+    """Replace `path` with `obj` as indented JSON in one rename."""
     write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
 
 
@@ -43,3 +60,216 @@ def append_jsonl(path: str | os.PathLike[str], obj: Any) -> None:
         f.write(json.dumps(obj, default=str) + "\n")
         f.flush()
         os.fsync(f.fileno())
+
+
+# ---------------------------------------------------------------------------------- readers
+
+
+def read_text(path: str | os.PathLike[str], what: str = "text file") -> str:
+    """UTF-8 text of `path`; a missing, unreadable or binary file is an ArtifactError."""
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except FileNotFoundError:
+        raise ArtifactError(f"{p}: no such {what}") from None
+    except IsADirectoryError:
+        raise ArtifactError(f"{p}: expected a {what}, found a directory") from None
+    except OSError as e:
+        raise ArtifactError(f"{p}: cannot read this {what} ({e.strerror or e}); check its permissions") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ArtifactError(f"{p}: not a {what}: byte {e.start} is not UTF-8 text (binary or corrupted file). {_RESAVE}") from None
+
+
+def read_json(path: str | os.PathLike[str], what: str = "JSON file", expect: type = dict) -> Any:
+    """Parsed JSON of `path`, which must be an `expect` (a dict unless told otherwise)."""
+    p = Path(path)
+    text = read_text(p, what)
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ArtifactError(f"{p}: malformed {what}: {e.msg} at line {e.lineno}, column {e.colno}. {_RESAVE}") from None
+    except RecursionError:
+        raise ArtifactError(f"{p}: malformed {what}: nested too deeply. {_RESAVE}") from None
+    if not isinstance(obj, expect):
+        raise ArtifactError(f"{p}: {what} should hold {_a('JSON ' + _json_kind(expect))}, found {_a(_json_kind(type(obj)))}. {_RESAVE}")
+    return obj
+
+
+def parse_json_field(text: Any, source: str, key: str, expect: type = dict) -> Any:
+    """A JSON value stored as a string under `key` of a file's metadata (e.g. a safetensors header)."""
+    if not isinstance(text, str):
+        raise ArtifactError(f"{source}: metadata {key!r} should be a JSON string, found {type(text).__name__}. {_RESAVE}")
+    try:
+        obj = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise ArtifactError(f"{source}: metadata {key!r} is not valid JSON ({getattr(e, 'msg', e)}). {_RESAVE}") from None
+    if not isinstance(obj, expect):
+        raise ArtifactError(f"{source}: metadata {key!r} should be {_a('JSON ' + _json_kind(expect))}, found {_a(_json_kind(type(obj)))}. {_RESAVE}")
+    return obj
+
+
+def _json_kind(t: type) -> str:
+    return {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}.get(t, t.__name__)
+
+
+def _a(noun: str) -> str:
+    return ("an " if noun[0] in "aeiou" else "a ") + noun
+
+
+def _safetensors_problem(p: Path) -> str | None:
+    """Why `p` cannot be a safetensors file, from its size and 8-byte header length; None if it may be."""
+    size = p.stat().st_size
+    if size == 0:
+        return "the file is empty"
+    if size < 8:
+        return f"the file is {size} bytes, too short for a safetensors header (truncated?)"
+    with open(p, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+    if n > SAFETENSORS_MAX_HEADER:
+        return f"its header-length field says {n} bytes (the limit is {SAFETENSORS_MAX_HEADER}); it is corrupted or not a safetensors file"
+    if 8 + n > size:
+        return f"its header-length field says {n} bytes but the file has only {size - 8} after it (truncated, or not a safetensors file)"
+    return None
+
+
+def _safetensors_call(p: Path, fn: Any) -> Any:
+    """Run a safetensors reader on `p`, translating every way it can fail into an ArtifactError."""
+    from safetensors import SafetensorError
+
+    try:
+        problem = _safetensors_problem(p)
+    except FileNotFoundError:
+        raise ArtifactError(f"{p}: no such weights file") from None
+    except OSError as e:
+        raise ArtifactError(f"{p}: cannot read this weights file ({e.strerror or e}); check its permissions") from None
+    if problem is None:
+        try:
+            return fn(str(p))
+        except SafetensorError as e:
+            problem = _plain_safetensors_message(str(e))
+        except (OSError, ValueError, TypeError, OverflowError, MemoryError) as e:
+            problem = f"{type(e).__name__}: {e}"
+    raise ArtifactError(f"{p}: not a readable safetensors file: {problem}. {_RESAVE}")
+
+
+def _plain_safetensors_message(msg: str) -> str:
+    """safetensors' terse error text, said the way a user can act on."""
+    msg = msg.removeprefix("Error while deserializing header: ")
+    known = {
+        "incomplete metadata, file not fully covered": "the tensor data does not match the file size (truncated, or bytes appended)",
+        "header too small": "too short for a safetensors header (truncated?)",
+        "invalid header start": "the header is not JSON (corrupted, or not a safetensors file)",
+    }
+    for k, v in known.items():
+        if msg.startswith(k):
+            return v
+    return f"its header is invalid ({msg})"
+
+
+def safetensors_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
+    """The string metadata of a safetensors file's header (empty if it has none)."""
+    from safetensors import safe_open
+
+    def meta(p: str) -> dict[str, str]:
+        with safe_open(p, framework="pt") as f:
+            return dict(f.metadata() or {})
+
+    return _safetensors_call(Path(path), meta)
+
+
+def read_safetensors(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors, metadata) of a safetensors file. When the metadata holds our checksum (files written
+    by `efficient.zoo.save_model`), the contents are verified against it, so a flipped bit is an error."""
+    from safetensors import safe_open
+
+    def read(p: str) -> tuple[dict[str, Any], dict[str, str]]:
+        with safe_open(p, framework="pt") as f:
+            meta = dict(f.metadata() or {})
+            return {k: f.get_tensor(k) for k in f.keys()}, meta
+
+    p = Path(path)
+    tensors, meta = _safetensors_call(p, read)
+    if CHECKSUM_KEY in meta and meta[CHECKSUM_KEY] != content_digest(tensors, meta):
+        raise ArtifactError(f"{p}: the contents do not match the checksum stored in the file: it is corrupted (a damaged disk or an interrupted copy). {_RESAVE}")
+    return tensors, meta
+
+
+def content_digest(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str]) -> str:
+    """sha256 over the tensors (name, dtype, shape, bytes) and the metadata other than the digest
+    itself, independent of the file layout; stored by save_model and checked by read_safetensors."""
+    h = hashlib.sha256()
+    for k in sorted(meta):
+        if k != CHECKSUM_KEY:
+            h.update(json.dumps([k, meta[k]]).encode())
+    for k in sorted(tensors):
+        t = tensors[k].detach().cpu().contiguous()
+        h.update(json.dumps([k, str(t.dtype), list(t.shape)]).encode())
+        if t.numel():
+            import torch
+
+            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    return h.hexdigest()
+
+
+def read_torch(path: str | os.PathLike[str], allow_pickle: bool = False) -> Any:
+    """A torch.save file loaded with `weights_only=True`. A file that needs full unpickling (which can
+    run code) is refused unless `allow_pickle=True`; an unreadable one is an ArtifactError."""
+    import pickle
+    import zipfile
+
+    import torch
+
+    p = Path(path)
+    try:
+        size = p.stat().st_size
+    except FileNotFoundError:
+        raise ArtifactError(f"{p}: no such checkpoint file") from None
+    except OSError as e:
+        raise ArtifactError(f"{p}: cannot read this checkpoint ({e.strerror or e}); check its permissions") from None
+    if p.is_dir():
+        raise ArtifactError(f"{p}: expected a torch checkpoint file, found a directory")
+    if size == 0:
+        raise ArtifactError(f"{p}: not a readable torch checkpoint: the file is empty. {_RESAVE}")
+    unreadable = (pickle.UnpicklingError, RuntimeError, OSError, EOFError, ValueError, TypeError, KeyError, IndexError,
+                  AttributeError, OverflowError, MemoryError, zipfile.BadZipFile, struct.error)
+    try:
+        with warnings.catch_warnings():  # random bytes read as an odd pickle protocol: noise, the error says it
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            return torch.load(p, map_location="cpu", weights_only=True)
+    except unreadable as e:
+        if not (isinstance(e, pickle.UnpicklingError) and _needs_full_unpickle(e)):
+            raise ArtifactError(_torch_unreadable(p, e)) from None
+        if not allow_pickle:
+            raise ArtifactError(
+                f"{p}: this checkpoint holds pickled Python objects, and unpickling can run arbitrary code. "
+                "Refusing to load it. If you trust the file, pass allow_pickle=True to efficient.load, "
+                "or convert it to .safetensors."
+            ) from None
+    try:
+        return torch.load(p, map_location="cpu", weights_only=False)  # noqa: S614 - explicit opt-in
+    except (ImportError, *unreadable) as e:
+        raise ArtifactError(_torch_unreadable(p, e)) from None
+
+
+def _torch_unreadable(p: Path, e: BaseException) -> str:
+    import pickle
+
+    if isinstance(e, pickle.UnpicklingError):  # torch's own text here is advice about weights_only, not the cause
+        detail = "its bytes are not a pickle torch can read"
+    else:
+        detail = _first_line(e)
+    return f"{p}: not a readable torch checkpoint: truncated, corrupted or not written by torch.save ({detail}). {_RESAVE}"
+
+
+def _needs_full_unpickle(e: BaseException) -> bool:
+    """Whether torch's weights-only refusal is about a (possibly valid) pickled object, rather than bytes
+    that are no pickle at all."""
+    msg = str(e)
+    return "Unsupported global" in msg or "This file can still be loaded" in msg
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from efficient.errors import ConfigError
+from efficient.errors import ArtifactError, ConfigError
 
 # Modules whose import registers models. Imported lazily on first registry access so that
 # `import efficient` stays cheap.
@@ -325,7 +325,7 @@ def load(name_or_path: str | Path, pretrained: str | Path | None = None, allow_p
     if p.exists():
         name, cfg, weights = _resolve_artifact(p)
         cfg.update(overrides)
-        model = create(name, **cfg)
+        model = _create_from_artifact(p, name, cfg)
         load_weights(model, weights)
     else:
         if str(name_or_path).endswith(".safetensors") or "/" in str(name_or_path):
@@ -335,85 +335,91 @@ def load(name_or_path: str | Path, pretrained: str | Path | None = None, allow_p
         src = Path(pretrained)
         if not src.exists():
             raise ConfigError(f"pretrained={pretrained!s}: no such file or directory (give a run dir or a .safetensors file)")
-        weights = src if src.is_file() and src.suffix in (".pt", ".pth", ".bin") else _resolve_artifact(src)[2]
+        weights = src if src.is_file() else _resolve_artifact(src)[2]  # a file: only its tensors are needed
         load_weights(model, weights, allow_pickle)
     model.eval()
     return model
 
 
+def _create_from_artifact(p: Path, name: str, cfg: dict[str, Any]) -> nn.Module:
+    """`create` with the model recorded in a file; a bad record names the file it came from."""
+    try:
+        return create(name, **cfg)
+    except ArtifactError:
+        raise
+    except ConfigError as e:
+        raise ArtifactError(f"{p}: the model recorded in it cannot be built: {e}") from None
+    except (TypeError, ValueError) as e:
+        raise ArtifactError(f"{p}: the model recorded in it ({name!r}) cannot be built from its config: {e}") from None
+
+
 def _resolve_artifact(p: Path) -> tuple[str, dict[str, Any], Path]:
     """(zoo name, model config, weights file) for a run dir or a safetensors file."""
+    from efficient.io import parse_json_field, read_json, safetensors_metadata
+
     if p.is_dir():
         cfg_file = p / "config.yaml"
         if not cfg_file.exists():
-            raise ConfigError(f"{p}: not a run dir (no config.yaml). Train one with `efficient train RECIPE.yaml`.")
-        import yaml
-
-        with open(cfg_file) as f:
-            run_cfg = yaml.safe_load(f)
-        model_cfg = dict(run_cfg.get("model") or {})
-        name = model_cfg.pop("name")
-        model_cfg.pop("pretrained", None)
+            raise ArtifactError(f"{p}: not a run dir (no config.yaml). Train one with `efficient train RECIPE.yaml`.")
+        name, model_cfg = _run_dir_model(cfg_file)
         for cand in (p / "checkpoint" / "best" / "model.safetensors", p / "checkpoint" / "last" / "model.safetensors"):
             if cand.exists():
                 return name, model_cfg, cand
-        raise ConfigError(f"{p}: run dir has no checkpoint/best or checkpoint/last/model.safetensors; did the run save one?")
+        raise ArtifactError(f"{p}: run dir has no checkpoint/best or checkpoint/last/model.safetensors; did the run save one?")
     if p.suffix == ".safetensors":
         side = p.with_suffix(".json")
-        meta = _safetensors_metadata(p)
-        if "efficient.model" in meta:
-            return meta["efficient.model"], json.loads(meta.get("efficient.config", "{}")), p
+        meta = safetensors_metadata(p)
+        if meta.get("efficient.model"):
+            name = meta["efficient.model"]
+            return name, parse_json_field(meta.get("efficient.config", "{}"), str(p), "efficient.config"), p
         if side.exists():
-            d = json.loads(side.read_text())
+            d = read_json(side, "sidecar config (JSON)")
+            if not isinstance(d.get("name"), str) or not isinstance(d.get("config", {}), dict):
+                raise ArtifactError(f'{side}: sidecar config should be {{"name": ZOO_NAME, "config": {{...}}}}; found keys {sorted(d)}')
             return d["name"], dict(d.get("config", {})), p
-        raise ConfigError(f"{p}: safetensors file without model metadata or sidecar {side.name}; pass a zoo name with pretrained=")
-    raise ConfigError(f"{p}: expected a run dir or a .safetensors file")
+        raise ArtifactError(f"{p}: safetensors file without model metadata or sidecar {side.name}; pass a zoo name with pretrained=")
+    raise ArtifactError(f"{p}: expected a run dir or a .safetensors file")
 
 
-def _safetensors_metadata(p: Path) -> dict[str, str]:
-    from safetensors import safe_open
+def _run_dir_model(cfg_file: Path) -> tuple[str, dict[str, Any]]:
+    """(zoo name, model options) from a run dir's resolved config.yaml."""
+    from efficient.config import load_yaml
 
-    with safe_open(str(p), framework="pt") as f:
-        return dict(f.metadata() or {})
+    try:
+        run_cfg = load_yaml(cfg_file)
+    except ConfigError as e:
+        raise ArtifactError(f"{e} (the run dir's resolved config; restore it from the recipe the run was started with)") from None
+    model_cfg = run_cfg.get("model")
+    if not isinstance(model_cfg, dict) or not isinstance(model_cfg.get("name"), str):
+        raise ArtifactError(f"{cfg_file}: model.name is missing or not a name; a run dir's config.yaml has a `model:` section with the zoo name (e.g. `model: {{name: spikformer-tiny}}`)")
+    model_cfg = dict(model_cfg)
+    name = model_cfg.pop("name")
+    model_cfg.pop("pretrained", None)
+    return name, model_cfg
 
 
 def read_state_dict(weights: Path, allow_pickle: bool = False) -> dict[str, torch.Tensor]:
     """Tensors from a .safetensors file, or from a torch .pt/.pth/.bin state dict loaded with
     `weights_only=True`; a file that needs full unpickling (it can run code) is refused unless
-    `allow_pickle=True`."""
+    `allow_pickle=True`. Unreadable files raise ArtifactError."""
+    from efficient.io import parse_json_field, read_safetensors, read_torch
+
     weights = Path(weights)
     if weights.suffix == ".safetensors":
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        try:
-            sd = load_file(str(weights))
-            aliases = json.loads(_safetensors_metadata(weights).get("efficient.aliases", "{}"))
-        except (SafetensorError, OSError, json.JSONDecodeError) as e:
-            raise ConfigError(f"{weights}: not a readable safetensors file ({e})") from None
+        sd, meta = read_safetensors(weights)
+        aliases = parse_json_field(meta.get("efficient.aliases", "{}"), str(weights), "efficient.aliases")
         for k, src in aliases.items():  # tied weights were stored once
+            if not isinstance(src, str) or src not in sd:
+                raise ArtifactError(f"{weights}: metadata 'efficient.aliases' maps {k!r} to {src!r}, which is not a tensor in the file. Re-save it.")
             sd[k] = sd[src]
         return sd
-    import pickle
-
-    try:
-        sd = torch.load(weights, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        if not allow_pickle:
-            raise ConfigError(
-                f"{weights}: this checkpoint holds pickled Python objects, and unpickling can run arbitrary code. "
-                "Refusing to load it. If you trust the file, pass allow_pickle=True to efficient.load, "
-                "or convert it to .safetensors."
-            ) from None
-        sd = torch.load(weights, map_location="cpu", weights_only=False)  # noqa: S614 - explicit opt-in
-    except (RuntimeError, OSError, EOFError) as e:
-        raise ConfigError(f"{weights}: not a readable torch checkpoint ({e})") from None
+    sd = read_torch(weights, allow_pickle)
     if isinstance(sd, dict) and "state_dict" in sd and isinstance(sd["state_dict"], dict):
         sd = sd["state_dict"]
     if isinstance(sd, nn.Module):
         sd = sd.state_dict()
-    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
-        raise ConfigError(f"{weights}: expected a state dict of tensors")
+    if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()):
+        raise ArtifactError(f"{weights}: expected a state dict (names -> tensors), found {type(sd).__name__}; save one with torch.save(model.state_dict(), path)")
     return sd
 
 
@@ -424,7 +430,8 @@ def load_weights(model: nn.Module, weights: Path, allow_pickle: bool = False) ->
     missing = sorted(set(own) - set(sd))
     unexpected = sorted(set(sd) - set(own))
     shape_bad = sorted(k for k in set(own) & set(sd) if own[k].shape != sd[k].shape)
-    if missing or unexpected or shape_bad:
+    kind_bad = sorted(k for k in set(own) & set(sd) if _dtype_kind(own[k]) != _dtype_kind(sd[k]))
+    if missing or unexpected or shape_bad or kind_bad:
         parts = []
         if missing:
             parts.append(f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}")
@@ -432,17 +439,27 @@ def load_weights(model: nn.Module, weights: Path, allow_pickle: bool = False) ->
             parts.append(f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
         if shape_bad:
             parts.append("shape mismatch " + ", ".join(f"{k}: file {tuple(sd[k].shape)} vs model {tuple(own[k].shape)}" for k in shape_bad[:5]))
-        raise ConfigError(f"{weights}: weights do not fit {type(model).__name__}: " + "; ".join(parts))
+        if kind_bad:
+            parts.append("dtype mismatch " + ", ".join(f"{k}: file {sd[k].dtype} vs model {own[k].dtype}" for k in kind_bad[:5]))
+        name = getattr(model, "zoo_name", None)
+        hint = f" (built as {name!r}); the file holds another model's weights or another configuration of it" if name else ""
+        raise ArtifactError(f"{weights}: weights do not fit {type(model).__name__}{hint}: " + "; ".join(parts))
     model.load_state_dict(sd, strict=True)
+
+
+def _dtype_kind(t: torch.Tensor) -> str:
+    """float / complex / bool / int: the dtype families that load_state_dict would silently cast between."""
+    return "complex" if t.is_complex() else "float" if t.is_floating_point() else "bool" if t.dtype == torch.bool else "int"
 
 
 def save_model(model: nn.Module, path: Path, name: str | None = None, cfg: dict[str, Any] | None = None) -> None:
     """Write weights as safetensors with the zoo name and config in its metadata (atomic).
 
-    Tensors that share storage (tied weights) are stored once; the metadata maps the aliases."""
+    Tensors that share storage (tied weights) are stored once; the metadata maps the aliases and
+    holds a checksum of the contents, so that a corrupted copy fails to load instead of loading wrong."""
     from safetensors.torch import save_file
 
-    from efficient.io import atomic_path
+    from efficient.io import CHECKSUM_KEY, atomic_path, content_digest
 
     name = name or getattr(model, "zoo_name", None)
     cfg = cfg if cfg is not None else getattr(model, "zoo_cfg", {})
@@ -456,6 +473,7 @@ def save_model(model: nn.Module, path: Path, name: str | None = None, cfg: dict[
             seen[ident] = k
         sd[k] = v.detach().contiguous().cpu()
     meta = {"efficient.model": name or "", "efficient.config": json.dumps(cfg, default=str), "efficient.aliases": json.dumps(aliases)}
+    meta[CHECKSUM_KEY] = content_digest(sd, meta)
     with atomic_path(path) as tmp:
         save_file(sd, str(tmp), metadata=meta)
 

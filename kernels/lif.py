@@ -445,19 +445,20 @@ def lif_forward_op(
     spike_dtype: torch.dtype,
     impl: str,
 ) -> tuple[Tensor, Tensor]:
-    """x [T, N] contiguous -> (spikes [T, N] spike_dtype, H [T, N] fp32).
+    """x [T, N], any strides -> (spikes [T, N] spike_dtype, H [T, N] fp32), both contiguous.
 
     `c` is tau (or lambda for the LEAK charge); surrogate/alpha/detach_reset are used by the backward.
+    The kernels index a dense row-major [T, N], so a strided x is copied once here.
     """
     _check_op_args(x, charge, surrogate, impl)
-    return _run_forward(x, rate, c, v_threshold, v_reset, charge, spike_dtype, impl)
+    return _run_forward(x.contiguous(), rate, c, v_threshold, v_reset, charge, spike_dtype, impl)
 
 
 def _check_op_args(x: Tensor, charge: int, surrogate: int, impl: str) -> None:
     """The op takes the flattened [T, N] view that `lif` builds; say so instead of crashing a kernel."""
-    if x.dim() != 2 or x.shape[0] < 1 or not x.is_floating_point() or not x.is_contiguous():
+    if x.dim() != 2 or x.shape[0] < 1 or not x.is_floating_point():
         raise ValueError(
-            f"efficient::lif_forward expects a contiguous floating [T>=1, N] tensor, got shape {tuple(x.shape)}, "
+            f"efficient::lif_forward expects a floating [T>=1, N] tensor, got shape {tuple(x.shape)}, "
             f"dtype {x.dtype}; call efficient.kernels.lif.lif, which flattens [T, ...] inputs"
         )
     if charge not in (CHARGE_DECAY_INPUT, CHARGE_NO_DECAY, CHARGE_LEAK) or surrogate not in SURROGATES.values():
@@ -685,7 +686,7 @@ def lif_op_direct(
     check_input(x, False)
     charge, c = _charge_mode(tau, decay_input, leak)
     T = x.shape[0]
-    x2 = x.reshape(T, -1).contiguous()
+    x2 = x.reshape(T, -1)  # a strided [T, N] reaches the op as it is
     r = rate.reshape(()).float() if rate is not None else None
     s, h = torch.ops.efficient.lif_forward(
         x2, r, c, float(v_threshold), None if v_reset is None else float(v_reset), charge,

@@ -120,16 +120,35 @@ def test_resume_without_checkpoint(tmp_path: Path) -> None:
         find_resumable(tmp_path)
 
 
-def test_training_time_measures_are_logged(tmp_path: Path) -> None:
+def test_training_time_measures_are_logged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     recipe = tmp_path / "m.yaml"
     recipe.write_text("model: {name: mlp-small, hidden: [16]}\ndata: {name: digits, batch_size: 64}\n"
                       "train: {max_steps: 4, measures: [local_complexity], measure_every: 2, progress: false, threads: 1}\n"
                       "profile: {enabled: false}\n")
     run = tmp_path / "run"
-    Trainer(load_recipe(recipe), run).fit()
+    import efficient.metrics
+    from efficient.metrics.local_complexity import local_complexity
+
+    seen: list[tuple[dict, object]] = []  # (weights, batch) at each measuring step, recorded independently
+    real_measure = efficient.metrics.measure
+
+    def spy(names, model, batch):
+        seen.append(({k: v.clone() for k, v in model.state_dict().items()}, batch))
+        return real_measure(names, model, batch)
+
+    monkeypatch.setattr(efficient.metrics, "measure", spy)
+    trainer = Trainer(load_recipe(recipe), run)
+    trainer.fit()
     rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     logged = [r for r in rows if "measures" in r]
     assert [r["step"] for r in logged] == [2, 4]
-    assert logged[0]["measures"]["lc"] >= 0
+    # each logged value is the measure of the model as it was at that step, on that step's batch
+    assert len(seen) == 2 and not all(torch.equal(seen[0][0][k], seen[1][0][k]) for k in seen[0][0])
+    model = trainer.model
+    for row, (weights, batch) in zip(logged, seen):
+        model.load_state_dict(weights)
+        expected = local_complexity(model, batch)
+        assert row["measures"] == pytest.approx(expected, rel=1e-6), row
+        assert 0 < row["measures"]["lc"] <= 16  # sign-changing neurons among the 16 hidden units
     with pytest.raises(ConfigError, match="train.measures: unknown measure 'local_complexty'"):
         Trainer(load_recipe(recipe, ["train.measures=[local_complexty]"]), tmp_path / "r2")

@@ -20,8 +20,17 @@ from _pipeline_worker import CFG  # noqa: E402
 
 
 def test_split_points() -> None:
+    """Stages cover the layers in order, without gaps or overlaps, and differ in size by at most one."""
     assert split_points(4, 2) == [(0, 2), (2, 4)]
-    assert split_points(5, 2) == [(0, 2), (2, 5)] or split_points(5, 2) == [(0, 3), (3, 5)]
+    assert split_points(6, 3) == [(0, 2), (2, 4), (4, 6)]
+    for layers in range(1, 13):
+        for stages in range(1, layers + 1):
+            ranges = split_points(layers, stages)
+            assert len(ranges) == stages
+            assert ranges[0][0] == 0 and ranges[-1][1] == layers
+            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), ranges
+            sizes = [stop - start for start, stop in ranges]
+            assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1, (layers, stages, ranges)
     with pytest.raises(ValueError, match="cannot split 2 layers into 3"):
         split_points(2, 3)
 

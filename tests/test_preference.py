@@ -148,21 +148,48 @@ def test_gpo_slope_at_zero_is_negative_and_convexity_except_savage(name):
 # ------------------------------------------------------------------------------------ TRL parity
 
 
-def _trl_losses(loss_type: str, beta: float, label_smoothing: float, logps: list[torch.Tensor]) -> torch.Tensor:
-    """Call TRL's DPOTrainer.dpo_loss without building a trainer (it only reads config attributes)."""
+def _trl_pair_loss(loss_type: str, beta: float, label_smoothing: float, logps: list[float]) -> torch.Tensor:
+    """TRL's DPO loss for one pair, through DPOTrainer._compute_loss itself (TRL >= 1.0, where the
+    loss lives inline there). A stand-in trainer and model supply exactly what it reads: sequence
+    log-probs (one completion token each, so TRL's per-token IPO normalisation is 1) and the
+    precomputed reference log-probs."""
+    from collections import defaultdict
+
     from trl import DPOTrainer
 
-    fn = DPOTrainer.dpo_loss
+    chosen, rejected, ref_chosen, ref_rejected = logps
+    seq = torch.tensor([[0.0, chosen], [0.0, rejected]], dtype=torch.float64)  # [chosen, rejected] x tokens
+
+    def model(**_kw):  # TRL reads log_probs[:, -completion_len:] and a few tensors for its metrics
+        z = torch.zeros(2, 1, dtype=torch.float64)
+        return types.SimpleNamespace(log_probs=seq[:, 1:], entropy=z, mean_logits=z, is_top1=z.bool())
+
+    model.training = False
+    identity = lambda t: t  # noqa: E731 - single process: gathering is the identity
     fake = types.SimpleNamespace(
-        beta=beta, loss_type=loss_type, label_smoothing=label_smoothing, reference_free=False,
-        f_divergence_type="reverse_kl", f_alpha_divergence_coef=1.0, f_divergence_params={},
-        use_weighting=False, accelerator=types.SimpleNamespace(device=torch.device("cpu")),
-        args=types.SimpleNamespace(beta=beta, loss_type=loss_type, label_smoothing=label_smoothing, use_logits_to_keep=False),
+        model=model, beta=beta, loss_types=[loss_type], loss_weights=[1.0], label_smoothing=label_smoothing,
+        f_divergence_type="reverse_kl", f_alpha_divergence_coef=1.0, ld_alpha=None, use_weighting=False,
+        precompute_ref_logps=True, aux_loss_enabled=False, _metrics=defaultdict(lambda: defaultdict(list)),
+        _total_train_tokens=0, _tp_size=1,
+        accelerator=types.SimpleNamespace(device=torch.device("cpu"), gather_for_metrics=identity, gather=identity),
     )
-    fake.config = fake.args
-    kwargs = {"loss_type": loss_type} if "loss_type" in inspect.signature(fn).parameters else {}
-    out = fn(fake, *logps, **kwargs)
-    return out[0] if isinstance(out, tuple) else out
+    inputs = {"input_ids": torch.zeros(2, 2, dtype=torch.long), "attention_mask": torch.ones(2, 2, dtype=torch.long),
+              "completion_mask": torch.tensor([[0, 1], [0, 1]]),
+              "ref_chosen_logps": torch.tensor([ref_chosen], dtype=torch.float64),
+              "ref_rejected_logps": torch.tensor([ref_rejected], dtype=torch.float64)}
+    return DPOTrainer._compute_loss(fake, model, inputs, False)
+
+
+def _trl_losses(loss_type: str, beta: float, label_smoothing: float, logps: list[torch.Tensor]) -> torch.Tensor:
+    """Per-pair TRL losses. TRL 1.x dropped cDPO's label smoothing from "sigmoid"; cDPO is by
+    definition (1 - ls) * DPO(pair) + ls * DPO(pair with chosen and rejected swapped), so that case
+    is built from TRL's own DPO loss on both orders."""
+    pairs = [[float(t[i]) for t in logps] for i in range(len(logps[0]))]
+    if loss_type == "sigmoid" and label_smoothing:
+        swap = lambda p: [p[1], p[0], p[3], p[2]]  # noqa: E731
+        return torch.stack([(1 - label_smoothing) * _trl_pair_loss("sigmoid", beta, 0.0, p)
+                            + label_smoothing * _trl_pair_loss("sigmoid", beta, 0.0, swap(p)) for p in pairs])
+    return torch.stack([_trl_pair_loss(loss_type, beta, label_smoothing, p) for p in pairs])
 
 
 @pytest.mark.parametrize("loss_type,ls", [("sigmoid", 0.0), ("sigmoid", 0.1), ("hinge", 0.0), ("ipo", 0.0), ("robust", 0.2)])
@@ -172,7 +199,9 @@ def test_losses_equal_trl_on_same_logps(loss_type, ls):
     logps = [-(torch.rand(16, generator=g, dtype=torch.float64) * 30) for _ in range(4)]
     delta = (logps[0] - logps[2]) - (logps[1] - logps[3])
     ours = preference_losses(delta, 0.1, loss_type, eps=ls, label_smoothing=0.0 if loss_type == "robust" else ls)
-    torch.testing.assert_close(ours, _trl_losses(loss_type, 0.1, ls, logps).to(ours.dtype))
+    theirs = _trl_losses(loss_type, 0.1, ls, logps).to(ours.dtype)
+    assert theirs.std() > 0  # 16 different pairs, not one value repeated
+    torch.testing.assert_close(ours, theirs)
 
 
 # ---------------------------------------------------------------------------------------- KTO

@@ -22,7 +22,8 @@ def _npdf(x: float, mu: float) -> float:
 
 def test_asymmetric_risk_puts_each_boundary_at_gamma_times_prior():
     """1-D Gaussians: P = N(+1, 1), N = N(-1, 1), U = 0.4 P + 0.6 N. The weak classifier for
-    gamma must switch sign where eta(x) = gamma * 0.4 (finite samples: within 0.1)."""
+    gamma must switch sign once, where eta(x) = gamma * 0.4 (finite samples: within 0.02, a tenth
+    of the 0.2 between neighbouring levels; the fit lands within 0.01)."""
     prior, gammas = 0.4, torch.tensor([0.5, 1.0, 1.5, 2.0])
     g = torch.Generator().manual_seed(0)
     xp = torch.randn(3000, 1, generator=g) + 1
@@ -43,10 +44,10 @@ def test_asymmetric_risk_puts_each_boundary_at_gamma_times_prior():
         f = net(grid)
     for k, gam in enumerate(gammas.tolist()):
         cross = (torch.sign(f[:-1, k]) != torch.sign(f[1:, k])).nonzero()
-        assert len(cross) >= 1
         xb = grid[cross[0, 0], 0].item()
         eta = prior * _npdf(xb, 1) / (prior * _npdf(xb, 1) + (1 - prior) * _npdf(xb, -1))
-        assert eta == pytest.approx(gam * prior, abs=0.1), (gam, xb, eta)
+        assert len(cross) == 1, (gam, cross)
+        assert eta == pytest.approx(gam * prior, abs=0.02), (gam, xb, eta)
 
 
 def test_fence_posterior_is_the_interval_midpoint():

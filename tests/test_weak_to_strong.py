@@ -86,7 +86,10 @@ def test_objective_loads_a_frozen_teacher_and_warms_up(tmp_path):
     loss.backward()
     assert all(p.grad is None for p in obj.teacher.parameters())
     ev = obj.evaluate(student, (x, y))
-    assert ev["n"] == 6 and 0 <= ev["acc"] <= 6
+    pred = student(x).argmax(-1)
+    assert 0 < (pred == y).sum() < 6  # a batch where the count is informative: neither all right nor all wrong
+    assert ev == {"n": 6.0, "acc": (pred == y).sum().item(),
+                  "teacher_agree": (pred == teacher(x).argmax(-1)).sum().item()}
 
 
 def test_objective_needs_a_teacher():

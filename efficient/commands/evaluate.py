@@ -25,6 +25,8 @@ def evaluate_run(run_dir: Path, which: str = "best", overrides: list[str] | None
     from efficient.objectives import build_objective
     from efficient.train.engine import resolve_device, to_device
 
+    if not (run_dir / "config.yaml").is_file():
+        raise ConfigError(f"{run_dir}: not a run dir (no config.yaml); give a directory written by `efficient train`")
     recipe = load_recipe(run_dir / "config.yaml", overrides or [])
     weights = run_dir / "checkpoint" / which / "model.safetensors"
     if not weights.exists():

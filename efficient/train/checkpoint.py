@@ -8,7 +8,6 @@ checkpoint, and a corrupted `last` (disk full, truncation) falls back to `previo
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import random
 import shutil
@@ -20,8 +19,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from efficient.errors import ConfigError
-from efficient.io import write_json
+from efficient.errors import ArtifactError, ConfigError
+from efficient.io import read_json, read_torch, write_json
 from efficient.zoo import save_model
 
 MODEL_FILE, STATE_FILE, META_FILE = "model.safetensors", "trainer.pt", "meta.json"
@@ -88,9 +87,11 @@ def verify(directory: Path) -> bool:
     if not meta_file.exists():
         return False
     try:
-        meta = json.loads(meta_file.read_text())
-        return all((directory / f).exists() and _sha256(directory / f) == h for f, h in meta["sha256"].items())
-    except (json.JSONDecodeError, KeyError, OSError):
+        sums = read_json(meta_file, "checkpoint meta.json").get("sha256")
+        if not isinstance(sums, dict) or not sums:
+            return False
+        return all(isinstance(f, str) and "/" not in f and (directory / f).is_file() and _sha256(directory / f) == h for f, h in sums.items())
+    except (ConfigError, OSError):
         return False
 
 
@@ -107,4 +108,10 @@ def find_resumable(run_dir: Path) -> Path:
 
 
 def load_trainer_state(directory: Path) -> dict[str, Any]:
-    return torch.load(directory / STATE_FILE, map_location="cpu", weights_only=True)
+    """The optimizer/scheduler/RNG/progress dict of a checkpoint (tensors and plain data only)."""
+    f = Path(directory) / STATE_FILE
+    st = read_torch(f)
+    missing = [k for k in ("optimizer", "scheduler", "rng", "progress") if not isinstance(st, dict) or k not in st]
+    if missing:
+        raise ArtifactError(f"{f}: not a trainer state of efficient (missing {', '.join(missing)}); resume from a run dir written by `efficient train`, or start a fresh run")
+    return st

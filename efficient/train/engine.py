@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Sampler
 from efficient import zoo
 from efficient.config import Recipe
 from efficient.data import DataBundle, build_data
-from efficient.errors import ConfigError
+from efficient.errors import ArtifactError, ConfigError
 from efficient.io import append_jsonl, write_json, write_text
 from efficient.models.progress import inform_progress
 from efficient.objectives import Objective, build_objective
@@ -217,12 +217,18 @@ class Trainer:
         d = ckpt.find_resumable(self.run_dir)
         zoo.load_weights(self.model, d / ckpt.MODEL_FILE)
         st = ckpt.load_trainer_state(d)
-        self.optimizer.load_state_dict(st["optimizer"])
-        self.scheduler.load_state_dict(st["scheduler"])
-        rngs = st["rng"]
-        ckpt.set_rng_state(rngs[self.dist.rank] if len(rngs) == self.dist.world_size else rngs[0])
-        p = st["progress"]
-        self.state = Progress(p["epoch"], p["step_in_epoch"], p["global_step"], p["best"], p["elapsed"])
+        try:
+            self.optimizer.load_state_dict(st["optimizer"])
+            self.scheduler.load_state_dict(st["scheduler"])
+            rngs = st["rng"]
+            ckpt.set_rng_state(rngs[self.dist.rank] if len(rngs) == self.dist.world_size else rngs[0])
+            p = st["progress"]
+            self.state = Progress(p["epoch"], p["step_in_epoch"], p["global_step"], p["best"], p["elapsed"])
+        except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:  # another run's optimizer, a foreign file
+            raise ArtifactError(
+                f"{d / ckpt.STATE_FILE}: this trainer state does not fit the run being resumed ({type(e).__name__}: {e}); "
+                "resume with the recipe the run was started with, or start a fresh run dir"
+            ) from None
         self._truncate_metrics(self.state.global_step)
 
     def _truncate_metrics(self, step: int) -> None:
@@ -233,12 +239,13 @@ class Trainer:
         if not f.exists():
             return
         keep = []
-        for line in f.read_text().splitlines():
+        for line in f.read_text(errors="replace").splitlines():
             try:
-                if json.loads(line).get("step", 0) <= step:
-                    keep.append(line)
+                rec = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line cut by the kill
+            if isinstance(rec, dict) and isinstance(rec.get("step", 0), (int, float)) and rec.get("step", 0) <= step:
+                keep.append(line)
         write_text(f, "".join(k + "\n" for k in keep))
 
     # ----------------------------------------------------------------- loops
