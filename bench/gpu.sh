@@ -78,7 +78,7 @@ if want lif; then
   if [ "$DRY" = 1 ]; then
     part lif 300 $PY bench/neurons.py --gpu --dry-run
   else
-    part lif 110 $PY bench/neurons.py --gpu --shapes 4x32x24576,8x64x65536 --repeats 20 --json "$WORK/lif.json"
+    part lif 110 env SJ_LIF_CUDA_IMPLEMENTATION=triton $PY bench/neurons.py --gpu --shapes 4x32x24576,8x64x65536 --repeats 20 --json "$WORK/lif.json"
   fi
 fi
 

@@ -219,25 +219,36 @@ def _cuda_ms(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _sj_with(impl: str, run):
-    """spikingjelly's LIF pinned to one CUDA implementation ("triton" or "torch") for this call:
-    its selection object reads SJ_LIF_CUDA_IMPLEMENTATION once at import, so switch it in place."""
-    from spikingjelly._ops import lif as sj_lif
+def _sj_torch_path_ms(shape, dtype, repeats: int) -> float | None:
+    """spikingjelly's LIF fwd+bwd with its torch implementation, timed in a child process:
+    SJ_LIF_CUDA_IMPLEMENTATION is read once when spikingjelly is imported, and switching its
+    cached selection inside one process does not take."""
+    import json
+    import subprocess
+    import sys
 
-    sel = sj_lif._selection
+    env = {**os.environ, "SJ_LIF_CUDA_IMPLEMENTATION": "torch"}
+    cmd = [sys.executable, __file__, "--sj-child", "x".join(map(str, shape)), str(dtype).replace("torch.", ""), str(repeats)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    if r.returncode != 0:
+        print(f"  spikingjelly LIFNode torch path: failed ({r.stderr.strip().splitlines()[-1][:160] if r.stderr.strip() else r.returncode})")
+        return None
+    return json.loads(r.stdout.strip().splitlines()[-1])["ms"]
 
-    def call(x):
-        if sel._requested != impl:
-            sel._requested = impl
-            sel._selections.clear()
-            sel._compiled_selections.clear()
-        out = run(x)
-        picked = {k: v.name for k, v in sel._selections.items() if v is not None}
-        if any(name != impl for name in picked.values()):
-            raise RuntimeError(f"spikingjelly ran {picked}, not {impl}")
-        return out
 
-    return call
+def _sj_child(spec: str, dtype_name: str, repeats: int) -> None:
+    import json
+
+    impl = make_impls(True)["spikingjelly LIFNode"]
+    x = (torch.randn(tuple(int(v) for v in spec.split("x")), device="cuda") * 1.5 + 0.5).to(getattr(torch, dtype_name)).requires_grad_()
+    g = torch.randn_like(x)
+    impl(x).backward(g)
+
+    def step():
+        x.grad = None
+        impl(x).backward(g)
+
+    print(json.dumps({"ms": _cuda_ms(step, repeats)}))
 
 
 GPU_ROWS: list[dict] = []  # every GPU timing, for --json
@@ -252,9 +263,6 @@ def gpu_speed(shapes, repeats: int) -> bool:
     impls = {"ours triton": lambda x: K.lif(x, TAU, VTH, 0.0, True, True, "sigmoid", ALPHA, backend="triton"), **impls}
     impls.pop("snntorch Leaky loop", None)
     compiled = impls.pop("torch.compile plain loop")
-    if "spikingjelly LIFNode" in impls:
-        impls["spikingjelly LIFNode"] = _sj_with("triton", impls["spikingjelly LIFNode"])
-        impls["spikingjelly LIFNode torch path"] = _sj_with("torch", impls["spikingjelly LIFNode"])
     big = torch.empty(2**28, device=dev)  # 1 GiB: device copy bandwidth as the practical peak
     copy_ms = _cuda_ms(lambda: big.clone(), 10)
     peak = 2 * big.numel() * 4 / (copy_ms * 1e-3)
@@ -278,6 +286,10 @@ def gpu_speed(shapes, repeats: int) -> bool:
                     res[name] = _cuda_ms(step, repeats)
                 except Exception as e:  # report and continue: one peer failing must not hide the rest
                     print(f"  {name}: failed ({type(e).__name__}: {str(e)[:120]})")
+            if "spikingjelly LIFNode" in impls:
+                ms = _sj_torch_path_ms(shape, dtype, repeats)
+                if ms is not None:
+                    res["spikingjelly LIFNode torch path"] = ms
             x2 = x.detach().reshape(shape[0], -1)
             fwd_ms = _cuda_ms(lambda: K.lif_op_direct(x2, impl="triton"), repeats)
             s, h = K.lif_op_direct(x2, impl="triton")
@@ -313,8 +325,12 @@ def main() -> None:
     p.add_argument("--no-detach-reset", action="store_true", help="spikingjelly's default detach_reset=False")
     p.add_argument("--gpu", action="store_true", help="CUDA: Triton correctness, speed vs spikingjelly, bandwidth")
     p.add_argument("--json", default=None, help="with --gpu: write the timings here")
+    p.add_argument("--sj-child", nargs=3, help=argparse.SUPPRESS)
     p.add_argument("--dry-run", action="store_true", help="with --gpu: rehearse the correctness pass on CPU (TRITON_INTERPRET=1)")
     args = p.parse_args()
+    if args.sj_child:
+        _sj_child(args.sj_child[0], args.sj_child[1], int(args.sj_child[2]))
+        return
     if args.gpu:
         shapes = [tuple(int(s) for s in spec.split("x")) for spec in args.shapes.split(",")]
         if args.dry_run:  # CPU rehearsal under TRITON_INTERPRET=1: correctness path only, tiny shapes
