@@ -184,7 +184,7 @@ def gpu_correctness(device: str = "cuda", shapes=GPU_SHAPES) -> bool:
                 if impl == "reference":
                     s, h = K.lif_reference(xs, **kw)
                 else:
-                    s, h = K.lif_op_direct(xs, impl="triton", **kw)
+                    s, h = K.lif(xs, impl="triton", return_membrane=True, **kw)
                 ((s.float() * g).sum() + (h.float() * g).sum()).backward()
                 outs.append((s, h, xs.grad.float(), w.grad))
             (s0, h0, gx0, gw0), (s1, h1, gx1, gw1) = outs
@@ -291,8 +291,8 @@ def gpu_speed(shapes, repeats: int) -> bool:
                 if ms is not None:
                     res["spikingjelly LIFNode torch path"] = ms
             x2 = x.detach().reshape(shape[0], -1)
-            fwd_ms = _cuda_ms(lambda: K.lif_op_direct(x2, impl="triton"), repeats)
-            s, h = K.lif_op_direct(x2, impl="triton")
+            fwd_ms = _cuda_ms(lambda: K.lif(x2, impl="triton", return_membrane=True), repeats)
+            s, h = K.lif(x2, impl="triton", return_membrane=True)
             gs = torch.randn_like(s)
             bwd_ms = _cuda_ms(lambda: torch.ops.efficient.lif_backward(
                 gs, None, h, None, TAU, VTH, 0.0, 0, 0, ALPHA, True, dtype, "triton"), repeats)

@@ -8,17 +8,15 @@ stored. Parts: torch reference, chunked torch path (CPU), Triton kernel, custom 
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from efficient.kernels._backend import BACKENDS, resolve_backend  # noqa: F401 - BACKENDS: the accepted values
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - triton is a dependency; the torch paths work without it
     triton = None
-
-BACKENDS = ("auto", "triton", "torch")
 
 
 def exit_confidence_reference(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,12 +99,8 @@ def exit_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[
 
 
 def _pick_backend(backend: str, device: torch.device) -> str:
-    backend = os.environ.get("EFFICIENT_BACKEND", backend) if backend == "auto" else backend
-    if backend not in BACKENDS:
-        raise ValueError(f"exit_confidence: backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    if backend == "auto":
-        return "triton" if device.type == "cuda" and triton is not None else "torch"
-    return backend
+    """The path to run, triton or torch, for any documented backend value (efficient.kernels._backend)."""
+    return resolve_backend(backend, device, "exit_confidence")
 
 
 @torch.library.custom_op("efficient::exit_confidence", mutates_args=())

@@ -7,13 +7,14 @@ One file, four parts (see DESIGN.md, "Conventions"):
    the pre-reset potential H (fp32), the backward recomputes spikes and surrogate from it.
 3. One `torch.library` custom op pair, `efficient::lif_forward` / `efficient::lif_backward`, with
    fake implementations (so `torch.compile` traces models without graph breaks), an autograd
-   formula and a flop formula. Its CPU/CUDA implementation is chosen by `impl`: the Triton
-   kernels, or the same loop written in torch and compiled with inductor into one fused C++/OpenMP
-   loop (the fast CPU path), or that loop run eagerly.
+   formula and a flop formula. Its CPU/CUDA implementation is chosen by `impl` (`IMPLS`): the
+   Triton kernels, or the same loop written in torch and compiled with inductor into one fused
+   C++/OpenMP loop (the fast CPU path), or that loop run eagerly.
 4. `lif`: the public entry point; `backend="auto"|"triton"|"torch"|"compile"|"loop"`, env
-   `EFFICIENT_BACKEND` overrides `auto`. `auto` = Triton on CUDA; on CPU the compiled loop for
-   inputs of at least COMPILE_MIN_NUMEL elements, and the same loop run eagerly ("loop") below
-   that (compiling costs tens of seconds once per configuration, which small inputs never repay).
+   `EFFICIENT_BACKEND` overrides `auto` (resolved by `efficient.kernels._backend`). `auto` = Triton
+   on CUDA; on CPU the compiled loop for inputs of at least COMPILE_MIN_NUMEL elements, and the same
+   loop run eagerly ("loop") below that (compiling costs tens of seconds once per configuration,
+   which small inputs never repay). `impl=` runs the custom op with one implementation directly.
 
 Dynamics (spikingjelly's LIFNode / ParametricLIFNode formulas, in the same floating-point order):
 
@@ -26,8 +27,9 @@ Dynamics (spikingjelly's LIFNode / ParametricLIFNode formulas, in the same float
 
 The backward uses a surrogate dS/dH = g(H - V_th): sigmoid `alpha*sig(alpha*u)*(1-sig(alpha*u))`,
 atan `(alpha/2) / (1 + (pi/2*alpha*u)^2)`, triangle `max(0, alpha - alpha^2*|u|)` (spikingjelly's
-PiecewiseQuadratic; the stable-SNN triangle of width w is alpha = 1/w). `detach_reset` cuts the
-gradient through the reset's use of S.
+PiecewiseQuadratic; the stable-SNN triangle of width w is alpha = 1/w). `alpha=None` takes the
+surrogate's default in spikingjelly (`SURROGATE_ALPHA`: sigmoid 4, atan 2, triangle 1), so switching
+the name gives the function users know. `detach_reset` cuts the gradient through the reset's use of S.
 
 NaN input is not an error by default (checking costs a pass and a device sync): a NaN membrane
 never fires (every comparison with NaN is false), so it stays NaN and its gradient is NaN. Pass
@@ -39,12 +41,14 @@ from __future__ import annotations
 import functools
 import math
 import os
-import shutil
 import types
 from typing import Optional
 
 import torch
 from torch import Tensor
+
+from efficient.kernels import _backend
+from efficient.kernels._backend import BACKENDS
 
 try:  # Triton is optional on CPU-only installs; the "triton" backend then raises a clear error.
     import triton
@@ -56,7 +60,10 @@ except ImportError:  # pragma: no cover - exercised only without triton
 
 __all__ = [
     "BACKENDS",
+    "IMPLS",
     "SURROGATES",
+    "SURROGATE_ALPHA",
+    "default_alpha",
     "lif",
     "lif_reference",
     "check_input",
@@ -64,9 +71,13 @@ __all__ = [
     "surrogate_grad",
 ]
 
-BACKENDS = ("auto", "triton", "torch", "compile", "loop")
 COMPILE_MIN_NUMEL = 1 << 20
-SURROGATES = {"sigmoid": 0, "atan": 1, "triangle": 2}
+# surrogate ids (the op's `surrogate` argument) and their names
+SURROGATE_SIGMOID, SURROGATE_ATAN, SURROGATE_TRIANGLE = 0, 1, 2
+SURROGATES = {"sigmoid": SURROGATE_SIGMOID, "atan": SURROGATE_ATAN, "triangle": SURROGATE_TRIANGLE}
+# default alpha per surrogate: spikingjelly 2.0's defaults (surrogate.Sigmoid alpha=4.0,
+# surrogate.ATan alpha=2.0, surrogate.PiecewiseQuadratic alpha=1.0)
+SURROGATE_ALPHA = {"sigmoid": 4.0, "atan": 2.0, "triangle": 1.0}
 # charge modes; the float constant `c` of the op is tau for the first two, lambda for LEAK
 CHARGE_DECAY_INPUT, CHARGE_NO_DECAY, CHARGE_LEAK = 0, 1, 2
 # op implementations: "triton" kernels, "inductor" = compiled torch loop, "loop" = same loop eagerly
@@ -78,16 +89,26 @@ IMPLS = ("triton", "inductor", "loop")
 # ---------------------------------------------------------------------------------------------
 
 
+def default_alpha(surrogate: str, alpha: Optional[float] = None) -> float:
+    """`alpha` if given, else the surrogate's spikingjelly default (`SURROGATE_ALPHA`)."""
+    if alpha is not None:
+        return float(alpha)
+    try:
+        return SURROGATE_ALPHA[surrogate]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown surrogate {surrogate!r}; choose one of {sorted(SURROGATES)}") from None
+
+
 def surrogate_grad(u: Tensor, surrogate: int, alpha: float) -> Tensor:
-    """dS/dH at u = H - V_th for surrogate id 0 sigmoid, 1 atan, 2 triangle (spikingjelly formulas)."""
-    if surrogate == 0:
+    """dS/dH at u = H - V_th for a surrogate id of `SURROGATES` (spikingjelly formulas)."""
+    if surrogate == SURROGATE_SIGMOID:
         sg = torch.sigmoid(u * alpha)
         return (1.0 - sg) * sg * alpha
-    if surrogate == 1:
+    if surrogate == SURROGATE_ATAN:
         a = alpha / 2
         z = (math.pi * a) * u
         return a / (1 + z * z)
-    if surrogate == 2:
+    if surrogate == SURROGATE_TRIANGLE:
         return (alpha - (alpha * alpha) * u.abs()).clamp_min(0.0)
     raise ValueError(f"unknown surrogate id {surrogate}; expected one of {SURROGATES}")
 
@@ -126,7 +147,7 @@ def lif_reference(
     detach_reset: bool = True,
     decay_input: bool = True,
     surrogate: str = "sigmoid",
-    alpha: float = 4.0,
+    alpha: Optional[float] = None,
     *,
     rate: Optional[Tensor] = None,
     leak: Optional[float] = None,
@@ -135,9 +156,10 @@ def lif_reference(
     """Plain autograd loop over T. Returns (spikes in `spike_dtype` or x.dtype, H in fp32 or float64).
 
     `rate` (a tensor, PLIF's 1/tau) replaces `/ tau` by `* rate`; `leak` selects the DLIF charge
-    `H = leak * V + X` (tau, rate and decay_input are then unused).
+    `H = leak * V + X` (tau, rate and decay_input are then unused). `alpha=None`: the surrogate's default.
     """
     sid = _surrogate_id(surrogate)
+    alpha = default_alpha(surrogate, alpha)
     charge, c = _charge_mode(tau, decay_input, leak)
     vr = 0.0 if v_reset is None else float(v_reset)
     xf = x if x.dtype == torch.float64 else x.float()  # fp32 compute; float64 kept for gradcheck
@@ -158,19 +180,24 @@ def lif_reference(
 # ---------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
+    # the charge modes and surrogate ids as Triton compile-time constants (jit code reads only constexpr globals)
+    _TL_DECAY_INPUT = tl.constexpr(CHARGE_DECAY_INPUT)
+    _TL_LEAK = tl.constexpr(CHARGE_LEAK)
+    _TL_SIGMOID = tl.constexpr(SURROGATE_SIGMOID)
+    _TL_ATAN = tl.constexpr(SURROGATE_ATAN)
 
     # divisions use div_rn (IEEE round-to-nearest, as torch on CPU): a plain `/` lowers to an
     # approximate division on NVIDIA GPUs, which could move H across the threshold
     @triton.jit
     def _surrogate_tl(u, alpha, SURROGATE: tl.constexpr):
-        if SURROGATE == 0:
+        if SURROGATE == _TL_SIGMOID:
             sg = 1.0 / (1.0 + tl.exp(-(u * alpha)))
             out = (1.0 - sg) * sg * alpha
-        elif SURROGATE == 1:
+        elif SURROGATE == _TL_ATAN:
             a = alpha * 0.5
             z = (3.141592653589793 * a) * u
             out = tl.math.div_rn(a, 1.0 + z * z)
-        else:
+        else:  # triangle
             out = tl.maximum(alpha - (alpha * alpha) * tl.abs(u), 0.0)
         return out
 
@@ -187,9 +214,9 @@ if HAS_TRITON:
             k = tl.load(rate_ptr).to(tl.float32)
         for _t in range(T):
             x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            if CHARGE == 2:
+            if CHARGE == _TL_LEAK:
                 h = c * v + x
-            elif CHARGE == 0:
+            elif CHARGE == _TL_DECAY_INPUT:
                 if HAS_RATE:
                     h = v + (x - (v - v_reset)) * k
                 else:
@@ -241,7 +268,7 @@ if HAS_TRITON:
             if HAS_GM:
                 gh += tl.load(gm_ptr + offs, mask=mask, other=0.0).to(tl.float32)
                 gm_ptr -= N
-            if CHARGE == 0:
+            if CHARGE == _TL_DECAY_INPUT:
                 if HAS_RATE:
                     gx = gh * k
                 else:
@@ -249,7 +276,7 @@ if HAS_TRITON:
             else:
                 gx = gh
             tl.store(gx_ptr + offs, gx.to(gx_ptr.dtype.element_ty), mask=mask)
-            if CHARGE == 2:
+            if CHARGE == _TL_LEAK:
                 carry = gh * c
             elif HAS_RATE:
                 carry = gh - gh * k
@@ -264,7 +291,7 @@ if HAS_TRITON:
                 else:
                     vp = tl.where(hp >= v_th, hp - v_th, hp)
                 vp = tl.where(first, v_reset, vp)
-                if CHARGE == 0:
+                if CHARGE == _TL_DECAY_INPUT:
                     dk = tl.math.div_rn(h - vp, k)  # = X[t] - (V[t-1] - V_reset), without saving X
                 else:
                     dk = v_reset - vp
@@ -282,7 +309,7 @@ _BLOCK = 1024
 def _triton_ready(x: Tensor) -> None:
     if not HAS_TRITON:
         raise RuntimeError("backend='triton' needs the triton package; use backend='torch' or 'compile'")
-    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if x.device.type != "cuda" and not _backend.interpreter_on():
         raise RuntimeError(
             f"backend='triton' runs on CUDA tensors (got device {x.device}); on CPU use backend='auto' "
             "or 'compile', or set TRITON_INTERPRET=1 before importing triton to run the interpreter"
@@ -559,32 +586,12 @@ def _charge_mode(tau: float, decay_input: bool, leak: Optional[float]) -> tuple[
     return (CHARGE_DECAY_INPUT if decay_input else CHARGE_NO_DECAY), float(tau)
 
 
-# looked up once at import: resolve_backend also runs inside torch.compile tracing
-_HAVE_CXX = any(shutil.which(cc) for cc in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if cc)
-
-
-def _have_cxx_compiler() -> bool:
-    return _HAVE_CXX
-
-
 def resolve_backend(backend: str, device: torch.device, numel: Optional[int] = None) -> str:
-    """Concrete backend for `backend` on `device`. 'auto' -> env EFFICIENT_BACKEND if set, else
-    'triton' on CUDA; on CPU 'compile' for inputs of >= COMPILE_MIN_NUMEL elements (or unknown
-    size) when a C++ compiler exists, else 'loop' (the op's fused loop, eagerly)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
-    if backend == "auto":
-        env = os.environ.get("EFFICIENT_BACKEND", "").strip()
-        if env and env != "auto":
-            if env not in BACKENDS:
-                raise ValueError(f"environment EFFICIENT_BACKEND={env!r} is not one of {BACKENDS}")
-            return env
-        if device.type == "cuda":
-            return "triton" if HAS_TRITON else "loop"
-        if device.type == "cpu" and _have_cxx_compiler() and (numel is None or numel >= COMPILE_MIN_NUMEL):
-            return "compile"
-        return "loop"
-    return backend
+    """Concrete LIF backend (triton, torch, compile or loop) for `backend` on `device`, for an input
+    of `numel` elements: the shared resolver with the fused loop (see `efficient.kernels._backend`)."""
+    return _backend.resolve_backend(
+        backend, device, "lif", fused_loop=True, numel=numel, compile_min_numel=COMPILE_MIN_NUMEL
+    )
 
 
 def check_input(x: Tensor, check_finite: bool = False) -> None:
@@ -608,6 +615,10 @@ def check_input(x: Tensor, check_finite: bool = False) -> None:
         raise ValueError(f"LIF input has NaN/inf values at time steps {bad}")
 
 
+# backend -> custom-op implementation ("torch" runs the reference, not the op)
+_IMPL_OF_BACKEND = {"triton": "triton", "compile": "inductor", "loop": "loop"}
+
+
 def lif(
     x: Tensor,
     tau: float = 2.0,
@@ -616,13 +627,14 @@ def lif(
     detach_reset: bool = True,
     decay_input: bool = True,
     surrogate: str = "sigmoid",
-    alpha: float = 4.0,
+    alpha: Optional[float] = None,
     *,
     rate: Optional[Tensor] = None,
     leak: Optional[float] = None,
     spike_dtype: Optional[torch.dtype] = None,
     return_membrane: bool = False,
     backend: str = "auto",
+    impl: Optional[str] = None,
     check_finite: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Multi-step LIF over `x` [T, ...] from zero state (V[-1] = V_reset, or 0 for soft reset).
@@ -630,9 +642,13 @@ def lif(
     Returns spikes shaped like x (dtype `spike_dtype`, default x.dtype); with
     `return_membrane=True` also H, the pre-reset membrane [T, ...] in fp32 (differentiable).
     `rate` = PLIF's learnable 1/tau (0-d tensor); `leak` = DLIF's fixed lambda (H = lambda*V + X).
+    `alpha=None` takes the surrogate's default (`SURROGATE_ALPHA`). `impl` ("triton", "inductor"
+    or "loop", see `IMPLS`) runs the custom op with that implementation instead of resolving
+    `backend` (for tests and benchmarks); it cannot be combined with a backend other than "auto".
     """
     check_input(x, check_finite)
     sid = _surrogate_id(surrogate)
+    alpha = default_alpha(surrogate, alpha)
     charge, c = _charge_mode(tau, decay_input, leak)
     if charge != CHARGE_LEAK and rate is None and not c > 0:
         raise ValueError(f"tau must be > 0 (got {tau})")
@@ -642,54 +658,29 @@ def lif(
         raise ValueError(f"rate must be a single value (0-d tensor), got shape {tuple(rate.shape)}")
     spike_dtype = spike_dtype or x.dtype
     vr = None if v_reset is None else float(v_reset)
-    chosen = resolve_backend(backend, x.device, x.numel())
+    if impl is not None:
+        if impl not in IMPLS:
+            raise ValueError(f"unknown impl {impl!r}; choose one of {IMPLS}")
+        if backend != "auto":
+            raise ValueError(f"pass either backend ({backend!r}) or impl ({impl!r}), not both")
+        chosen = None
+    else:
+        chosen = resolve_backend(backend, x.device, x.numel())
+        impl = _IMPL_OF_BACKEND.get(chosen)
     if chosen == "torch" or x.numel() == 0:
         s, h = lif_reference(
             x, c, v_threshold, vr, detach_reset, decay_input, surrogate, alpha,
             rate=rate, leak=leak, spike_dtype=spike_dtype,
         )
     else:
-        impl = {"triton": "triton", "compile": "inductor", "loop": "loop"}[chosen]
-        if impl == "inductor" and x.device.type == "cpu" and not _have_cxx_compiler():
+        if impl == "inductor" and x.device.type == "cpu" and not _backend.have_cxx_compiler():
             raise RuntimeError("backend='compile' needs a C++ compiler on CPU (g++ or clang++); use backend='torch'")
-        T = x.shape[0]
-        x2 = x.reshape(T, -1)
-        if not x2.is_contiguous():
-            x2 = x2.contiguous()
+        # a strided [T, N] view reaches the op as it is (the op makes one dense copy if it must)
+        x2 = x.reshape(x.shape[0], -1)
         r = rate.reshape(()).float() if rate is not None else None
         s, h = torch.ops.efficient.lif_forward(
-            x2, r, c, float(v_threshold), vr, charge, sid, float(alpha), bool(detach_reset), spike_dtype, impl
+            x2, r, c, float(v_threshold), vr, charge, sid, alpha, bool(detach_reset), spike_dtype, impl
         )
         s, h = s.view(x.shape), h.view(x.shape)
     return (s, h) if return_membrane else s
 
-
-def lif_op_direct(
-    x: Tensor,
-    tau: float = 2.0,
-    v_threshold: float = 1.0,
-    v_reset: Optional[float] = 0.0,
-    detach_reset: bool = True,
-    decay_input: bool = True,
-    surrogate: str = "sigmoid",
-    alpha: float = 4.0,
-    *,
-    rate: Optional[Tensor] = None,
-    leak: Optional[float] = None,
-    spike_dtype: Optional[torch.dtype] = None,
-    impl: str = "loop",
-) -> tuple[Tensor, Tensor]:
-    """The custom op with an explicit implementation ("triton", "inductor" or "loop"), for tests
-    and benchmarks; same arguments as `lif`, returns (spikes, H)."""
-    if impl not in IMPLS:
-        raise ValueError(f"unknown impl {impl!r}; choose one of {IMPLS}")
-    check_input(x, False)
-    charge, c = _charge_mode(tau, decay_input, leak)
-    T = x.shape[0]
-    x2 = x.reshape(T, -1)  # a strided [T, N] reaches the op as it is
-    r = rate.reshape(()).float() if rate is not None else None
-    s, h = torch.ops.efficient.lif_forward(
-        x2, r, c, float(v_threshold), None if v_reset is None else float(v_reset), charge,
-        _surrogate_id(surrogate), float(alpha), bool(detach_reset), spike_dtype or x.dtype, impl,
-    )
-    return s.view(x.shape), h.view(x.shape)

@@ -12,18 +12,16 @@ row kernel for the in-place CE, custom op `efficient::linear_ce` with autograd.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
+
+from efficient.kernels._backend import BACKENDS, resolve_backend  # noqa: F401 - BACKENDS: the accepted values
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover
     triton = None
-
-BACKENDS = ("auto", "triton", "torch")
 
 
 def linear_ce_reference(
@@ -119,12 +117,8 @@ def _linear_ce_chunked(hidden, weight, target, ignore_index, conf, chunk_size, b
 
 
 def _pick_backend(backend: str, device: torch.device) -> str:
-    backend = os.environ.get("EFFICIENT_BACKEND", backend) if backend == "auto" else backend
-    if backend not in BACKENDS:
-        raise ValueError(f"linear_ce: backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    if backend == "auto":
-        return "triton" if device.type == "cuda" and triton is not None else "torch"
-    return backend
+    """The path to run, triton or torch, for any documented backend value (efficient.kernels._backend)."""
+    return resolve_backend(backend, device, "linear_ce")
 
 
 @torch.library.custom_op("efficient::linear_ce", mutates_args=())

@@ -213,7 +213,7 @@ def spiking_attention(
         raise ValueError(f"q, k, v must share a [T, B, H, N, d] shape; got {list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
     if scores and q.shape[-2] <= int(anchor):
         raise ValueError("scores need at least one token besides the anchor")
-    if resolve_backend(backend, q) == "torch":
+    if resolve_backend(backend, q, "ssa") == "torch":
         # plain aten ops: autograd differentiates the reference and op counters see its matmuls
         return ssa_ref(q, k, v, float(scale), bool(anchor), bool(scores))
     y, s, c = _ssa_op(q, k, v, float(scale), bool(anchor), bool(scores), "triton")

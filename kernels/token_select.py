@@ -19,10 +19,11 @@ token by a running prefix sum.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
+
+from efficient.kernels import _backend
+from efficient.kernels._backend import BACKENDS  # noqa: F401 - the accepted values
 
 try:  # Triton is optional: the torch path covers CPU
     import triton
@@ -32,20 +33,13 @@ try:  # Triton is optional: the torch path covers CPU
 except ImportError:  # pragma: no cover - triton is installed with torch on Linux
     HAS_TRITON = False
 
-BACKENDS = ("auto", "triton", "torch")
-
-
-def resolve_backend(backend: str, t: Tensor) -> str:
-    """'auto' -> Triton on CUDA, torch on CPU (unless TRITON_INTERPRET=1 asks for the interpreter)."""
-    backend = os.environ.get("EFFICIENT_BACKEND", backend) if backend == "auto" else backend
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    if backend == "auto":
-        return "triton" if HAS_TRITON and (t.is_cuda or interpret) else "torch"
-    if backend == "triton" and not (HAS_TRITON and (t.is_cuda or interpret)):
-        raise ValueError("backend='triton' needs a CUDA tensor (or TRITON_INTERPRET=1 on CPU); use backend='torch'")
-    return backend
+def resolve_backend(backend: str, t: Tensor, kernel: str = "token_select") -> str:
+    """triton or torch for any documented backend value (efficient.kernels._backend); 'auto' picks
+    Triton on CUDA, and on CPU when TRITON_INTERPRET=1 asks for the interpreter."""
+    chosen = _backend.resolve_backend(backend, t.device, kernel, interpreter_auto=True)
+    if chosen == "triton" and not (HAS_TRITON and (t.is_cuda or _backend.interpreter_on())):
+        raise ValueError(f"{kernel}: backend='triton' needs a CUDA tensor (or TRITON_INTERPRET=1 on CPU); use backend='torch'")
+    return chosen
 
 
 # ----------------------------------------------------------------------------- torch reference

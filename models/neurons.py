@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from efficient.kernels.lif import BACKENDS, SURROGATES, check_input, lif
+from efficient.kernels.lif import BACKENDS, SURROGATES, check_input, default_alpha, lif
 
 __all__ = ["SpikingNeuron", "LIF", "PLIF", "DLIF"]
 
@@ -34,14 +34,15 @@ class SpikingNeuron(nn.Module):
     membrane: Optional[torch.Tensor] = None
 
     def _set_lif_options(self, v_threshold: float, v_reset: float | None, detach_reset: bool, decay_input: bool,
-                         surrogate: str, alpha: float, backend: str, store_membrane: bool, spike_dtype: torch.dtype | None) -> None:
-        """Validate and store the options LIF and PLIF share (their signatures stay explicit and typed)."""
+                         surrogate: str, alpha: float | None, backend: str, store_membrane: bool, spike_dtype: torch.dtype | None) -> None:
+        """Validate and store the options LIF and PLIF share (their signatures stay explicit and typed);
+        alpha=None becomes the surrogate's default (spikingjelly's, see kernels.lif.SURROGATE_ALPHA)."""
         _check_choice("surrogate", surrogate, SURROGATES)
         _check_choice("backend", backend, BACKENDS)
         self.v_threshold = float(v_threshold)
         self.v_reset = None if v_reset is None else float(v_reset)
         self.detach_reset, self.decay_input = bool(detach_reset), bool(decay_input)
-        self.surrogate, self.alpha, self.backend = surrogate, float(alpha), backend
+        self.surrogate, self.alpha, self.backend = surrogate, default_alpha(surrogate, alpha), backend
         self.store_membrane, self.spike_dtype = store_membrane, spike_dtype
 
     def _backend_for(self, x: torch.Tensor) -> str:
@@ -64,6 +65,7 @@ class LIF(SpikingNeuron):
 
     H = V + (X - (V - V_reset)) / tau (decay_input) or V - (V - V_reset) / tau + X; spike when
     H >= v_threshold; reset to v_reset (hard) or subtract v_threshold (v_reset=None, soft).
+    `alpha=None` uses the surrogate's spikingjelly default (sigmoid 4, atan 2, triangle 1).
     """
 
     def __init__(
@@ -74,7 +76,7 @@ class LIF(SpikingNeuron):
         detach_reset: bool = True,
         decay_input: bool = True,
         surrogate: str = "sigmoid",
-        alpha: float = 4.0,
+        alpha: float | None = None,
         backend: str = "auto",
         store_membrane: bool = False,
         spike_dtype: torch.dtype | None = None,
@@ -112,7 +114,7 @@ class PLIF(SpikingNeuron):
         detach_reset: bool = True,
         decay_input: bool = True,
         surrogate: str = "sigmoid",
-        alpha: float = 4.0,
+        alpha: float | None = None,
         backend: str = "auto",
         store_membrane: bool = False,
         spike_dtype: torch.dtype | None = None,

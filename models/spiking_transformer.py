@@ -70,7 +70,7 @@ class SpikingTransformerConfig:
     pool_stages: int = 2
     tau: float = 2.0
     surrogate: str = "sigmoid"
-    alpha: float = 4.0
+    alpha: float | None = None  # None: the surrogate's default (kernels.lif.SURROGATE_ALPHA; sigmoid 4)
     backend: str = "auto"
     stata: StataConfig = field(default_factory=StataConfig)
 

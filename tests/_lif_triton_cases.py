@@ -31,7 +31,7 @@ def compare(name, x, with_rate=False, membrane_grad=True, **kw):
         if impl == "reference":
             s, h = K.lif_reference(xs, **kw, **extra)
         else:
-            s, h = K.lif_op_direct(xs, impl="triton", **kw, **extra)
+            s, h = K.lif(xs, impl="triton", return_membrane=True, **kw, **extra)
         loss = (s.float() * g).sum() + ((h * gm).sum() if membrane_grad else 0.0)
         loss.backward()
         results.append((s.detach(), h.detach(), xs.grad, w.grad))

@@ -3,6 +3,7 @@ saved memory, dtypes and bad input. Triton kernels are checked in test_lif_trito
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import math
 
@@ -129,7 +130,7 @@ def test_op_saves_only_fp32_membrane():
     x = _input((5, 4, 6)).requires_grad_()
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        K.lif_op_direct(x, impl="loop")
+        K.lif(x, impl="loop", return_membrane=True)
     big = [t for t in saved if t.numel() > 1]
     assert len(big) == 1 and big[0].dtype == torch.float32 and big[0].shape == (5, 24)
     assert big[0].untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
@@ -139,7 +140,7 @@ def test_op_saves_only_fp32_membrane():
 def test_half_inputs_compute_in_fp32(dtype):
     x = _input((4, 3, 5), dtype=dtype)
     xo = x.clone().requires_grad_()
-    s, h = K.lif_op_direct(xo, impl="loop", detach_reset=False)
+    s, h = K.lif(xo, impl="loop", detach_reset=False, return_membrane=True)
     s.float().sum().backward()
     assert s.dtype == dtype and h.dtype == torch.float32 and xo.grad.dtype == dtype
     xr = x.float().requires_grad_()
@@ -151,7 +152,7 @@ def test_half_inputs_compute_in_fp32(dtype):
 
 def test_spike_dtype_option():
     s = K.lif(_input((3, 4)), spike_dtype=torch.bool, backend="torch")
-    s2 = K.lif_op_direct(_input((3, 4)), spike_dtype=torch.bool)[0]
+    s2 = K.lif(_input((3, 4)), spike_dtype=torch.bool, impl="loop", return_membrane=True)[0]
     assert s.dtype == torch.bool and torch.equal(s, s2)
 
 
@@ -169,7 +170,7 @@ def test_flop_formula_registered():
 
     x = _input((4, 10)).requires_grad_()
     with FlopCounterMode(display=False) as counter:
-        K.lif_op_direct(x)[0].sum().backward()
+        K.lif(x, impl="loop", return_membrane=True)[0].sum().backward()
     counts = counter.get_flop_counts()["Global"]
     assert counts[torch.ops.efficient.lif_forward] == 6 * 40
     assert counts[torch.ops.efficient.lif_backward] == 13 * 40
@@ -206,6 +207,44 @@ def test_surrogate_is_derivative_of_its_primitive(surrogate, alpha):
     torch.testing.assert_close(K.surrogate_grad(u.detach(), K.SURROGATES[surrogate], alpha), grad)
 
 
+@needs_spikingjelly
+@pytest.mark.parametrize("surrogate", sorted(K.SURROGATES))
+def test_default_alpha_is_spikingjellys_default(surrogate):
+    """Without alpha, each surrogate is spikingjelly's class at its own default alpha."""
+    sg_cls = getattr(sj_surrogate, SJ_SURROGATES[surrogate][0])
+    assert K.SURROGATE_ALPHA[surrogate] == inspect.signature(sg_cls).parameters["alpha"].default
+    u = torch.linspace(-2, 2, 401).requires_grad_()
+    sg_cls()(u).sum().backward()  # spikingjelly's surrogate, default alpha
+    ours = K.surrogate_grad(u.detach(), K.SURROGATES[surrogate], K.default_alpha(surrogate))
+    torch.testing.assert_close(ours, u.grad, rtol=1e-6, atol=1e-7)
+
+
+@needs_spikingjelly
+@pytest.mark.parametrize("surrogate", sorted(K.SURROGATES))
+def test_lif_without_alpha_matches_spikingjelly_default_surrogate(surrogate):
+    sg_cls = getattr(sj_surrogate, SJ_SURROGATES[surrogate][0])
+    x, g, gv = _input(seed=11), _input(seed=12), _input(seed=13)
+    node = sj_neuron.LIFNode(tau=2.0, v_threshold=1.0, v_reset=0.0, surrogate_function=sg_cls(),
+                             detach_reset=False, step_mode="m", store_v_seq=True)
+    s_sj, v_sj, gx_sj = _run_sj(node, x, g, gv)
+    for fn in (_reference, _op_loop):  # no alpha given
+        s, v, gx = _run_ours(x, g, gv, 1.0, 0.0, False, fn=fn, surrogate=surrogate)
+        assert torch.equal(s, s_sj), fn.__name__
+        torch.testing.assert_close(gx, gx_sj, rtol=0, atol=1e-5)
+
+
+def test_explicit_alpha_still_wins():
+    x = _input((4, 3, 5), seed=14)
+    grads = {}
+    for alpha in (None, 2.0, 4.0):
+        xs = x.clone().requires_grad_()
+        K.lif(xs, surrogate="atan", alpha=alpha, backend="loop").sum().backward()
+        grads[alpha] = xs.grad
+    assert torch.equal(grads[None], grads[2.0]) and not torch.allclose(grads[2.0], grads[4.0])
+    with pytest.raises(ValueError, match="surrogate"):
+        K.default_alpha("gaussian")
+
+
 # ---- semantics --------------------------------------------------------------------------------
 
 
@@ -213,7 +252,7 @@ def test_spike_at_equality_and_zero_state_each_call():
     x = torch.tensor([[2.0], [0.0], [2.0]])  # tau=2, hard reset: H = 1.0 (== v_th) -> spike
     s, h = K.lif(x, return_membrane=True, backend="torch")
     assert s.flatten().tolist() == [1.0, 0.0, 1.0] and h.flatten().tolist() == [1.0, 0.0, 1.0]
-    s2 = K.lif_op_direct(x)[0]
+    s2 = K.lif(x, impl="loop", return_membrane=True)[0]
     assert torch.equal(s, s2)
 
 
@@ -221,7 +260,10 @@ def test_gradient_through_membrane_output():
     x = _input((5, 3), seed=9)
     gm = _input((5, 3), seed=10)
     outs = []
-    for fn in (lambda x: K.lif_reference(x, detach_reset=False), lambda x: K.lif_op_direct(x, detach_reset=False)):
+    for fn in (
+        lambda x: K.lif_reference(x, detach_reset=False),
+        lambda x: K.lif(x, detach_reset=False, impl="loop", return_membrane=True),
+    ):
         xs = x.clone().requires_grad_()
         s, h = fn(xs)
         ((h * gm).sum() + s.sum()).backward()
@@ -264,7 +306,7 @@ def test_bad_options_raise():
     with pytest.raises(ValueError, match="backend"):
         K.lif(x, backend="cuda")
     with pytest.raises(RuntimeError, match="CUDA tensors"):
-        K.lif_op_direct(x, impl="triton")
+        K.lif(x, impl="triton", return_membrane=True)
     with pytest.raises(ValueError, match="rate"):
         K.lif(x, rate=torch.ones(2))
 
@@ -279,7 +321,7 @@ def test_strided_input_reaches_the_op_and_matches_reference(monkeypatch):
     g, gm = _input((5, 35), seed=1), _input((5, 35), seed=2)
     kw = dict(v_reset=None, detach_reset=False, surrogate="atan", alpha=2.0)
     out = []
-    for fn in (lambda xs: K.lif_reference(xs, **kw), lambda xs: K.lif_op_direct(xs, impl="loop", **kw)):
+    for fn in (lambda xs: K.lif_reference(xs, **kw), lambda xs: K.lif(xs, impl="loop", return_membrane=True, **kw)):
         xs = x.detach().clone().requires_grad_()
         assert not xs.is_contiguous()
         s, h = fn(xs)
@@ -303,7 +345,7 @@ def test_op_called_directly_with_bad_shape_raises():
 def test_nan_input_documented_behaviour():
     x = _input((4, 3))
     x[1, 0] = float("nan")
-    for s, h in (K.lif(x, return_membrane=True, backend="torch"), K.lif_op_direct(x)):
+    for s, h in (K.lif(x, return_membrane=True, backend="torch"), K.lif(x, impl="loop", return_membrane=True)):
         assert s[1:, 0].eq(0).all(), "a NaN membrane never fires"
         assert h[1:, 0].isnan().all(), "and stays NaN (no spike, so no reset)"
         assert not h[:, 1:].isnan().any(), "other neurons are unaffected"

@@ -159,6 +159,16 @@ def test_plif_parameter_and_gradient(backend):
     torch.testing.assert_close(neuron.w.grad, w.grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("surrogate,alpha", [("sigmoid", 4.0), ("atan", 2.0), ("triangle", 1.0)])
+def test_neuron_alpha_defaults_per_surrogate(surrogate, alpha):
+    """LIF/PLIF and the model configs leave alpha to the surrogate (spikingjelly's defaults)."""
+    from efficient.models.spikformer import SpikformerConfig
+
+    assert LIF(surrogate=surrogate).alpha == alpha and PLIF(surrogate=surrogate).alpha == alpha
+    assert LIF(surrogate=surrogate, alpha=0.5).alpha == 0.5
+    assert LIF(**{**SpikformerConfig(surrogate=surrogate).neuron(), "backend": "torch"}).alpha == alpha
+
+
 def test_common_base_and_repr():
     neurons = [LIF(tau=3.0, v_reset=None, surrogate="atan", alpha=2.0), PLIF(init_tau=2.5), DLIF(8, leak=0.99, width=0.5)]
     assert all(isinstance(n, SpikingNeuron) for n in neurons)

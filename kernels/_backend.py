@@ -1,0 +1,111 @@
+"""One backend resolver for every kernel: the `backend=` argument and the `EFFICIENT_BACKEND` variable.
+
+Every public kernel function takes `backend="auto"` and accepts every value of `BACKENDS`; for
+`"auto"` the environment variable `EFFICIENT_BACKEND` (if set to anything but "auto" or "") takes
+over. Kernels differ in which implementations they have, so each value maps to the nearest one:
+
+    value     lif (has the fused loop)                  ssa, token_select, linear_ce, exit_confidence
+    -------   ---------------------------------------   ---------------------------------------------
+    auto      CUDA: triton (loop without triton).       CUDA: triton (torch without triton).
+              CPU: compile for >= compile_min_numel     CPU: torch; ssa/token_select use triton
+              elements (or unknown size) when a C++     when TRITON_INTERPRET=1 (the interpreter).
+              compiler exists, else loop.
+    triton    triton                                    triton
+    torch     torch (the autograd reference loop)       torch (the reference)
+    compile   compile (inductor-compiled fused loop)    the compiled kernel where the device has one:
+                                                        triton on CUDA with triton, else torch
+    loop      loop (the fused loop, eagerly)            torch (the eager, uncompiled path)
+
+An explicit `backend=` argument wins over the variable. Unknown values, in the argument or the
+variable, raise a ValueError that names where the value came from and the allowed values. Whether
+the chosen implementation can run (Triton needs CUDA or the interpreter) is checked by the kernel.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Optional
+
+import torch
+
+try:
+    import triton  # noqa: F401
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised only without triton
+    HAS_TRITON = False
+
+__all__ = [
+    "BACKENDS", "ENV_VAR", "HAS_TRITON", "have_cxx_compiler", "interpreter_on", "requested_backend", "resolve_backend",
+]
+
+BACKENDS = ("auto", "triton", "torch", "compile", "loop")
+ENV_VAR = "EFFICIENT_BACKEND"
+
+# looked up once at import: the resolver also runs inside torch.compile tracing
+_HAVE_CXX = any(shutil.which(cc) for cc in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if cc)
+
+
+def have_cxx_compiler() -> bool:
+    """Whether a C++ compiler exists (inductor needs one to compile on CPU)."""
+    return _HAVE_CXX
+
+
+def interpreter_on() -> bool:
+    """Whether Triton runs in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def requested_backend(backend: str, kernel: str = "kernel") -> str:
+    """The value asked for: `backend`, or for "auto" the `EFFICIENT_BACKEND` value if one is set.
+
+    Raises ValueError naming `kernel`, the source of the value and the allowed values.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"{kernel}: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend != "auto":
+        return backend
+    env = os.environ.get(ENV_VAR, "").strip()
+    if env not in BACKENDS and env != "":
+        raise ValueError(
+            f"{kernel}: environment variable {ENV_VAR}={env!r} is not a backend; "
+            f"set it to one of {BACKENDS} or unset it"
+        )
+    return env or "auto"
+
+
+def resolve_backend(
+    backend: str,
+    device: torch.device,
+    kernel: str = "kernel",
+    *,
+    fused_loop: bool = False,
+    numel: Optional[int] = None,
+    compile_min_numel: int = 0,
+    interpreter_auto: bool = False,
+) -> str:
+    """The implementation a kernel runs for `backend` on `device` (see the module table).
+
+    `fused_loop`: the kernel has the compiled/eager fused loop (returns one of triton, torch,
+    compile, loop); otherwise it returns triton or torch. `numel`/`compile_min_numel`: the size
+    from which 'auto' compiles on CPU. `interpreter_auto`: 'auto' picks Triton's interpreter on
+    CPU when TRITON_INTERPRET=1.
+    """
+    want = requested_backend(backend, kernel)
+    cuda_triton = device.type == "cuda" and HAS_TRITON
+    if fused_loop:
+        if want != "auto":
+            return want
+        if device.type == "cuda":
+            return "triton" if HAS_TRITON else "loop"
+        if device.type == "cpu" and have_cxx_compiler() and (numel is None or numel >= compile_min_numel):
+            return "compile"
+        return "loop"
+    if want in ("triton", "torch"):
+        return want
+    if want == "auto":
+        return "triton" if cuda_triton or (interpreter_auto and HAS_TRITON and interpreter_on()) else "torch"
+    if want == "compile":
+        return "triton" if cuda_triton else "torch"
+    return "torch"  # loop
