@@ -28,8 +28,8 @@ MAC saving, and token agreement with full-depth greedy, per strategy and thresho
 
 Timing: on CPU the decoding thread's CPU time (default; `--clock seconds` for wall-clock), each
 configuration paired with a full-depth run per prompt and repeat (order alternating), so machine
-load drifts cancel. On CUDA wall-clock `seconds`, with the device synchronized after the prompt's
-prefill and at the end of decoding (the prefill is not timed, queued kernels are). `--unpaired`
+load drifts cancel. On CUDA wall-clock `seconds`, which `generate` measures with the device synchronized
+after the prompt's prefill and at the end of decoding (the prefill is not timed, queued kernels are). `--unpaired`
 times the full-depth run `--repeats` times per prompt once, before the sweep, and reuses it
 (a GPU has no load noise to pair away). Every strategy is warmed up (Triton compilation, cuBLAS
 handles) before any timing. `EFFICIENT_BACKEND=torch` runs exit_confidence on the torch path
@@ -58,8 +58,10 @@ RECOMPUTE_SPEEDUP, LOSS_BOUND, SPECULATIVE_SPEEDUP = 1.5, 0.01, 1.2
 
 def teacher_forced(model, batches, thresholds):
     """Per threshold: exit distribution, CE and agreement of the chosen exits' predictions."""
+    from efficient.profiler.exits import layer_macs
+
     L = model.num_layers
-    cost = model.layer_macs()
+    cost = layer_macs(model)
     full = L * cost["layer"] + cost[f"head{L}"]
     per_exit_ce = {k: 0.0 for k in model.exit_layers}
     rows = {t: {"ce": 0.0, "agree": 0.0, "macs": 0.0, "dist": dict.fromkeys(model.exit_layers, 0)} for t in thresholds}
@@ -93,51 +95,18 @@ def teacher_forced(model, batches, thresholds):
     return {k: v / n for k, v in per_exit_ce.items()}, out
 
 
-def sync_decoding_on_cuda() -> bool:
-    """Make `Generation.seconds` exact on CUDA: synchronize after the (untimed) prefill, so its
-    queued kernels do not land in the timed loop, and before the decode loop returns, so the
-    last step's queued kernels do. CPU runs are untouched. False if decoding's internals moved
-    (then the caller times around `generate` with synchronization, prefill included)."""
-    from efficient import decoding
-
-    names = ("_prefill", "_layerwise", "_speculative")
-    if not all(callable(getattr(decoding, n, None)) for n in names):
-        return False
-
-    def synced(fn):
-        if getattr(fn, "_synced", False):
-            return fn
-
-        def run(*a, **k):
-            out = fn(*a, **k)
-            torch.cuda.synchronize()
-            return out
-
-        run._synced = True
-        return run
-
-    for n in names:
-        setattr(decoding, n, synced(getattr(decoding, n)))
-    return True
-
-
 class Decoder:
-    """`generate` plus the time it took on the chosen clock."""
+    """`generate` plus the time it took on the chosen clock (on CUDA, `generate` synchronizes the
+    device around its timed decode, so `seconds` excludes the prefill and includes queued kernels)."""
 
-    def __init__(self, model, device: torch.device, clock: str, synced_inside: bool) -> None:
-        self.model, self.device, self.clock, self.synced_inside = model, device, clock, synced_inside
+    def __init__(self, model, clock: str) -> None:
+        self.model, self.clock = model, clock
 
     def __call__(self, prompt, new_tokens, threshold, strategy, **kw):
         from efficient.decoding import generate
 
-        if self.device.type != "cuda":
-            g = generate(self.model, prompt, new_tokens, threshold, strategy, **kw)
-            return g, getattr(g, self.clock)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
         g = generate(self.model, prompt, new_tokens, threshold, strategy, **kw)
-        torch.cuda.synchronize()
-        return g, (g.seconds if self.synced_inside else time.perf_counter() - t0)
+        return g, getattr(g, self.clock)
 
 
 def first_diff(a: list[int], b: list[int]) -> int | None:
@@ -360,10 +329,7 @@ def main() -> None:
     print("generation sweep:", ", ".join(f"{s} {ts}" for s, ts in sweep))
     stride = len(val) // args.prompts
     prompts = [val[i * stride][0][: args.prompt_len].tolist() for i in range(args.prompts)]
-    synced_inside = sync_decoding_on_cuda() if device.type == "cuda" else False
-    if device.type == "cuda" and not synced_inside:
-        print("note: decoding internals not found; timing around generate() with synchronization (prefill included)")
-    decode = Decoder(model, device, clock, synced_inside)
+    decode = Decoder(model, clock)
     t0 = time.perf_counter()
     base_tps, gen, skipped = free_running(model, prompts, args.new_tokens, sweep, decode, args.max_pending, args.repeats, args.unpaired, args.budget_s)
     print(f"\nfull-depth decoding (tau = 1, recompute path), {len(prompts)} prompts x {args.new_tokens} tokens, median: {base_tps:.1f} tokens/s; "

@@ -1,4 +1,5 @@
-"""Early-exit decoding for EE-GPT: the exit rule and three KV-cache strategies.
+"""Early-exit decoding for EE-GPT: the KV cache, the decoding steps, the exit rule and three
+KV-cache strategies.
 
 - `recompute` (EE-LLM, PP=1): tokens that exit early leave their deeper layers' KV unfilled; the
   next token that runs to full depth re-feeds them as one chunk, so deep layers always attend to
@@ -12,18 +13,26 @@
 Exit rule (EE-LLM): visit exits shallow to deep, stop at the first with max-prob >= tau.
 tau >= 1 disables exiting (exits are not evaluated); tau <= 0 always takes the first exit.
 Batch size 1.
+
+Steps over a model's layers with a cache: `new_cache`, `run_layers`, `fill_kv` (and the model's
+own `exit_hidden(layer, h, mid, cache, pos)` for exit blocks). On CUDA, `generate` synchronizes
+the device around the timed decode, so `Generation.seconds` is the decode time.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal, Sequence
+from typing import TYPE_CHECKING, Literal, Sequence
 
 import torch
 
 from efficient.errors import ConfigError
 from efficient.kernels.exit_confidence import exit_confidence
+from efficient.profiler.exits import layer_macs
+
+if TYPE_CHECKING:
+    from efficient.models.ee_gpt import EEGPT
 
 Strategy = Literal["recompute", "copy", "speculative"]
 STRATEGIES = ("recompute", "copy", "speculative")
@@ -85,7 +94,7 @@ class Generation:
     full_macs: int  # the same for the full model without exits: tokens x (L layers + final head)
     expected_macs: int  # sum over tokens of (layers to its exit + exit heads evaluated on the way)
     committed: int = 0  # positions < committed hold full-depth KV
-    cache: Any = None
+    cache: KVCache | None = None
     stats: dict[str, float] = field(default_factory=dict)
     cpu_seconds: float = 0.0  # CPU time of the decoding thread: robust to other jobs on a shared machine
 
@@ -106,11 +115,80 @@ class Generation:
         return {k: self.exit_layers.count(k) / n for k in sorted(set(self.exit_layers))}
 
 
-class _Costs:
-    """Projection-MAC bookkeeping from `model.layer_macs()`."""
+class KVCache:
+    """Pre-allocated keys/values per attention slot (layers, then exit blocks): [B, H, max_len, hd].
 
-    def __init__(self, model) -> None:
-        m = model.layer_macs()
+    Slots are written at absolute positions; a query at position p reads keys 0..p, so entries
+    beyond the current position (rejected drafts, stale exits) are never read before rewritten.
+    """
+
+    def __init__(self, slots: int, batch: int, heads: int, max_len: int, head_dim: int, device: torch.device, dtype: torch.dtype) -> None:
+        shape = (batch, heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(slots)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(slots)]
+        self.max_len = max_len
+        # causal[i, j]: position i may read position j; chunk masks are slices of it
+        self.causal = torch.ones(max_len, max_len, dtype=torch.bool, device=device).tril()
+
+    def write(self, slot: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store keys/values [B, H, T, hd] of positions pos..pos+T-1 in `slot`."""
+        T = k.shape[2]
+        self.k[slot][:, :, pos : pos + T] = k
+        self.v[slot][:, :, pos : pos + T] = v
+
+    def update(self, slot: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Store a chunk's keys/values, then return the keys/values of positions 0..pos+T-1 and the
+        mask of which ones each query reads (None for one query: it reads them all)."""
+        self.write(slot, pos, k, v)
+        T = k.shape[2]
+        mask = None if T == 1 else self.causal[pos : pos + T, : pos + T]  # query i (position pos+i) reads keys 0..pos+i
+        return self.k[slot][:, :, : pos + T], self.v[slot][:, :, : pos + T], mask
+
+
+def new_cache(model: EEGPT, batch: int, max_len: int | None = None) -> KVCache:
+    """An empty cache for `model`: one slot per layer, then one per exit (exit blocks use theirs)."""
+    p = model.tok_emb.weight
+    return KVCache(model.num_layers + len(model.exit_layers), batch, model.n_head, max_len or model.seq_len, model.n_embd // model.n_head, p.device, p.dtype)
+
+
+def run_layers(model: EEGPT, h: torch.Tensor, start: int, stop: int, cache: KVCache, pos: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run layers start+1..stop (1-based) on the chunk `h` [B, T, C] at positions pos..pos+T-1,
+    writing their keys/values into `cache`. Returns the output and the last post-attention residual."""
+    cos, sin = model._rope(pos, h.shape[1])
+    mid = None
+    for i in range(start, stop):
+        h, mid = model.layers[i](h, cos, sin, cache, pos)
+    return h, mid
+
+
+def fill_kv(model: EEGPT, h: torch.Tensor, start: int, cache: KVCache, pos: int) -> None:
+    """CALM-style state propagation: keys/values of layers start+1..L (and of deeper exit blocks)
+    from the hidden state `h` that exited after layer `start` (an approximation of the full model's KV)."""
+    cos, sin = model._rope(pos, h.shape[1])
+    blocks = list(model.layers[start:])
+    blocks += [model.exits[str(e)].block for e in model.exit_layers[:-1] if e > start and model.exits[str(e)].block is not None]
+    for block in blocks:
+        _, k, v = block.attn.qkv(block.norm1(h), cos, sin)
+        cache.write(block.attn.slot, pos, k, v)
+
+
+def _prefill(model: EEGPT, ids: torch.Tensor, cache: KVCache) -> None:
+    """Full-depth KV for `ids` at positions 0..; exit blocks too, so later exits can attend to them."""
+    if len(ids) == 0:
+        return
+    h, mid, depth = model.tok_emb(ids[None]), None, 0
+    for e in model.exit_layers:
+        h, mid = run_layers(model, h, depth, e, cache, 0)
+        depth = e
+        if e < model.num_layers and model.exits[str(e)].block is not None:
+            model.exit_hidden(e, h, mid, cache, 0)
+
+
+class _Costs:
+    """Projection-MAC bookkeeping from the profiler's `layer_macs(model)`."""
+
+    def __init__(self, model: EEGPT) -> None:
+        m = layer_macs(model)
         self.layer, self.L = m["layer"], model.num_layers
         self.head = {int(k[4:]): v for k, v in m.items() if k.startswith("head")}
         self.C, self.V = model.n_embd, model.vocab_size
@@ -139,18 +217,6 @@ def _as_ids(model, prompt: torch.Tensor | Sequence[int]) -> torch.Tensor:
     if int(ids.max()) >= model.vocab_size or int(ids.min()) < 0:
         raise ConfigError(f"generate: prompt ids must lie in [0, {model.vocab_size}), got {int(ids.min())}..{int(ids.max())}")
     return ids
-
-
-def _prefill(model, ids: torch.Tensor, cache) -> None:
-    """Full-depth KV for `ids` at positions 0..; exit blocks too, so later exits can attend to them."""
-    if len(ids) == 0:
-        return
-    h, mid, depth = model.tok_emb(ids[None]), None, 0
-    for e in model.exit_layers:
-        h, mid = model.run_layers(h, depth, e, cache, 0)
-        depth = e
-        if e < model.num_layers and model.exits[str(e)].block is not None:
-            model.exit_hidden(e, h, mid, cache, 0)
 
 
 def check_threshold(threshold: float | None) -> float:
@@ -197,14 +263,19 @@ def generate(
     gen = torch.Generator(device=ids.device)
     gen.manual_seed(0 if seed is None else seed)
     sampler = Sampler(temperature, top_k, top_p, gen)
+    cuda = ids.device.type == "cuda"
     was_training = model.training
     model.eval()
     try:
-        cache = model.new_cache(1, total)
+        cache = new_cache(model, 1, total)
         _prefill(model, ids[:-1], cache)
+        if cuda:  # the untimed prefill's queued kernels must not land in the timed decode
+            torch.cuda.synchronize(ids.device)
         t0, c0 = time.perf_counter(), time.thread_time()
         run = _speculative if strategy == "speculative" else _layerwise
         out = run(model, ids, max_new_tokens, threshold, sampler, cache, strategy=strategy, num_draft=num_draft, max_pending=max_pending)
+        if cuda:  # nor may the last step's kernels still be queued when the clock is read
+            torch.cuda.synchronize(ids.device)
         out.seconds, out.cpu_seconds = time.perf_counter() - t0, time.thread_time() - c0
     finally:
         model.train(was_training)
@@ -241,7 +312,7 @@ def _layerwise(model, ids, max_new, threshold, sampler, cache, strategy, max_pen
                 if j < start - c:
                     h = torch.cat(state_of[j : start - c] + [h], dim=1)
                     start = c + j
-            h, mid = model.run_layers(h, depth, e, cache, start)
+            h, mid = run_layers(model, h, depth, e, cache, start)
             T = h.shape[1]
             costs.layers(T, e - depth)
             depth = e
@@ -263,7 +334,7 @@ def _layerwise(model, ids, max_new, threshold, sampler, cache, strategy, max_pen
             if should_exit(float(pmax), threshold) and not forced:
                 tok = int(arg) if sampler.greedy else sampler.pick(hid @ w.T)
                 if strategy == "copy":
-                    model.fill_kv(h, e, cache, n)
+                    fill_kv(model, h, e, cache, n)
                     costs.spent += 3 * model.n_embd**2 * (L - e)
                     c = n + 1
                 else:  # positions start..n now stand at depth e
@@ -303,7 +374,7 @@ def _speculative(model, ids, max_new, threshold, sampler, cache, num_draft, **_)
         hs, drafts, q = [], [], []
         tok, pos, unsure = seq[c], c, False
         while True:  # feed tokens through layers 1..E; each fed token but the last yields a draft
-            h, mid = model.run_layers(model.tok_emb(torch.tensor([[tok]], device=ids.device)), 0, E, cache, pos)
+            h, mid = run_layers(model, model.tok_emb(torch.tensor([[tok]], device=ids.device)), 0, E, cache, pos)
             costs.layers(1, E)
             hs.append(h)
             if unsure or len(drafts) >= min(num_draft, budget - 1):
@@ -321,7 +392,7 @@ def _speculative(model, ids, max_new, threshold, sampler, cache, num_draft, **_)
             pos += 1
             unsure = 0 < threshold < 1 and float(pmax) < threshold  # an unsure draft ends the round
         H = torch.cat(hs, dim=1)
-        h, _ = model.run_layers(H, E, L, cache, c)
+        h, _ = run_layers(model, H, E, L, cache, c)
         costs.layers(H.shape[1], L - E)
         logits = model.exit_hidden(L, h, None)[0] @ wL.T  # [m+1, V]: full-model predictions
         costs.spent += H.shape[1] * model.n_embd * model.vocab_size

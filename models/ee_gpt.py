@@ -4,26 +4,31 @@ Backbone: pre-norm blocks with RMSNorm, RoPE, SwiGLU, no biases, optional tied e
 Exits sit after chosen layers; each is [optional exit block | exit MLP] -> [optional norm] ->
 vocab projection (tied to the final head, or its own). The final head is always the last exit.
 
-    model(idx)                -> final logits [B, S, V] (or the forced exit's, see `forced_exit`)
+    model(idx)                -> final logits [B, S, V]
+    model(idx, exit_layer=k)  -> logits of the exit after layer k (only layers 1..k run)
     model.exit_states(idx)    -> per exit: pre-projection hidden state + projection weight
     model.all_logits(idx)     -> {exit layer: logits}
 
-Decoding uses the step primitives at the bottom (`new_cache`, `run_layers`, `exit_hidden`,
-`fill_kv`); the strategies themselves live in `efficient.decoding`.
+The model computes hidden states and exit logits only. Attention takes an optional KV cache
+(`efficient.decoding.KVCache`, one slot per attention layer); the cache, the decoding steps and
+the strategies live in `efficient.decoding`, exit statistics and MAC counts in
+`efficient.profiler.exits`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Literal
+from typing import TYPE_CHECKING, Any, Iterable, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from efficient.zoo import InputSpec, Variant, config_from_options, register_variants
+
+if TYPE_CHECKING:
+    from efficient.decoding import KVCache
 
 PAPER = "EE-LLM: Large-Scale Training and Inference of Early-Exit LLMs with 3D Parallelism (Chen et al., ICML 2024)"
 HeadKind = Literal["minimal", "norm", "norm_mlp", "norm_block"]
@@ -57,26 +62,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
-class KVCache:
-    """Pre-allocated keys/values per attention slot (layers, then exit blocks): [B, H, max_len, hd].
-
-    Slots are written at absolute positions; a query at position p reads keys 0..p, so entries
-    beyond the current position (rejected drafts, stale exits) are never read before rewritten.
-    """
-
-    def __init__(self, slots: int, batch: int, heads: int, max_len: int, head_dim: int, device, dtype) -> None:
-        shape = (batch, heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(slots)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(slots)]
-        self.max_len = max_len
-        # causal[i, j]: position i may read position j; chunk masks are slices of it
-        self.causal = torch.ones(max_len, max_len, dtype=torch.bool, device=device).tril()
-
-
 class Attention(nn.Module):
-    def __init__(self, dim: int, n_head: int) -> None:
+    """Causal self-attention; `slot` is where a KV cache keeps this layer's keys and values."""
+
+    def __init__(self, dim: int, n_head: int, slot: int) -> None:
         super().__init__()
-        self.n_head, self.head_dim = n_head, dim // n_head
+        self.n_head, self.head_dim, self.slot = n_head, dim // n_head, slot
         self.wqkv = nn.Linear(dim, 3 * dim, bias=False)
         self.wo = nn.Linear(dim, dim, bias=False)
 
@@ -86,19 +77,16 @@ class Attention(nn.Module):
         qk = apply_rope(qkv[:, :, :2], cos, sin)  # q and k rotated in one call
         return qk[:, :, 0], qk[:, :, 1], qkv[:, :, 2]
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None, slot: int = 0, pos: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None, pos: int = 0) -> torch.Tensor:
+        """`x` [B, T, C] at positions pos..pos+T-1; with a cache, its keys/values are stored there
+        and the queries read every cached position up to their own."""
         B, T, C = x.shape
         q, k, v = self.qkv(x, cos, sin)
         if cache is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
-            cache.k[slot][:, :, pos : pos + T] = k
-            cache.v[slot][:, :, pos : pos + T] = v
-            k, v = cache.k[slot][:, :, : pos + T], cache.v[slot][:, :, : pos + T]
-            if T == 1:  # a single query at the newest position sees every cached key: no mask to build
-                y = F.scaled_dot_product_attention(q, k, v)
-            else:  # query i (absolute position pos+i) sees keys 0..pos+i
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.causal[pos : pos + T, : pos + T])
+            k, v, mask = cache.update(self.slot, pos, k, v)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.wo(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -117,24 +105,25 @@ class Block(nn.Module):
     """Pre-norm transformer layer. `forward` also returns the post-attention residual `mid`,
     which an exit MLP reads (EE-LLM's exit-MLP shares the layer's attention and its norm)."""
 
-    def __init__(self, dim: int, n_head: int, mlp_hidden: int, eps: float) -> None:
+    def __init__(self, dim: int, n_head: int, mlp_hidden: int, eps: float, slot: int) -> None:
         super().__init__()
-        self.norm1, self.attn = RMSNorm(dim, eps), Attention(dim, n_head)
+        self.norm1, self.attn = RMSNorm(dim, eps), Attention(dim, n_head, slot)
         self.norm2, self.mlp = RMSNorm(dim, eps), SwiGLU(dim, mlp_hidden)
 
-    def forward(self, x, cos, sin, cache=None, slot=0, pos=0) -> tuple[torch.Tensor, torch.Tensor]:
-        mid = x + self.attn(self.norm1(x), cos, sin, cache, slot, pos)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None, pos: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        mid = x + self.attn(self.norm1(x), cos, sin, cache, pos)
         return mid + self.mlp(self.norm2(mid)), mid
 
 
 class ExitHead(nn.Module):
     """[exit block | exit MLP] -> [norm] -> projection. The projection weight lives in the model
-    (tied heads share the final head's), so the head returns the pre-projection state."""
+    (tied heads share the final head's), so the head returns the pre-projection state. `slot`:
+    the exit block's KV-cache slot."""
 
-    def __init__(self, kind: HeadKind, dim: int, n_head: int, mlp_hidden: int, eps: float, vocab: int, tied: bool) -> None:
+    def __init__(self, kind: HeadKind, dim: int, n_head: int, mlp_hidden: int, eps: float, vocab: int, tied: bool, slot: int) -> None:
         super().__init__()
         self.kind = kind
-        self.block = Block(dim, n_head, mlp_hidden, eps) if kind == "norm_block" else None
+        self.block = Block(dim, n_head, mlp_hidden, eps, slot) if kind == "norm_block" else None
         self.mlp = SwiGLU(dim, mlp_hidden) if kind == "norm_mlp" else None
         self.norm = RMSNorm(dim, eps) if kind != "minimal" else None
         self.proj = None if tied else nn.Linear(dim, vocab, bias=False)
@@ -188,20 +177,20 @@ class EEGPT(nn.Module):
         self.exit_layers = self._resolve_exits(list(cfg.exit_layers), cfg.n_layer, cfg.exit_position, cfg.exit_head)
 
         self.tok_emb = nn.Embedding(vocab_size, n_embd)
-        self.layers = nn.ModuleList(Block(n_embd, n_head, mlp_hidden, norm_eps) for _ in range(cfg.n_layer))
+        # KV-cache slots: 0..L-1 the layers, then one per exit (used by exit blocks)
+        self.layers = nn.ModuleList(Block(n_embd, n_head, mlp_hidden, norm_eps, i) for i in range(cfg.n_layer))
         self.norm_f = RMSNorm(n_embd, norm_eps)
         # tied: the final head reads the embedding matrix (no second parameter, so checkpoints
         # hold each tensor once)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(n_embd, vocab_size, bias=False)
         # one head per early exit, keyed by the layer whose output it reads
         self.exits = nn.ModuleDict(
-            {str(k): ExitHead(cfg.exit_head, n_embd, n_head, mlp_hidden, norm_eps, vocab_size, cfg.exit_tied)
-             for k in self.exit_layers[:-1]}
+            {str(k): ExitHead(cfg.exit_head, n_embd, n_head, mlp_hidden, norm_eps, vocab_size, cfg.exit_tied, cfg.n_layer + j)
+             for j, k in enumerate(self.exit_layers[:-1])}
         )
         cos, sin = rope_tables(n_embd // n_head, cfg.seq_len, cfg.rope_base)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self._forced: int | None = None
         self.init_std = cfg.init_std
         self.apply(self._init)
 
@@ -242,7 +231,7 @@ class EEGPT(nn.Module):
             if head.block is not None:
                 head.block.load_state_dict(self.layers[-1].state_dict())
 
-    # --------------------------------------------------------------------------- training path
+    # --------------------------------------------------------------------------- forward
 
     def head_weight(self, layer: int) -> torch.Tensor:
         """Vocab projection [V, C] of the exit after `layer`; tied exits share the final head's."""
@@ -253,13 +242,13 @@ class EEGPT(nn.Module):
 
     def exit_hidden(self, layer: int, h: torch.Tensor, mid: torch.Tensor | None, cache: KVCache | None = None, pos: int = 0) -> torch.Tensor:
         """Pre-projection state of the exit after `layer` from that layer's output `h` (and its
-        post-attention residual `mid`, for exit MLPs)."""
+        post-attention residual `mid`, for exit MLPs); an exit block reads and writes `cache`."""
         if layer == self.num_layers:
             return self.norm_f(h)
         head = self.exits[str(layer)]
         if head.block is not None:
             cos, sin = self._rope(pos, h.shape[1])
-            h, _ = head.block(h, cos, sin, cache, self.exit_slot(layer), pos)
+            h, _ = head.block(h, cos, sin, cache, pos)
         elif head.mlp is not None:
             h = mid + head.mlp(self.layers[layer - 1].norm2(mid))
         return head.norm(h) if head.norm is not None else h
@@ -290,84 +279,17 @@ class EEGPT(nn.Module):
         return out
 
     def all_logits(self, idx: torch.Tensor) -> dict[int, torch.Tensor]:
+        """{exit layer: logits [B, S, V]} for every exit, the final head included."""
         return {s.layer: s.hidden @ s.weight.T for s in self.exit_states(idx)}
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Final-head logits [B, S, V]; under `forced_exit(k)` the logits of the exit at k."""
-        layer = self.num_layers if self._forced is None else self._forced
+    def forward(self, idx: torch.Tensor, exit_layer: int | None = None) -> torch.Tensor:
+        """Logits [B, S, V] of the exit after `exit_layer` (default: the final head) for token ids
+        [B, S]; only layers 1..`exit_layer` and that exit's head run."""
+        layer = self.num_layers if exit_layer is None else exit_layer
+        if layer not in self.exit_layers:
+            raise ValueError(f"no exit at layer {layer}; this model's exits are {self.exit_layers}")
         s = self.exit_states(idx, [layer])[-1]
         return s.hidden @ s.weight.T
-
-    @contextlib.contextmanager
-    def forced_exit(self, layer: int | None) -> Iterator[None]:
-        """Within the block, plain calls run only layers 1..`layer` and that exit's head."""
-        if layer is not None and layer not in self.exit_layers:
-            raise ValueError(f"no exit at layer {layer}; this model's exits are {self.exit_layers}")
-        prev, self._forced = self._forced, layer
-        try:
-            yield
-        finally:
-            self._forced = prev
-
-    @torch.no_grad()
-    def exit_distribution(self, batches: Iterable[torch.Tensor], threshold: float) -> dict[int, float]:
-        """Fraction of tokens whose first exit with max-prob >= `threshold` is each exit layer
-        (teacher-forced; tokens that never pass exit at the last layer; threshold >= 1 disables)."""
-        counts = dict.fromkeys(self.exit_layers, 0)
-        total = 0
-        for idx in batches:
-            idx = idx[0] if isinstance(idx, (tuple, list)) else idx
-            states = self.exit_states(idx)
-            chosen = torch.full(idx.shape, self.num_layers, device=idx.device)
-            done = torch.zeros(idx.shape, dtype=torch.bool, device=idx.device)
-            if threshold < 1:
-                for s in states[:-1]:
-                    pmax = torch.softmax((s.hidden @ s.weight.T).float(), -1).amax(-1)
-                    hit = (pmax >= threshold) & ~done
-                    chosen[hit], done = s.layer, done | hit
-            for k in counts:
-                counts[k] += int((chosen == k).sum())
-            total += idx.numel()
-        return {k: v / max(total, 1) for k, v in counts.items()}
-
-    # --------------------------------------------------------------------------- decoding steps
-
-    def exit_slot(self, layer: int) -> int:
-        """KV-cache slot of the exit block after `layer` (slots 0..L-1 are the backbone layers)."""
-        return self.num_layers + self.exit_layers.index(layer)
-
-    def new_cache(self, batch: int, max_len: int | None = None) -> KVCache:
-        p = self.tok_emb.weight
-        return KVCache(self.num_layers + len(self.exit_layers), batch, self.n_head, max_len or self.seq_len, self.n_embd // self.n_head, p.device, p.dtype)
-
-    def run_layers(self, h: torch.Tensor, start: int, stop: int, cache: KVCache, pos: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run layers start+1..stop (1-based) on the chunk `h` [B, T, C] at positions pos..pos+T-1,
-        writing their keys/values into `cache`. Returns the output and the last post-attention residual."""
-        cos, sin = self._rope(pos, h.shape[1])
-        mid = None
-        for i in range(start, stop):
-            h, mid = self.layers[i](h, cos, sin, cache, i, pos)
-        return h, mid
-
-    def fill_kv(self, h: torch.Tensor, start: int, cache: KVCache, pos: int) -> None:
-        """CALM-style state propagation: keys/values of layers start+1..L from the hidden state `h`
-        that exited after layer `start` (an approximation of the full model's KV)."""
-        cos, sin = self._rope(pos, h.shape[1])
-        T = h.shape[1]
-        slots = [(i, self.layers[i]) for i in range(start, self.num_layers)]
-        slots += [(self.exit_slot(e), self.exits[str(e)].block) for e in self.exit_layers[:-1] if e > start and self.exits[str(e)].block is not None]
-        for slot, layer in slots:
-            _, k, v = layer.attn.qkv(layer.norm1(h), cos, sin)
-            cache.k[slot][:, :, pos : pos + T], cache.v[slot][:, :, pos : pos + T] = k, v
-
-    def layer_macs(self) -> dict[str, int]:
-        """Multiply-accumulates per token (projections only; attention scores add 2*C*context)."""
-        C = self.n_embd
-        F_ = self.layers[0].mlp.w_gate.out_features
-        layer = 4 * C * C + 3 * C * F_
-        head = {k: C * self.vocab_size + (layer if h.block is not None else 3 * C * F_ if h.mlp is not None else 0) for k, h in self.exits.items()}
-        head[str(self.num_layers)] = C * self.vocab_size
-        return {"layer": layer, **{f"head{k}": v for k, v in head.items()}}
 
 
 # ------------------------------------------------------------------------------------- zoo

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from efficient.decoding import Sampler, generate, generate_reference, should_exit, speculative_accept
+from efficient.decoding import Sampler, generate, generate_reference, new_cache, run_layers, should_exit, speculative_accept
 from efficient.errors import ConfigError
 from efficient.models.ee_gpt import EEGPT
 
@@ -90,10 +90,10 @@ def test_recompute_cache_equals_full_forward_cache(head):
     # tokens at positions < c that exited early had their deep KV filled by a later chunk
     early = [i for i, e in enumerate(g.exit_layers) if e < 4 and len(prompt) + i < c]
     assert early, "no early exit before the last full-depth step; the check would be vacuous"
-    ref = m.new_cache(1, seq.shape[1])
+    ref = new_cache(m, 1, seq.shape[1])
     h, mid, depth = m.tok_emb(seq[:, :c]), None, 0
     for e in m.exit_layers:
-        h, mid = m.run_layers(h, depth, e, ref, 0)
+        h, mid = run_layers(m, h, depth, e, ref, 0)
         depth = e
         if e < 4:
             m.exit_hidden(e, h, mid, ref, 0)

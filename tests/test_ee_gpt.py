@@ -12,6 +12,7 @@ import efficient
 from efficient.config import load_recipe
 from efficient.models.ee_gpt import EEGPT
 from efficient.objectives import build_objective
+from efficient.profiler.exits import exit_distribution
 from efficient.zoo import meta_param_count
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -53,8 +54,7 @@ def test_plain_call_returns_final_logits_and_all_logits_agree():
     assert set(logits) == {1, 2, 4}
     torch.testing.assert_close(m(x), logits[4])
     for k in (1, 2, 4):
-        with m.forced_exit(k):
-            torch.testing.assert_close(m(x), logits[k])
+        torch.testing.assert_close(m(x, exit_layer=k), logits[k])
 
 
 def test_forced_exit_computes_only_k_layers_and_that_head():
@@ -65,11 +65,10 @@ def test_forced_exit_computes_only_k_layers_and_that_head():
     for k, head in m.exits.items():
         head.norm.register_forward_hook(lambda *a, k=k: calls.append(f"exit{k}"))
     m.norm_f.register_forward_hook(lambda *a: calls.append("final"))
-    with m.forced_exit(2):
-        m(torch.randint(0, 64, (1, 5)))
+    m(torch.randint(0, 64, (1, 5)), exit_layer=2)
     assert calls == ["layer1", "layer2", "exit2"]
     calls.clear()
-    m(torch.randint(0, 64, (1, 5)))  # context left: full depth again
+    m(torch.randint(0, 64, (1, 5)))  # no exit_layer: full depth again
     assert calls == ["layer1", "layer2", "layer3", "layer4", "final"]
 
 
@@ -129,11 +128,11 @@ def test_exit_distribution():
     m = tiny()
     batches = [torch.randint(0, 64, (2, 16)) for _ in range(2)]
     # tau >= 1 disables exits; tau <= 0 takes the first exit for every token
-    assert m.exit_distribution(batches, 1.0) == {1: 0.0, 2: 0.0, 4: 1.0}
-    assert m.exit_distribution(batches, 0.0) == {1: 1.0, 2: 0.0, 4: 0.0}
+    assert exit_distribution(m, batches, 1.0) == {1: 0.0, 2: 0.0, 4: 1.0}
+    assert exit_distribution(m, batches, 0.0) == {1: 1.0, 2: 0.0, 4: 0.0}
     # mid threshold: recount by hand from the exits' max-probs
     tau = 0.4
-    d = m.exit_distribution(batches, tau)
+    d = exit_distribution(m, batches, tau)
     assert abs(sum(d.values()) - 1) < 1e-12
     counts = {1: 0, 2: 0, 4: 0}
     for b in batches:
@@ -159,8 +158,7 @@ def test_bad_input_errors():
         tiny(n_embd=30, n_head=4)
     m = tiny()
     with pytest.raises(ValueError, match="no exit at layer 3"):
-        with m.forced_exit(3):
-            pass
+        m(torch.zeros(1, 5, dtype=torch.long), exit_layer=3)
     with pytest.raises(ValueError, match="seq_len=64"):
         m(torch.zeros(1, 65, dtype=torch.long))
     with pytest.raises(ValueError, match="token ids"):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import inspect
 import itertools
 import math
 from typing import Any, Iterable, Literal, Sequence
@@ -14,6 +16,7 @@ from torch import nn
 from efficient.errors import ConfigError
 from efficient.profiler.counting import UNATTRIBUTED, CountingMode, ModuleStack
 from efficient.profiler.energy import EnergyModel, EnergySpec, resolve_energy
+from efficient.profiler.exits import exit_distribution
 from efficient.profiler.report import LayerStat, Report
 from efficient.zoo import InputSpec, get_entry
 
@@ -426,7 +429,19 @@ def _aggregate(model: nn.Module, layers: list[LayerStat], max_depth: int = 3) ->
 
 
 def _has_exits(model: nn.Module) -> bool:
-    return hasattr(model, "exit_layers") and hasattr(model, "forced_exit")
+    """An early-exit model lists `exit_layers` and runs up to one of them when its forward gets
+    `exit_layer=k` (or, for models written that way, inside a `forced_exit(k)` context)."""
+    if not hasattr(model, "exit_layers"):
+        return False
+    return hasattr(model, "forced_exit") or "exit_layer" in inspect.signature(model.forward).parameters
+
+
+def _run_to_exit(model: nn.Module, k: int, args: tuple, kwargs: dict, spike_matmul: str, source: str, label: str) -> ModuleStack:
+    """Counted forward pass that stops at the exit after layer `k`."""
+    if hasattr(model, "forced_exit"):
+        with model.forced_exit(k):
+            return _run_counted(model, args, kwargs, spike_matmul, source, label)[0]
+    return _run_counted(model, args, {**kwargs, "exit_layer": k}, spike_matmul, source, label)[0]
 
 
 def _tokens_in(args: tuple, kwargs: dict) -> int:
@@ -460,9 +475,7 @@ def _exits(model: nn.Module, args: tuple, kwargs: dict, spike_matmul: str, emode
     prefix = _backbone_prefix(model)
     per_exit: dict[int, dict[str, float]] = {}
     for k in exit_layers:
-        with model.forced_exit(k):
-            stack, _ = _run_counted(model, args, kwargs, spike_matmul, source, label)
-        layers = _layers(model, stack, emodel)
+        layers = _layers(model, _run_to_exit(model, k, args, kwargs, spike_matmul, source, label), emodel)
         dense = sum(layer.dense_macs for layer in layers)
         macs = sum(layer.macs for layer in layers)
         sops = sum(layer.sops for layer in layers)
@@ -476,14 +489,18 @@ def _exits(model: nn.Module, args: tuple, kwargs: dict, spike_matmul: str, emode
     out: dict[str, Any] = {"exit_layers": exit_layers, "num_layers": num_layers, "tokens": tokens,
                            "backbone": prefix, "per_exit": per_exit}
     if data_batches:
-        if not hasattr(model, "exit_distribution"):
-            raise ConfigError(f"{label} has exits but no exit_distribution(batches, threshold); cannot measure exits from data")
+        if hasattr(model, "exit_distribution"):
+            measure = model.exit_distribution
+        elif hasattr(model, "exit_states"):
+            measure = functools.partial(exit_distribution, model)
+        else:
+            raise ConfigError(f"{label} has exits but neither exit_states(idx) nor exit_distribution(batches, threshold); cannot measure exits from data")
         thr = float(threshold if threshold is not None else getattr(model, "exit_threshold", 0.9))
         was_training = model.training
         model.eval()
         try:
             with torch.no_grad():
-                dist = {int(k): float(v) for k, v in model.exit_distribution(data_batches, thr).items()}
+                dist = {int(k): float(v) for k, v in measure(data_batches, thr).items()}
         finally:
             model.train(was_training)
         unknown = sorted(set(dist) - set(per_exit))
