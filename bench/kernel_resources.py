@@ -1,47 +1,155 @@
-"""Registers, spill stack and shared memory of the attention and token-selection kernels on an
-NVIDIA GPU, measured without one.
+"""Registers, spill stack and shared memory of every Triton kernel on NVIDIA GPUs, measured without one.
 
 Triton's wheel ships ptxas and cuobjdump. `triton.compile` on an `ASTSource` with a `GPUTarget`
 lowers a kernel all the way to a cubin for the chosen architecture on the CPU; `cuobjdump
 --dump-resource-usage` then reads back registers per thread (REG) and local-memory stack (STACK:
 anything above 0 is spilled registers). Shared memory per program comes from the compiled
-kernel's metadata. Each kernel is compiled at the block sizes its wrapper picks for the real
-shapes of the zoo (Spikformer-4-384 on CIFAR: N=64, head dim 32; Spikformer-8-512 on ImageNet:
-N=197 with the anchor, head dim 64; and N=1024).
+kernel's metadata. Each kernel is compiled at the block sizes and warps its wrapper picks on CUDA
+for the real shapes of the zoo: Spikformer-4-384 on CIFAR (N=64 tokens, head dim 32, D=384),
+Spikformer-8-512 on ImageNet (N=197 with the anchor, head dim 64, D=512), N=1024, and ee-gpt-small
+(D=512, vocab up to 32000). Sizes that are runtime arguments (N, V, D of the row kernels) share one
+binary, so a case is one binary per (kernel, dtype, compile-time switches).
 
-    python bench/kernel_resources.py [--arch 90] [--max-shared-kb 200]
+Targets (`problems`): no spills (STACK 0); shared memory within 99 KB per program, so consumer GPUs
+launch it too; and for the memory-bound kernels, registers and shared memory that let at least 2
+programs of 4 warps (8 warps) reside on one SM.
 
-Prints one row per kernel and shape and exits non-zero if a kernel spills or exceeds the shared
-memory limit.
+    python bench/kernel_resources.py [--arch 80 90] [--markdown]
+
+Prints one row per kernel and architecture and exits non-zero if a kernel misses a target.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 
-# a fresh cache, so the compile times printed are real compiles, not cache hits
-os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="kernel_resources_")
-
-import triton  # noqa: E402
-import triton.backends.nvidia as nvidia_backend  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
-from efficient.kernels import ssa, token_select as ts  # noqa: E402
-
-CUOBJDUMP = os.path.join(os.path.dirname(nvidia_backend.__file__), "bin", "cuobjdump")
+ARCHS = (80, 90)
+MAX_SHARED = 99 * 1024  # bytes per program: what consumer GPUs (sm_86/89/120) grant
+# per SM: 64K 32-bit registers, 64 resident warps, 32 resident programs; shared memory per SM
+REGS_PER_SM, WARPS_PER_SM, PROGRAMS_PER_SM = 65536, 64, 32
+SHARED_PER_SM = {80: 164 * 1024, 90: 228 * 1024}
+MIN_RESIDENT_WARPS = 8  # 2 programs of 4 warps
 
 
-def compile_and_measure(fn, signature: dict, constexprs: dict, arch: int, num_warps: int = 4) -> dict:
-    """Compile one @triton.jit kernel for sm_`arch`; return regs, stack, shared bytes and seconds."""
+def cuobjdump() -> str:
+    """The cuobjdump bundled with Triton's NVIDIA backend (ptxas sits beside it)."""
+    import triton.backends.nvidia as nvidia_backend
+
+    return os.path.join(os.path.dirname(nvidia_backend.__file__), "bin", "cuobjdump")
+
+
+def tools_missing() -> str | None:
+    """Why the compile cannot run here (None when it can)."""
+    try:
+        import triton.backends.nvidia as nvidia_backend  # noqa: F401
+    except Exception as e:  # pragma: no cover - triton is a dependency
+        return f"triton's NVIDIA backend is not importable ({e})"
+    bindir = os.path.dirname(cuobjdump())
+    missing = [t for t in ("ptxas", "cuobjdump") if not os.access(os.path.join(bindir, t), os.X_OK)]
+    return f"triton's bundled {' and '.join(missing)} not found in {bindir}" if missing else None
+
+
+@dataclass(frozen=True)
+class Case:
+    kernel: str
+    shape: str
+    fn: object = field(repr=False, compare=False)
+    signature: tuple  # ((name, type), ...)
+    constexprs: tuple  # ((name, value), ...)
+    num_warps: int
+    memory_bound: bool
+
+    def key(self) -> tuple:
+        return (self.kernel, self.signature, self.constexprs, self.num_warps)
+
+
+def _case(kernel, shape, fn, signature: dict, constexprs: dict, num_warps: int, memory_bound: bool) -> Case:
+    sig = {**signature, **{k: "constexpr" for k in constexprs}}
+    return Case(kernel, shape, fn, tuple(sig.items()), tuple(constexprs.items()), num_warps, memory_bound)
+
+
+def cases() -> list[Case]:
+    """One case per binary the wrappers launch at the real shapes (on CUDA)."""
+    import torch
+
+    from efficient.kernels import exit_confidence as ec
+    from efficient.kernels import lif, linear_ce, ssa, token_select as ts
+
+    out = []
+    # spiking self-attention: compute-bound (tl.dot); N is a runtime argument (64, 197, 1024 share a binary)
+    for d, shapes in ((32, "N=64 d=32"), (64, "N=197/1024 d=64")):
+        for dt in ("fp32", "bf16"):
+            for scores, anchor in ((True, True), (False, False)):
+                blocks = ssa.ssa_blocks(d)
+                warps = blocks.pop("num_warps")
+                sig = {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "y_ptr": f"*{dt}", "s_ptr": "*fp32",
+                       "c_ptr": "*fp32", "N": "i32", "D": "i32", "scale": "fp32"}
+                label = f"{shapes} {dt}{' scores' if scores else ''}"
+                out.append(_case("ssa_fwd", label, ssa._ssa_fwd_kernel, sig, {"P": int(anchor), "SCORES": scores, **blocks}, warps, False))
+    # token selection (N=196 / 1024 share a binary) and gather / scatter of D=384 / 512 rows
+    out.append(_case("select_zscore", "N<=1024", ts._zscore_kernel,
+                     {"s_ptr": "*fp32", "z_ptr": "*fp32", "T": "i32", "B": "i32", "N": "i32", "eps": "fp32"},
+                     {"STANDARDIZE": True, "BLOCK": ts.SELECT_BLOCK}, 4, True))
+    out.append(_case("select_rank", "N<=1024", ts._rank_kernel,
+                     {"z_ptr": "*fp32", "kept_ptr": "*i32", "N": "i32", "K": "i32"},
+                     {"BLOCK_I": ts.RANK_BLOCK, "BLOCK_J": ts.RANK_BLOCK}, 4, True))
+    out.append(_case("select_slot", "N<=1024", ts._slot_kernel,
+                     {"kept_ptr": "*i32", "idx_ptr": "*i64", "N": "i32", "K": "i32"},
+                     {"BLOCK": ts.SELECT_BLOCK}, 4, True))
+    for dt in ("fp32", "bf16"):
+        for scatter in (False, True):
+            out.append(_case("token_scatter" if scatter else "token_gather", f"D=384/512 {dt}", ts._gather_kernel,
+                             {"src_ptr": f"*{dt}", "idx_ptr": "*i64", "out_ptr": f"*{dt}", "B": "i32", "N_SRC": "i32",
+                              "K": "i32", "D": "i32"},
+                             {"SCATTER": scatter, "BLOCK_D": min(1024, ts._next_pow2(512))}, 4, True))
+    # LIF: elementwise over N = B*C*H*W, a loop over T; the default neuron and PLIF (learned rate)
+    for dt in ("fp32", "bf16"):
+        for rate, label in ((False, "LIF"), (True, "PLIF")):
+            out.append(_case("lif_fwd", f"{label} {dt}", lif._lif_fwd_kernel,
+                             {"x_ptr": f"*{dt}", "rate_ptr": "*fp32", "s_ptr": f"*{dt}", "h_ptr": "*fp32", "N": "i32",
+                              "T": "i32", "c": "fp32", "v_th": "fp32", "v_reset": "fp32"},
+                             {"CHARGE": lif.CHARGE_DECAY_INPUT, "HAS_RATE": rate, "HARD": True, "BLOCK": lif._BLOCK},
+                             lif._NUM_WARPS, True))
+            out.append(_case("lif_bwd", f"{label} {dt}" + (" +grad_h" if rate else ""), lif._lif_bwd_kernel,
+                             {"gs_ptr": f"*{dt}", "gm_ptr": "*fp32", "h_ptr": "*fp32", "rate_ptr": "*fp32", "gx_ptr": f"*{dt}",
+                              "grate_ptr": "*fp32", "N": "i32", "T": "i32", "c": "fp32", "v_th": "fp32", "v_reset": "fp32",
+                              "alpha": "fp32"},
+                             {"CHARGE": lif.CHARGE_DECAY_INPUT, "HAS_RATE": rate, "HAS_GM": rate, "HARD": True,
+                              "DETACH": False, "SURROGATE": 0, "BLOCK": lif._BLOCK},
+                             lif._NUM_WARPS, True))
+    # early exit at ee-gpt-small: D=512 (several D tiles), vocab 256..32000 (runtime)
+    for dt, torch_dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        blocks = ec.exit_conf_blocks(512, True, torch_dt)
+        warps = blocks.pop("num_warps")
+        out.append(_case("exit_confidence", f"D=512 V<=32000 {dt}", ec._exit_conf_kernel,
+                         {"h_ptr": f"*{dt}", "w_ptr": f"*{dt}", "pmax_ptr": "*fp32", "arg_ptr": "*i64", "N": "i32", "V": "i32",
+                          "D": "i32", "stride_hn": "i32", "stride_wv": "i32"}, blocks, warps, False))
+    for conf in (False, True):
+        blocks = linear_ce.ce_blocks(32000)
+        warps = blocks.pop("num_warps")
+        out.append(_case("linear_ce_rows", f"V=32000{' conf' if conf else ''}", linear_ce._ce_rows_kernel,
+                         {"z_ptr": "*fp32", "t_ptr": "*i64", "loss_ptr": "*fp32", "stride": "i32", "V": "i32",
+                          "ignore_index": "i32"}, {"CONF": conf, **blocks}, warps, True))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _measure(key: tuple, arch: int, fn) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    _, signature, constexprs, num_warps = key
     t0 = time.perf_counter()
     kernel = triton.compile(
-        ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+        ASTSource(fn=fn, signature=dict(signature), constexprs=dict(constexprs)),
         target=GPUTarget("cuda", arch, 32),
         options={"num_warps": num_warps},
     )
@@ -50,7 +158,7 @@ def compile_and_measure(fn, signature: dict, constexprs: dict, arch: int, num_wa
         path = os.path.join(d, "kernel.cubin")
         with open(path, "wb") as f:
             f.write(kernel.asm["cubin"])
-        dump = subprocess.run([CUOBJDUMP, "--dump-resource-usage", path], capture_output=True, text=True, check=True).stdout
+        dump = subprocess.run([cuobjdump(), "--dump-resource-usage", path], capture_output=True, text=True, check=True).stdout
     reg = re.search(r"REG:(\d+)", dump)
     stack = re.search(r"STACK:(\d+)", dump)
     return {
@@ -58,55 +166,71 @@ def compile_and_measure(fn, signature: dict, constexprs: dict, arch: int, num_wa
         "stack": int(stack.group(1)) if stack else -1,
         "shared": int(kernel.metadata.shared),
         "seconds": seconds,
+        "ttir": kernel.asm["ttir"],
     }
 
 
-def cases():
-    """(kernel, shape, fn, signature, constexprs, num_warps) at the sizes the wrappers launch. N is a
-    runtime argument, so shapes that differ only in N share one binary (cached: 0 s to compile)."""
-    for n, d in [(64, 32), (197, 64), (1024, 64), (1024, 128)]:
-        for scores, anchor in [(True, True), (False, False)]:
-            sig = {"q_ptr": "*fp16", "k_ptr": "*fp16", "v_ptr": "*fp16", "y_ptr": "*fp16",
-                   "s_ptr": "*fp32", "c_ptr": "*fp32", "N": "i32", "D": "i32", "scale": "fp32",
-                   "P": "constexpr", "SCORES": "constexpr", "BLOCK_N": "constexpr", "BLOCK_D": "constexpr",
-                   "BLOCK_E": "constexpr"}
-            const = ssa.ssa_blocks(d)
-            warps = const.pop("num_warps")
-            yield "ssa_fwd", f"N={n} D={d} scores={int(scores)}", ssa._ssa_fwd_kernel, sig, {"P": int(anchor), "SCORES": scores, **const}, warps
-    for n in (64, 196, 1024):
-        label = f"N={n}"
-        yield ("select_zscore", label, ts._zscore_kernel,
-               {"s_ptr": "*fp32", "z_ptr": "*fp32", "T": "i32", "B": "i32", "N": "i32", "eps": "fp32",
-                "STANDARDIZE": "constexpr", "BLOCK": "constexpr"},
-               {"STANDARDIZE": True, "BLOCK": ts.SELECT_BLOCK}, 4)
-        yield ("select_rank", label, ts._rank_kernel,
-               {"z_ptr": "*fp32", "kept_ptr": "*i32", "N": "i32", "K": "i32", "BLOCK_I": "constexpr", "BLOCK_J": "constexpr"},
-               {"BLOCK_I": ts.RANK_BLOCK, "BLOCK_J": ts.RANK_BLOCK}, 4)
-        yield ("select_slot", label, ts._slot_kernel,
-               {"kept_ptr": "*i32", "idx_ptr": "*i64", "N": "i32", "K": "i32", "BLOCK": "constexpr"},
-               {"BLOCK": ts.SELECT_BLOCK}, 4)
-    for scatter in (False, True):
-        yield ("gather" if not scatter else "scatter_add", "D=512", ts._gather_kernel,
-               {"src_ptr": "*fp16", "idx_ptr": "*i64", "out_ptr": "*fp16", "B": "i32", "N_SRC": "i32", "K": "i32",
-                "D": "i32", "SCATTER": "constexpr", "BLOCK_D": "constexpr"},
-               {"SCATTER": scatter, "BLOCK_D": 512}, 4)
+def measure(case: Case, arch: int) -> dict:
+    """Compile `case` for sm_`arch` (once per process) and add the resident warps per SM."""
+    r = dict(_measure(case.key(), arch, case.fn))
+    r["warps_per_sm"] = resident_programs(r["regs"], r["shared"], case.num_warps, arch) * case.num_warps
+    return r
+
+
+def resident_programs(regs: int, shared: int, num_warps: int, arch: int) -> int:
+    """Programs of `num_warps` warps one SM holds at once, limited by registers (allocated per warp
+    in units of 256), shared memory (1 KB reserved per program) and the warp / program slots."""
+    regs_per_warp = -(-max(regs, 1) * 32 // 256) * 256
+    by_regs = REGS_PER_SM // (regs_per_warp * num_warps)
+    by_shared = SHARED_PER_SM[arch] // (shared + 1024)
+    return min(by_regs, by_shared, WARPS_PER_SM // num_warps, PROGRAMS_PER_SM)
+
+
+def problems(case: Case, r: dict) -> list[str]:
+    """The targets `case` misses with resources `r` (empty when it meets them all)."""
+    bad = []
+    if r["stack"] != 0:
+        bad.append(f"spills ({r['stack']} B of stack)")
+    if r["shared"] > MAX_SHARED:
+        bad.append(f"{r['shared'] / 1024:.1f} KB of shared memory > {MAX_SHARED // 1024} KB")
+    if case.memory_bound and r["warps_per_sm"] < MIN_RESIDENT_WARPS:
+        bad.append(f"{r['regs']} registers x {case.num_warps} warps: {r['warps_per_sm']} resident warps per SM "
+                   f"< 2 programs of 4 warps")
+    return bad
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arch", type=int, default=90)
-    ap.add_argument("--max-shared-kb", type=float, default=200.0)
+    ap.add_argument("--arch", type=int, nargs="+", default=list(ARCHS))
+    ap.add_argument("--markdown", action="store_true", help="print a markdown table instead of columns")
     args = ap.parse_args()
-    print(f"sm_{args.arch}, triton {triton.__version__}")
-    print(f"{'kernel':<14} {'shape':<24} {'warps':>5} {'regs':>5} {'stack':>6} {'shared B':>9} {'compile s':>10}")
+    os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="kernel_resources_"))  # real compiles, not cache hits
+    why = tools_missing()
+    if why:
+        print(why)
+        return 2
+    import triton
+
+    print(f"triton {triton.__version__}; targets: STACK 0, shared <= {MAX_SHARED // 1024} KB, "
+          f"memory-bound kernels >= {MIN_RESIDENT_WARPS} resident warps per SM")
+    if args.markdown:
+        print("| kernel | case | sm | warps | regs | stack B | shared KB | warps/SM | memory-bound |")
+        print("|---|---|---|---|---|---|---|---|---|")
+    else:
+        print(f"{'kernel':<16} {'case':<28} {'sm':>3} {'warps':>5} {'regs':>5} {'stack':>6} {'shared B':>9} {'warps/SM':>8} {'compile s':>9}")
     bad = []
-    for name, label, fn, sig, const, warps in cases():
-        r = compile_and_measure(fn, sig, const, args.arch, warps)
-        print(f"{name:<14} {label:<24} {warps:>5} {r['regs']:>5} {r['stack']:>6} {r['shared']:>9} {r['seconds']:>10.2f}", flush=True)
-        if r["stack"] != 0 or r["shared"] > args.max_shared_kb * 1024:
-            bad.append(f"{name} {label}")
+    for case in cases():
+        for arch in args.arch:
+            r = measure(case, arch)
+            if args.markdown:
+                print(f"| {case.kernel} | {case.shape} | {arch} | {case.num_warps} | {r['regs']} | {r['stack']} | "
+                      f"{r['shared'] / 1024:.1f} | {r['warps_per_sm']} | {'yes' if case.memory_bound else 'no'} |", flush=True)
+            else:
+                print(f"{case.kernel:<16} {case.shape:<28} {arch:>3} {case.num_warps:>5} {r['regs']:>5} {r['stack']:>6} "
+                      f"{r['shared']:>9} {r['warps_per_sm']:>8} {r['seconds']:>9.2f}", flush=True)
+            bad += [f"{case.kernel} {case.shape} sm_{arch}: {p}" for p in problems(case, r)]
     if bad:
-        print("over budget (spills or shared memory):", ", ".join(bad))
+        print("targets missed:\n  " + "\n  ".join(bad))
         return 1
     return 0
 

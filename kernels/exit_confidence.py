@@ -57,18 +57,21 @@ if triton is not None:
         pid = tl.program_id(0)
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < N
+        # int64 row and column offsets: V * D (and N * D) pass 2^31 at a 32k vocab and D = 8192
+        h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_hn
         m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
         s = tl.zeros((BLOCK_N,), tl.float32)
         arg = tl.zeros((BLOCK_N,), tl.int64)
         for v0 in range(0, V, BLOCK_V):
             cols = v0 + tl.arange(0, BLOCK_V)
             cmask = cols < V
+            w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wv
             acc = tl.zeros((BLOCK_N, BLOCK_V), tl.float32)
             for d0 in range(0, D, BLOCK_D):
                 ds = d0 + tl.arange(0, BLOCK_D)
                 dmask = ds < D
-                h = tl.load(h_ptr + rows[:, None] * stride_hn + ds[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
-                w = tl.load(w_ptr + cols[:, None] * stride_wv + ds[None, :], mask=cmask[:, None] & dmask[None, :], other=0.0)
+                h = tl.load(h_rows + ds[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
+                w = tl.load(w_rows + ds[None, :], mask=cmask[:, None] & dmask[None, :], other=0.0)
                 acc += tl.dot(h, tl.trans(w), input_precision="ieee")
             acc = tl.where(cmask[None, :], acc, float("-inf"))
             zm = tl.max(acc, axis=1)
@@ -89,13 +92,23 @@ def exit_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[
     hidden, weight = hidden.contiguous(), weight.contiguous()
     pmax = torch.empty(N, device=hidden.device, dtype=torch.float32)
     arg = torch.empty(N, device=hidden.device, dtype=torch.long)
-    BLOCK_N, BLOCK_V = 16, 64 if hidden.is_cuda else 32
-    BLOCK_D = min(64, max(16, triton.next_power_of_2(D)))
-    _exit_conf_kernel[(triton.cdiv(N, BLOCK_N),)](
-        hidden, weight, pmax, arg, N, V, D, hidden.stride(0), weight.stride(0),
-        BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_D=BLOCK_D,
+    blocks = exit_conf_blocks(D, hidden.is_cuda, hidden.dtype)
+    _exit_conf_kernel[(triton.cdiv(N, blocks["BLOCK_N"]),)](
+        hidden, weight, pmax, arg, N, V, D, hidden.stride(0), weight.stride(0), **blocks
     )
     return pmax, arg
+
+
+def exit_conf_blocks(d: int, cuda: bool = True, dtype: torch.dtype = torch.float32) -> dict:
+    """Launch parameters of `_exit_conf_kernel` for hidden size `d`: 16 rows, a 64-wide vocab tile
+    (32 in the interpreter, where smaller tiles run faster), D in tiles of at most 64 (32 for fp32
+    inputs: a 64 x 64 fp32 weight tile spills on sm_80 and sm_90), 4 warps."""
+    widest = 32 if dtype == torch.float32 else 64
+    return {"BLOCK_N": 16, "BLOCK_V": 64 if cuda else 32, "BLOCK_D": min(widest, max(16, _next_pow2(d))), "num_warps": 4}
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
 
 
 def _pick_backend(backend: str, device: torch.device) -> str:

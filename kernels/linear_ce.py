@@ -89,16 +89,31 @@ def _ce_chunk_triton(z: torch.Tensor, t: torch.Tensor, ignore_index: int, conf: 
     if triton is None:
         raise RuntimeError("linear_ce backend='triton' needs the triton package")
     loss = torch.empty(z.shape[0], device=z.device, dtype=torch.float32)
-    BLOCK_V = min(4096 if z.is_cuda else 128, triton.next_power_of_2(z.shape[1]))
-    _ce_rows_kernel[(z.shape[0],)](z, t, loss, z.stride(0), z.shape[1], ignore_index, CONF=conf, BLOCK_V=BLOCK_V)
+    _ce_rows_kernel[(z.shape[0],)](z, t, loss, z.stride(0), z.shape[1], ignore_index, CONF=conf, **ce_blocks(z.shape[1], z.is_cuda))
     return loss
+
+
+def ce_blocks(v: int, cuda: bool = True) -> dict:
+    """Launch parameters of `_ce_rows_kernel` for vocab size `v`: one row per program, the vocab in
+    tiles of up to 4096 (128 in the interpreter)."""
+    return {"BLOCK_V": min(4096 if cuda else 128, 1 << max(0, (v - 1).bit_length())), "num_warps": 4}
 
 
 def _linear_ce_chunked(hidden, weight, target, ignore_index, conf, chunk_size, backend, need_grad):
     """Loss (0-dim, fp32) and, if `need_grad`, d loss / d hidden and d loss / d weight."""
-    N = hidden.shape[0]
+    N, V = hidden.shape[0], weight.shape[0]
     acc = torch.promote_types(hidden.dtype, torch.float32)
-    n_valid = (target != ignore_index).sum().clamp(min=1).to(acc)
+    valid = target != ignore_index
+    if target.numel():  # checked in the op's body, which runs on real tensors in compiled graphs too
+        bad = valid & ((target < 0) | (target >= V))
+        if bad.any():
+            i = int(bad.nonzero()[0, 0])
+            raise ValueError(
+                f"linear_ce: target holds class id {int(target[i])} at position {i}, outside the vocabulary [0, V={V}); "
+                f"only ignore_index={ignore_index} may lie outside it"
+            )
+    # counted as an integer and divided in fp32 (or fp64): a half-precision count rounds (bf16: 1001 -> 1000)
+    n_valid = valid.sum().clamp(min=1).to(acc)
     total = torch.zeros((), device=hidden.device, dtype=acc)
     dh = torch.empty_like(hidden) if need_grad else hidden.new_empty(0)
     dw = torch.zeros(weight.shape, device=weight.device, dtype=acc) if need_grad else weight.new_empty(0)
@@ -108,11 +123,11 @@ def _linear_ce_chunked(hidden, weight, target, ignore_index, conf, chunk_size, b
         z = (h @ weight.T).to(acc).contiguous()
         total += ce_rows(z, target[s : s + chunk_size].contiguous(), ignore_index, conf).sum()
         if need_grad:
-            g = z.to(hidden.dtype)
-            dh[s : s + chunk_size] = (g @ weight) / n_valid.to(hidden.dtype)
+            g = z.div_(n_valid).to(hidden.dtype)  # the mean's 1/#valid, applied in fp32 before any rounding
+            dh[s : s + chunk_size] = g @ weight
             dw.addmm_(g.T.to(acc), h.to(acc))
     if need_grad:
-        dw = (dw / n_valid).to(weight.dtype)
+        dw = dw.to(weight.dtype)
     return (total / n_valid).to(torch.float32 if acc == torch.float32 else acc), dh, dw
 
 

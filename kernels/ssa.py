@@ -113,11 +113,14 @@ if HAS_TRITON:
 
 
 def ssa_blocks(d: int) -> dict:
-    """Launch parameters of `_ssa_fwd_kernel` for head dim `d`: fixed 32-row blocks (independent of
-    N), the whole head dim as the contraction block, at most 64 output columns per program, and 8
-    warps from head dim 64 up (4 warps hold a 64 x 64 fp32 tile only by spilling)."""
+    """Launch parameters of `_ssa_fwd_kernel` for head dim `d`: fixed row blocks (independent of N),
+    the whole head dim as the contraction block, at most 64 output columns per program. From head
+    dim 64 up: 8 warps and 16-row blocks (4 warps, or 32-row blocks, hold the 64 x 64 fp32 tile and
+    the score terms only by spilling on sm_80/sm_90). On spikes every partial sum is an integer, so
+    the row block does not change a single output bit."""
     block_d = max(16, _next_pow2(d))
-    return {"BLOCK_N": 32, "BLOCK_D": block_d, "BLOCK_E": min(64, block_d), "num_warps": 8 if block_d >= 64 else 4}
+    wide = block_d >= 64
+    return {"BLOCK_N": 16 if wide else 32, "BLOCK_D": block_d, "BLOCK_E": min(64, block_d), "num_warps": 8 if wide else 4}
 
 
 def ssa_triton(q: Tensor, k: Tensor, v: Tensor, scale: float, anchor: bool, scores: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -131,8 +134,8 @@ def ssa_triton(q: Tensor, k: Tensor, v: Tensor, scale: float, anchor: bool, scor
     blocks = ssa_blocks(D)
     grid = (T * B * H, triton.cdiv(D, blocks["BLOCK_E"]))
     _ssa_fwd_kernel[grid](q, k, v, y, s_h, c_h, N, D, scale, P=p, SCORES=scores, **blocks)
-    if not scores:
-        return y, s_h.new_empty(0), c_h.new_empty(0)
+    if not scores:  # empty placeholders in the input dtype, as the fake implementation says
+        return y, q.new_empty(0), q.new_empty(0)
     c = c_h.sum(2).to(q.dtype)
     s = s_h.sum(2).to(q.dtype) if anchor else c
     return y, s, c
@@ -204,13 +207,29 @@ _ssa_op.register_autograd(_ssa_backward, setup_context=_ssa_setup)
 # ------------------------------------------------------------------------------------ public API
 
 
+def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
+    """Errors that name the argument: rank, heads, shape and dtype of q, k, v."""
+    dims = "T, B, H, N, d"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 5:
+            raise ValueError(f"{name} must be 5-D [{dims}] (heads split off), got {t.dim()}-D shape {list(t.shape)}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating tensor (spikes as 0/1 values), got {t.dtype}")
+    for name, t in (("k", k), ("v", v)):
+        if t.shape[2] != q.shape[2]:
+            raise ValueError(f"{name} has {t.shape[2]} heads but q has {q.shape[2]}: q, k, v must share a [{dims}] shape")
+        if t.shape != q.shape:
+            raise ValueError(f"{name} has shape {list(t.shape)} but q has {list(q.shape)}: q, k, v must share a [{dims}] shape")
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name} is {t.dtype} but q is {q.dtype}: q, k, v must share a dtype")
+
+
 def spiking_attention(
     q: Tensor, k: Tensor, v: Tensor, scale: float = 0.125, anchor: bool = False, scores: bool = False, backend: str = "auto"
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """`(y, s, c)`: attention output `[T, B, H, N, d]` and, if `scores`, the `[T, B, N - anchor]`
     anchor / mean-query scores (None otherwise). `anchor` means token 0 is the anchor."""
-    if q.dim() != 5 or q.shape != k.shape or q.shape != v.shape:
-        raise ValueError(f"q, k, v must share a [T, B, H, N, d] shape; got {list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
+    _check_qkv(q, k, v)
     if scores and q.shape[-2] <= int(anchor):
         raise ValueError("scores need at least one token besides the anchor")
     if resolve_backend(backend, q, "ssa") == "torch":

@@ -221,8 +221,18 @@ def _(scores: Tensor, k: int, eps: float, standardize: bool, backend: str) -> tu
     return scores.new_empty(B, k, dtype=torch.int64), scores.new_empty(B, N, dtype=torch.float32)
 
 
+def _check_index_range(idx: Tensor, n: int) -> None:
+    """Out-of-range indices are an error on every backend (the kernel never reads them). Checked in
+    the op's body, which runs on real tensors in compiled graphs too."""
+    if idx.numel():
+        lo, hi = torch.aminmax(idx)
+        if lo.item() < 0 or hi.item() >= n:
+            raise ValueError(f"idx must lie in [0, N={n}); got values from {lo.item()} to {hi.item()}")
+
+
 @torch.library.custom_op("efficient::token_gather", mutates_args=())
 def _gather_op(x: Tensor, idx: Tensor, backend: str) -> Tensor:
+    _check_index_range(idx, x.shape[2])
     if backend == "triton":
         return _gather_triton(x, idx, idx.shape[1], scatter=False)
     return gather_tokens_ref(x, idx)
@@ -236,6 +246,7 @@ def _(x: Tensor, idx: Tensor, backend: str) -> Tensor:
 
 @torch.library.custom_op("efficient::token_scatter", mutates_args=())
 def _scatter_op(g: Tensor, idx: Tensor, n: int, backend: str) -> Tensor:
+    # gather's backward: idx was checked by the forward (the kernel skips out-of-range rows anyway)
     if backend == "triton":
         return _gather_triton(g, idx, n, scatter=True)
     return scatter_tokens_ref(g, idx, n)
@@ -283,18 +294,25 @@ def select_tokens(
 ) -> tuple[Tensor, Tensor]:
     """Kept indices `[B, k]` (ascending, shared by all T) and the selection score `[B, N]` (fp32)."""
     if scores.dim() != 3:
-        raise ValueError(f"scores must be [T, B, N], got {list(scores.shape)}")
+        raise ValueError(f"scores must be 3-D [T, B, N] (summed over heads), got {scores.dim()}-D shape {list(scores.shape)}")
+    if not scores.is_floating_point():
+        raise ValueError(f"scores must be a floating tensor, got {scores.dtype}")
     if not 1 <= k <= scores.shape[-1]:
-        raise ValueError(f"k must be in 1..N={scores.shape[-1]}, got {k}")
+        what = "an empty keep set" if k < 1 else "more tokens than there are"
+        raise ValueError(f"k must be in 1..N={scores.shape[-1]} (k={k} asks for {what})")
     return _select_op(scores.detach(), int(k), float(eps), bool(standardize), resolve_backend(backend, scores))
 
 
 def gather_tokens(x: Tensor, idx: Tensor, backend: str = "auto") -> Tensor:
     """`x[:, b, idx[b]]` for every t: `[T, B, N, D]`, `[B, k]` -> `[T, B, k, D]` (differentiable in x)."""
-    if x.dim() != 4 or idx.dim() != 2 or idx.shape[0] != x.shape[1]:
-        raise ValueError(f"expected x [T, B, N, D] and idx [B, k]; got {list(x.shape)} and {list(idx.shape)}")
-    if idx.numel() and not torch.compiler.is_compiling():
-        lo, hi = torch.aminmax(idx)
-        if lo.item() < 0 or hi.item() >= x.shape[2]:
-            raise ValueError(f"idx must lie in [0, N={x.shape[2]}); got values from {lo.item()} to {hi.item()}")
+    if x.dim() != 4:
+        raise ValueError(f"x must be 4-D [T, B, N, D], got {x.dim()}-D shape {list(x.shape)}")
+    if idx.dim() != 2:
+        raise ValueError(f"idx must be 2-D [B, k] (one keep set per sample), got {idx.dim()}-D shape {list(idx.shape)}")
+    if idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
+        raise ValueError(f"idx must hold integer token indices, got {idx.dtype}")
+    if idx.shape[0] != x.shape[1]:
+        raise ValueError(f"idx has {idx.shape[0]} keep sets but x has batch size B={x.shape[1]}: idx must be [B, k]")
+    if idx.shape[1] < 1:
+        raise ValueError("idx is an empty keep set (k=0): keep at least one token per sample")
     return _gather_op(x, idx.to(torch.int64), resolve_backend(backend, x))

@@ -83,3 +83,33 @@ def test_bad_input():
         exit_confidence(torch.randn(2, 8), torch.randn(10, 8), backend="cuda")
     with pytest.raises(ValueError, match="fp64"):
         exit_confidence(torch.randn(2, 8).double(), torch.randn(10, 8).double(), backend="triton")
+
+
+# ee-gpt-small: D=512 spans several D tiles (32 wide for fp32, 64 for half), V=300 several vocab
+# tiles, N=20 two row blocks
+REAL_D = r"""
+import json, sys, torch
+from efficient.kernels.exit_confidence import exit_confidence, exit_confidence_reference, exit_conf_blocks
+N, D, V, dtype = json.loads(sys.argv[1])
+dt = getattr(torch, dtype)
+b = exit_conf_blocks(D, cuda=False, dtype=dt)
+assert D >= 8 * b["BLOCK_D"] and V >= 4 * b["BLOCK_V"] and N > b["BLOCK_N"]
+g = torch.Generator().manual_seed(D + V)
+h = (torch.randn(N, D, generator=g) / D**0.5).to(dt)
+w = (torch.randn(V, D, generator=g) * 3).to(dt)
+p, a = exit_confidence(h, w, backend="triton")
+pr, ar = exit_confidence_reference(h, w)
+print(json.dumps({"perr": float((p - pr).abs().max()), "arg_equal": bool((a == ar).all()), "spread": float(pr.max() - pr.min()),
+                  "dtypes": [str(p.dtype), str(a.dtype)]}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_triton_at_d512_in_interpreter(dtype):
+    pytest.importorskip("triton")
+    from _interpreter import run_interpreted
+
+    r = run_interpreted(REAL_D, [20, 512, 300, dtype])
+    assert r["arg_equal"] and r["perr"] <= (1e-5 if dtype == "float32" else 1e-3), r
+    assert r["spread"] > 0.1 and r["dtypes"] == ["torch.float32", "torch.int64"]

@@ -154,5 +154,22 @@ def test_triton_kernel_at_real_shapes_in_interpreter(T, B, H, N, D, dtype):
 
 def test_block_sizes_do_not_grow_with_n():
     b = ssa.ssa_blocks(64)
-    assert b["BLOCK_N"] == 32 and b["BLOCK_D"] == 64 and b["BLOCK_E"] == 64
+    assert b["BLOCK_N"] == 16 and b["BLOCK_D"] == 64 and b["BLOCK_E"] == 64
+    assert ssa.ssa_blocks(32)["BLOCK_N"] == 32
     assert ssa.ssa_blocks(128)["BLOCK_E"] == 64  # wider heads split over output-column programs
+
+
+def test_bad_input_names_the_argument():
+    q = spikes(2, 1, 2, 5, 4)
+    with pytest.raises(ValueError, match=r"k must be 5-D \[T, B, H, N, d\].*got 4-D"):
+        ssa.spiking_attention(q, q[:, :, 0], q)
+    with pytest.raises(ValueError, match=r"q must be 5-D"):
+        ssa.spiking_attention(q.flatten(2, 3), q, q)
+    with pytest.raises(ValueError, match=r"v has 1 heads but q has 2"):
+        ssa.spiking_attention(q, q, q[:, :, :1])
+    with pytest.raises(ValueError, match=r"k has shape \[2, 1, 2, 4, 4\] but q has \[2, 1, 2, 5, 4\]"):
+        ssa.spiking_attention(q, q[..., :4, :], q)
+    with pytest.raises(ValueError, match=r"v is torch.float16 but q is torch.float32"):
+        ssa.spiking_attention(q, q, q.half())
+    with pytest.raises(ValueError, match=r"q must be a floating tensor"):
+        ssa.spiking_attention(q.bool(), q.bool(), q.bool())

@@ -200,3 +200,35 @@ def test_gather_rejects_out_of_range_indices():
     for bad in (5, -1):
         with pytest.raises(ValueError, match=r"idx must lie in \[0, N=5\)"):
             ts.gather_tokens(x, torch.tensor([[0, bad]]), backend="torch")
+
+
+def test_bad_input_names_the_argument():
+    x, s = torch.randn(2, 3, 10, 4), torch.randn(2, 3, 10)
+    with pytest.raises(ValueError, match=r"scores must be 3-D \[T, B, N\].*got 4-D"):
+        ts.select_tokens(s[:, :, None], 3)
+    with pytest.raises(ValueError, match=r"k must be in 1..N=10 \(k=0 asks for an empty keep set\)"):
+        ts.select_tokens(s, 0)
+    with pytest.raises(ValueError, match=r"scores must be a floating tensor"):
+        ts.select_tokens(s.long(), 3)
+    idx = torch.tensor([[0, 1], [2, 3], [4, 5]])
+    with pytest.raises(ValueError, match=r"x must be 4-D \[T, B, N, D\], got 3-D"):
+        ts.gather_tokens(x[0], idx)
+    with pytest.raises(ValueError, match=r"idx must be 2-D \[B, k\].*got 1-D"):
+        ts.gather_tokens(x, idx[0])
+    with pytest.raises(ValueError, match=r"idx has 2 keep sets but x has batch size B=3"):
+        ts.gather_tokens(x, idx[:2])
+    with pytest.raises(ValueError, match=r"idx is an empty keep set \(k=0\)"):
+        ts.gather_tokens(x, idx[:, :0])
+    with pytest.raises(ValueError, match=r"idx must hold integer token indices, got torch.float32"):
+        ts.gather_tokens(x, idx.float())
+    with pytest.raises(ValueError, match=r"idx must lie in \[0, N=10\); got values from 0 to 10"):
+        ts.gather_tokens(x, idx + torch.tensor([[0, 5]]))
+
+
+def test_out_of_range_indices_are_rejected_in_compiled_graphs():
+    """The range check sits in the op's body, which runs on real tensors under torch.compile too."""
+    x = torch.randn(2, 1, 5, 3)
+    f = torch.compile(lambda x, i: ts.gather_tokens(x, i, backend="torch"), backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(f(x, torch.tensor([[0, 4]])), x[:, :, [0, 4]])
+    with pytest.raises(Exception, match=r"idx must lie in \[0, N=5\)"):
+        f(x, torch.tensor([[0, 5]]))

@@ -1,0 +1,111 @@
+"""Every custom op in the `efficient` namespace passes `torch.library.opcheck` on CPU (schema, fake
+tensor, autograd registration, AOT dispatch), and its fake (meta) implementation returns the dtypes
+and shapes of the real one for fp32 / fp16 / bf16 inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import efficient.kernels.exit_confidence  # noqa: F401 - registers the ops
+import efficient.kernels.linear_ce  # noqa: F401
+import efficient.kernels.ssa  # noqa: F401
+from efficient.kernels import lif as K
+from efficient.kernels import token_select as ts
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _spikes(*shape, dtype, seed, grad=True):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(*shape, generator=g) < 0.3).to(dtype).requires_grad_(grad)
+
+
+def _randn(*shape, dtype, seed, grad=False, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype).requires_grad_(grad)
+
+
+def op_cases(dtype):
+    """(id, op, args) for every op; small shapes, the CPU (torch) path."""
+    q, k, v = (_spikes(2, 1, 2, 9, 8, dtype=dtype, seed=i) for i in range(3))
+    idx = torch.tensor([[0, 3, 3, 8], [1, 2, 5, 7]])
+    h = _randn(6, 8, dtype=dtype, seed=3, grad=True, scale=0.3)
+    w = _randn(10, 8, dtype=dtype, seed=4, grad=True)
+    t = torch.tensor([1, 9, -100, 0, 4, 4])
+    x = _randn(3, 5, dtype=dtype, seed=5, grad=True, scale=2.0)
+    hm = _randn(3, 5, dtype=torch.float32, seed=6, scale=2.0)
+    gs = _randn(3, 5, dtype=dtype, seed=7)
+    rate = torch.tensor(0.3, requires_grad=True)
+    return [
+        ("ssa-scores-anchor", torch.ops.efficient.ssa, (q, k, v, 0.125, True, True, "torch")),
+        ("ssa-scores", torch.ops.efficient.ssa, (q, k, v, 0.125, False, True, "torch")),
+        ("ssa-no-scores", torch.ops.efficient.ssa, (q, k, v, 0.125, False, False, "torch")),
+        ("stata_select", torch.ops.efficient.stata_select, (_randn(2, 2, 9, dtype=dtype, seed=8), 4, 1e-6, True, "torch")),
+        ("token_gather", torch.ops.efficient.token_gather, (_randn(2, 2, 9, 4, dtype=dtype, seed=9, grad=True), idx, "torch")),
+        ("token_scatter", torch.ops.efficient.token_scatter, (_randn(2, 2, 4, 4, dtype=dtype, seed=10, grad=True), idx, 9, "torch")),
+        ("linear_ce", torch.ops.efficient.linear_ce, (h, w, t, -100, False, 4, "torch", True)),
+        ("linear_ce-conf-no-grad", torch.ops.efficient.linear_ce,
+         (h.detach(), w.detach(), t, -100, True, 5, "torch", False)),
+        ("exit_confidence", torch.ops.efficient.exit_confidence, (h.detach(), w.detach(), "torch")),
+        ("lif_forward", torch.ops.efficient.lif_forward,
+         (x, None, 2.0, 1.0, 0.0, K.CHARGE_DECAY_INPUT, 0, 4.0, False, dtype, "loop")),
+        ("lif_forward-plif", torch.ops.efficient.lif_forward,
+         (x, rate, 2.0, 1.0, None, K.CHARGE_NO_DECAY, 1, 2.0, True, torch.float16, "loop")),
+        ("lif_backward", torch.ops.efficient.lif_backward,
+         (gs, None, hm, None, 2.0, 1.0, 0.0, K.CHARGE_DECAY_INPUT, 0, 4.0, False, dtype, "loop")),
+    ]
+
+
+def test_every_registered_op_has_a_case():
+    ours = {name for name in dir(torch.ops.efficient) if not name.startswith("_")} - {"name"}
+    covered = {str(op).split(".")[-1] for _, op, _ in op_cases(torch.float32)}
+    registered = {n for n in ours if isinstance(getattr(torch.ops.efficient, n), torch._ops.OpOverloadPacket)}
+    assert registered and registered <= covered, f"custom ops without an opcheck case: {sorted(registered - covered)}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("case", range(len(op_cases(torch.float32))), ids=[c[0] for c in op_cases(torch.float32)])
+def test_opcheck(case, dtype):
+    name, op, args = op_cases(dtype)[case]
+    if dtype != torch.float32 and name.startswith(("ssa-scores", "linear_ce-conf", "lif_forward-plif")):
+        pytest.skip("one variant per op in half precision keeps the suite short")
+    torch.library.opcheck(op, args)
+
+
+def _meta(out):
+    return [(tuple(o.shape), o.dtype) for o in (out if isinstance(out, (tuple, list)) else (out,))]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
+def test_fake_outputs_match_real_outputs(dtype):
+    """Shapes and dtypes of the fake implementation equal the real ones, case by case (with and
+    without scores for ssa)."""
+    for name, op, args in op_cases(dtype):
+        real = op(*args)
+        with FakeTensorMode() as mode:
+            fargs = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+            fake = op(*fargs)
+        assert _meta(fake) == _meta(real), name
+
+
+def test_ssa_triton_outputs_match_fake_dtypes_without_scores():
+    """The Triton wrapper's empty score placeholders carry the input dtype, as the fake says."""
+    pytest.importorskip("triton")
+    from _interpreter import run_interpreted
+
+    script = r"""
+import json, sys, torch
+from efficient.kernels import ssa
+out = []
+for dt in (torch.float32, torch.float16, torch.bfloat16):
+    q = (torch.rand(1, 1, 2, 33, 16) < 0.3).to(dt)
+    for scores in (True, False):
+        y, s, c = ssa.ssa_triton(q, q, q, 0.125, scores, scores)
+        out.append([str(t.dtype) for t in (y, s, c)])
+print(json.dumps(out))
+"""
+    res = run_interpreted(script, [])
+    for got, dt in zip(res, ["torch.float32"] * 2 + ["torch.float16"] * 2 + ["torch.bfloat16"] * 2):
+        assert got == [dt, dt, dt]
