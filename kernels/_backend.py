@@ -16,7 +16,8 @@ over. Kernels differ in which implementations they have, so each value maps to t
                                                         triton on CUDA with triton, else torch
     loop      loop (the fused loop, eagerly)            torch (the eager, uncompiled path)
 
-An explicit `backend=` argument wins over the variable. Unknown values, in the argument or the
+One exception, from measurement: exit_confidence's 'auto' stays on torch on CUDA (its Triton kernel
+lost to cuBLAS + softmax on an H200; see that module). An explicit `backend=` argument wins over the variable. Unknown values, in the argument or the
 variable, raise a ValueError that names where the value came from and the allowed values. Whether
 the chosen implementation can run (Triton needs CUDA or the interpreter) is checked by the kernel.
 """

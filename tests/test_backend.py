@@ -96,6 +96,20 @@ def test_two_path_kernels_map_each_value_to_its_nearest_path(monkeypatch, value,
     assert _backend.resolve_backend("auto", CPU) == cpu and _backend.resolve_backend("auto", CUDA) == cuda
 
 
+def test_exit_confidence_auto_stays_on_torch_on_cuda(monkeypatch):
+    """The Triton exit_confidence kernel lost to cuBLAS + softmax on the GPU: 'auto' keeps torch there,
+    while an explicit request (argument or variable) still runs the kernel."""
+    from efficient.kernels.exit_confidence import _pick_backend
+
+    monkeypatch.delenv("EFFICIENT_BACKEND", raising=False)
+    assert _pick_backend("auto", CUDA) == "torch" and _pick_backend("auto", CPU) == "torch"
+    assert _pick_backend("triton", CUDA) == "triton"
+    if _backend.HAS_TRITON:
+        assert _pick_backend("compile", CUDA) == "triton"
+        monkeypatch.setenv("EFFICIENT_BACKEND", "triton")
+        assert _pick_backend("auto", CUDA) == "triton"
+
+
 def test_interpreter_only_changes_auto_of_the_stata_kernels(monkeypatch):
     monkeypatch.delenv("EFFICIENT_BACKEND", raising=False)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
