@@ -15,15 +15,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def evaluate_run(run_dir: Path, which: str = "best", overrides: list[str] | None = None) -> dict[str, float]:
-    import torch
-    from torch.utils.data import DataLoader
-
+    """Validation metrics of a run dir's `which` checkpoint, by the evaluation loop training uses."""
     from efficient import zoo
     from efficient.config import load_recipe
     from efficient.data import build_data
     from efficient.errors import ConfigError
     from efficient.objectives import build_objective
-    from efficient.train.engine import resolve_device, to_device
+    from efficient.train.engine import evaluate, resolve_device, val_loader
 
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"{run_dir}: not a run dir (no config.yaml); give a directory written by `efficient train`")
@@ -38,14 +36,8 @@ def evaluate_run(run_dir: Path, which: str = "best", overrides: list[str] | None
     data = build_data(recipe.data)
     objective = build_objective(recipe.objective)
     objective.setup(model, data, recipe)
-    bs = recipe.eval.batch_size or recipe.data["eval_batch_size"] or recipe.data["batch_size"]
-    sums: dict[str, float] = {}
-    with torch.no_grad():
-        for batch in DataLoader(data.val, batch_size=bs, shuffle=False, collate_fn=data.collate_fn):
-            for k, v in objective.evaluate(model, to_device(batch, device)).items():
-                sums[k] = sums.get(k, 0.0) + float(v)
-    n = sums.pop("n", 0.0) or 1.0
-    return {k: v / n for k, v in sums.items()}
+    # the whole split in full precision, whatever eval.max_batches and train.amp say for training
+    return evaluate(model, objective, val_loader(recipe, data), device)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -116,8 +116,47 @@ def build_model(recipe: Recipe, data: DataBundle) -> nn.Module:
     return model
 
 
+def autocast(amp: bool) -> Any:
+    """bf16 autocast on CUDA when `amp`, else a no-op context."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if amp else nullcontext()
+
+
+def val_loader(recipe: Recipe, data: DataBundle) -> DataLoader:
+    """The validation split in order, at `eval.batch_size` (else the data batch sizes).
+
+    An own generator keeps the loader off the global RNG, so evaluating mid-run leaves training's
+    random stream where it was."""
+    bs = recipe.eval.batch_size or recipe.data["eval_batch_size"] or recipe.data["batch_size"]
+    return DataLoader(data.val, batch_size=bs, shuffle=False, num_workers=recipe.data["num_workers"],
+                      collate_fn=data.collate_fn, generator=torch.Generator().manual_seed(0))
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, objective: Objective, loader: DataLoader, device: torch.device,
+             amp: bool = False, max_batches: int | None = None) -> dict[str, float]:
+    """The objective's validation metrics over `loader`: its per-batch sums divided by the samples `n`.
+
+    The one evaluation loop, used by training and by `efficient eval`; the model's train/eval mode
+    is restored afterwards."""
+    was_training = model.training
+    model.eval()
+    sums: dict[str, float] = {}
+    for i, batch in enumerate(loader):
+        if max_batches and i >= max_batches:
+            break
+        with autocast(amp):
+            out = objective.evaluate(model, to_device(batch, device))
+        for k, v in out.items():
+            sums[k] = sums.get(k, 0.0) + float(v)
+    model.train(was_training)
+    n = sums.pop("n", 0.0) or 1.0
+    return {k: v / n for k, v in sums.items()}
+
+
 @dataclass
 class Progress:
+    """Where a run stands; saved in every `last` checkpoint and restored on resume."""
+
     epoch: int = 0
     step_in_epoch: int = 0
     global_step: int = 0
@@ -126,14 +165,37 @@ class Progress:
 
 
 class Trainer:
-    """Runs one recipe into one run dir. `fit()` returns the summary dict also written to summary.json."""
+    """Runs one recipe into one run dir, in stages that read top to bottom:
+
+    `setup` (runtime, data, model, objective, optimizer; state restored on resume) ->
+    `fit`, which repeats `train_epoch` (each step a `loss_step` and an `optimizer_step`) and
+    `validate` (`evaluate` + the best checkpoint) until the step budget is spent -> `finish`
+    (summary.json, report.md). `save` / `restore` are the checkpoint pair. `fit()` returns the
+    summary dict also written to summary.json."""
 
     def __init__(self, recipe: Recipe, run_dir: str | Path, resume: bool = False, console: Any = None) -> None:
-        self.recipe, self.run_dir, self.resume = recipe, Path(run_dir), resume
         from rich.console import Console
 
+        self.recipe, self.run_dir, self.resume = recipe, Path(run_dir), resume
         self.console = console or Console(stderr=False)
-        t = recipe.train
+        self.setup()
+        self.state = Progress()
+        self._stop_requested = False
+        if resume:
+            self.restore()
+
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        """Build everything the run needs, in a fixed order (the RNG sees the same draws every time)."""
+        self._setup_runtime()
+        self._setup_data()
+        self._setup_model()
+        self._setup_objective()
+        self._setup_optimizer()
+
+    def _setup_runtime(self) -> None:
+        """Threads, determinism, device, process group, the shared run dir, seeds."""
+        t = self.recipe.train
         world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         if t.threads or world > 1:  # processes on one machine share its cores
             torch.set_num_threads(max(1, (t.threads or os.cpu_count() or 1) // world))
@@ -144,42 +206,51 @@ class Trainer:
         self.device = dist_utils.device_for(self.dist, self.device)
         self.run_dir = Path(dist_utils.broadcast_object(str(self.run_dir), self.dist))
         seed_everything(t.seed + self.dist.rank)  # DDP broadcasts rank 0's initial weights
-        self.data = build_data(recipe.data)
+
+    def _setup_data(self) -> None:
+        r = self.recipe
+        self.data = build_data(r.data)
         if len(self.data.train) == 0 or len(self.data.val) == 0:
-            raise ConfigError(f"{recipe.source}: data: dataset {recipe.data['name']!r} has an empty train or val split")
-        self.model = build_model(recipe, self.data).to(self.device)
-        if t.measures:
+            raise ConfigError(f"{r.source}: data: dataset {r.data['name']!r} has an empty train or val split")
+
+    def _setup_model(self) -> None:
+        self.model = build_model(self.recipe, self.data).to(self.device)
+
+    def _setup_objective(self) -> None:
+        """The loss and metrics; training-time measures are checked by name before any step runs."""
+        r = self.recipe
+        if r.train.measures:
             from efficient.metrics import get_measure
 
-            for name in t.measures:
+            for name in r.train.measures:
                 try:
                     get_measure(name)
                 except ConfigError as e:
-                    raise ConfigError(f"{recipe.source}: train.measures: {e}") from None
-        self.objective: Objective = build_objective(recipe.objective)
-        self.objective.setup(self.model, self.data, recipe)
-        bs = recipe.data["batch_size"]
+                    raise ConfigError(f"{r.source}: train.measures: {e}") from None
+        self.objective: Objective = build_objective(r.objective)
+        self.objective.setup(self.model, self.data, r)
+
+    def _setup_optimizer(self) -> None:
+        """Step budget, optimizer, LR schedule, then the model as the steps call it (DDP, compile, AMP)."""
+        r, t = self.recipe, self.recipe.train
+        bs = r.data["batch_size"]
         if bs % self.dist.world_size:
-            raise ConfigError(f"{recipe.source}: data.batch_size={bs} (the global batch) must be divisible by the {self.dist.world_size} processes")
+            raise ConfigError(f"{r.source}: data.batch_size={bs} (the global batch) must be divisible by the {self.dist.world_size} processes")
         self.steps_per_epoch = len(self.data.train) // bs
         if self.steps_per_epoch == 0:
-            raise ConfigError(f"{recipe.source}: data.batch_size={bs} is larger than the training set ({len(self.data.train)} samples)")
+            raise ConfigError(f"{r.source}: data.batch_size={bs} is larger than the training set ({len(self.data.train)} samples)")
         self.total_steps = t.epochs * self.steps_per_epoch
         if t.max_steps:
             self.total_steps = min(self.total_steps, t.max_steps)
-        self.optimizer = build_optimizer(self.model, recipe.optim)
-        self.scheduler = build_scheduler(self.optimizer, self.total_steps, self.steps_per_epoch, recipe.optim.lr, recipe.schedule)
+        self.optimizer = build_optimizer(self.model, r.optim)
+        self.scheduler = build_scheduler(self.optimizer, self.total_steps, self.steps_per_epoch, r.optim.lr, r.schedule)
         self.amp = t.amp and self.device.type == "cuda"
         self.forward_model: nn.Module = dist_utils.wrap(self.model, self.dist, self.device)
         if t.compile:
             self.forward_model = torch.compile(self.forward_model)
-        self.state = Progress()
-        self._stop_requested = False
-        if resume:
-            self.restore()
 
-    # ------------------------------------------------------------------ data
     def train_loader(self, epoch: int, start_batch: int) -> DataLoader:
+        """This rank's batches of `epoch`, from batch `start_batch` on (the resume point)."""
         bs = self.recipe.data["batch_size"]
         w = self.dist.world_size
         sampler = EpochSampler(len(self.data.train), self.recipe.train.seed, epoch, start_batch * bs,
@@ -190,12 +261,11 @@ class Trainer:
         return DataLoader(self.data.train, batch_size=bs // w, sampler=sampler, drop_last=True, num_workers=self.recipe.data["num_workers"],
                           collate_fn=self.data.collate_fn, generator=g)
 
-    def val_loader(self) -> DataLoader:
-        bs = self.recipe.eval.batch_size or self.recipe.data["eval_batch_size"] or self.recipe.data["batch_size"]
-        return DataLoader(self.data.val, batch_size=bs, shuffle=False, num_workers=self.recipe.data["num_workers"],
-                          collate_fn=self.data.collate_fn, generator=torch.Generator().manual_seed(0))
+    @property
+    def metrics_file(self) -> Path:
+        return self.run_dir / "metrics.jsonl"
 
-    # ------------------------------------------------------------- checkpoints
+    # ------------------------------------------------------------ checkpoints
     def trainer_state(self) -> dict[str, Any]:
         s = self.state
         return {
@@ -212,6 +282,11 @@ class Trainer:
             meta = {"global_step": self.state.global_step, "epoch": self.state.epoch, "model": self.recipe.model["name"]}
             ckpt.save_checkpoint(self.run_dir / "checkpoint" / which, self.model, state, meta)
         dist_utils.barrier(self.dist)
+
+    def _save_last(self) -> None:
+        """The `last` checkpoint with the time trained so far (a resumed run keeps counting from it)."""
+        self.state.elapsed = time.perf_counter() - self._t_start
+        self.save("last")
 
     def restore(self) -> None:
         d = ckpt.find_resumable(self.run_dir)
@@ -235,7 +310,7 @@ class Trainer:
         """Drop metric lines written after the checkpoint we resume from (they will be redone)."""
         import json
 
-        f = self.run_dir / "metrics.jsonl"
+        f = self.metrics_file
         if not f.exists():
             return
         keep = []
@@ -248,83 +323,47 @@ class Trainer:
                 keep.append(line)
         write_text(f, "".join(k + "\n" for k in keep))
 
-    # ----------------------------------------------------------------- loops
-    def autocast(self):
-        return torch.autocast("cuda", dtype=torch.bfloat16) if self.amp else nullcontext()
-
-    @torch.no_grad()
-    def evaluate(self, model: nn.Module | None = None) -> dict[str, float]:
-        model = model or self.forward_model
-        was_training = model.training
-        model.eval()
-        sums: dict[str, float] = {}
-        for i, batch in enumerate(self.val_loader()):
-            if self.recipe.eval.max_batches and i >= self.recipe.eval.max_batches:
-                break
-            with self.autocast():
-                out = self.objective.evaluate(model, to_device(batch, self.device))
-            for k, v in out.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
-        model.train(was_training)
-        n = sums.pop("n", 0.0) or 1.0
-        return {k: v / n for k, v in sums.items()}
-
-    def _evaluate_on_main(self) -> dict[str, float]:
-        """Rank 0 evaluates the unwrapped model (no collectives); the others receive its result."""
-        val = self.evaluate(self.model) if self.dist.is_main else {}
-        return dist_utils.broadcast_object(val, self.dist)
-
-    def _better(self, value: float) -> bool:
-        best = self.state.best
-        if best is None:
-            return True
-        return value > best if self.objective.higher_is_better else value < best
-
-    def _on_sigint(self, signum: int, frame: Any) -> None:
-        self._stop_requested = True
-
+    # -------------------------------------------------------------------- fit
     def fit(self) -> dict[str, Any]:
-        r, t = self.recipe, self.recipe.train
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        if not self.resume and self.dist.is_main:
-            write_text(self.run_dir / "config.yaml", r.to_yaml())
-            (self.run_dir / "metrics.jsonl").write_text("")
-        dist_utils.barrier(self.dist)
-        metrics_file = self.run_dir / "metrics.jsonl"
+        """Train until the step budget is spent: epochs, validation at epoch ends, `last` after each.
+
+        SIGINT finishes the current step, saves `last` and raises KeyboardInterrupt (resumable)."""
+        self._start_run_dir()
         old_handler = signal.signal(signal.SIGINT, self._on_sigint) if _is_main_thread() else None
         val: dict[str, float] = {}
-        t_start = self._t_start = time.perf_counter() - self.state.elapsed
+        self._t_start = time.perf_counter() - self.state.elapsed
         try:
             with self._progress_bar() as bar:
                 task = bar.add_task("train", total=self.total_steps, completed=self.state.global_step, info="")
                 while self.state.global_step < self.total_steps and not self._stop_requested:
-                    self._train_epoch(bar, task, metrics_file)
+                    self.train_epoch(bar, task)
                     if self._stop_requested:
                         break
-                    epoch_done = self.state.step_in_epoch == 0
-                    last = self.state.global_step >= self.total_steps
-                    if (epoch_done and self.state.epoch % t.eval_every == 0) or last:
-                        val = self._evaluate_on_main()
-                        if self.dist.is_main:
-                            append_jsonl(metrics_file, {"step": self.state.global_step, "epoch": self.state.epoch, "split": "val", **val})
-                        pm = val.get(self.objective.primary_metric)
-                        if pm is not None and self._better(pm):
-                            self.state.best = pm
-                            self.save("best")
-                    self.state.elapsed = time.perf_counter() - t_start
-                    self.save("last")
+                    if self._validation_due():
+                        val = self.validate()
+                    self._save_last()
         finally:
             if old_handler is not None:
                 signal.signal(signal.SIGINT, old_handler)
         if self._stop_requested:
-            self.state.elapsed = time.perf_counter() - t_start
-            self.save("last")
+            self._save_last()
             raise KeyboardInterrupt(f"training interrupted at step {self.state.global_step}; resume with --resume {self.run_dir}")
-        summary = self.finish(val, time.perf_counter() - t_start) if self.dist.is_main else {}
+        summary = self.finish(val, time.perf_counter() - self._t_start) if self.dist.is_main else {}
         dist_utils.barrier(self.dist)
         return summary
 
-    def _progress_bar(self):
+    def _start_run_dir(self) -> None:
+        """A fresh run writes its resolved config and an empty metrics log; a resumed one keeps both."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if not self.resume and self.dist.is_main:
+            write_text(self.run_dir / "config.yaml", self.recipe.to_yaml())
+            self.metrics_file.write_text("")
+        dist_utils.barrier(self.dist)
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        self._stop_requested = True
+
+    def _progress_bar(self) -> Any:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
         return RichProgress(
@@ -332,8 +371,13 @@ class Trainer:
             TextColumn("{task.fields[info]}"), console=self.console, disable=not (self.recipe.train.progress and self.dist.is_main),
         )
 
-    def _train_epoch(self, bar: Any, task: Any, metrics_file: Path) -> None:
-        r, t, s = self.recipe, self.recipe.train, self.state
+    # ------------------------------------------------------------ train epoch
+    def train_epoch(self, bar: Any, task: Any) -> None:
+        """Run the current epoch's remaining steps, up to the step budget or a stop request.
+
+        Logs a train line every `log_every` steps, saves `last` every `checkpoint_every` steps
+        inside the epoch, and moves to the next epoch when this one is complete."""
+        s, t = self.state, self.recipe.train
         self.forward_model.train()
         t0, seen, window = time.perf_counter(), 0, {}
         if s.global_step >= self.total_steps or self._stop_requested:
@@ -343,39 +387,23 @@ class Trainer:
             inform_progress(self.model, progress)
             self.objective.set_progress(progress, s.global_step)
             batch = to_device(batch, self.device)
-            with self.autocast():
-                loss, logs = self.objective.loss(self.forward_model, batch)
-            if not torch.isfinite(loss):
-                raise TrainingError(
-                    f"loss became {loss.item()} at step {s.global_step} (epoch {s.epoch}); the last good checkpoint is in "
-                    f"{self.run_dir / 'checkpoint' / 'last'}. Lower optim.lr or set train.grad_clip."
-                )
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if t.grad_clip:
-                logs["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip))
-            self.optimizer.step()
-            self.scheduler.step()
+            loss, logs = self.loss_step(batch)
+            self.optimizer_step(loss, logs)
             s.global_step += 1
             s.step_in_epoch += 1
             seen += _batch_size(batch) * self.dist.world_size
             for k, v in logs.items():
                 window.setdefault(k, []).append(v)
             if self.dist.is_main and (s.global_step % t.log_every == 0 or s.global_step == self.total_steps):
-                rate = seen / max(1e-9, time.perf_counter() - t0)
-                row = {k: float(np.mean(v)) for k, v in window.items()}
-                append_jsonl(metrics_file, {"step": s.global_step, "epoch": s.epoch, "lr": self.scheduler.get_last_lr()[0], "samples_per_s": rate, **row})
-                info = " ".join(f"{k} {v:.4g}" for k, v in row.items() if k in ("loss", "acc")) + f" {rate:.0f} samples/s"
-                bar.update(task, info=info)
+                self._log_train(window, seen / max(1e-9, time.perf_counter() - t0), bar, task)
                 window = {}
             bar.update(task, completed=s.global_step)
             if t.checkpoint_every and s.global_step % t.checkpoint_every == 0 and s.step_in_epoch < self.steps_per_epoch:
-                self.state.elapsed = time.perf_counter() - self._t_start
-                self.save("last")
+                self._save_last()
             if t.measures and s.global_step % t.measure_every == 0 and self.dist.is_main:
                 from efficient.metrics import measure
 
-                append_jsonl(metrics_file, {"step": s.global_step, "epoch": s.epoch, "measures": measure(t.measures, self.model, batch)})
+                append_jsonl(self.metrics_file, {"step": s.global_step, "epoch": s.epoch, "measures": measure(t.measures, self.model, batch)})
             # stop before fetching the next batch: fetching runs augmentation, which draws RNG
             if s.global_step >= self.total_steps or self._stop_requested:
                 break
@@ -383,7 +411,70 @@ class Trainer:
             s.epoch += 1
             s.step_in_epoch = 0
 
+    def loss_step(self, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        """The objective's loss and logs on one batch (already on the device); a non-finite loss stops the run."""
+        with autocast(self.amp):
+            loss, logs = self.objective.loss(self.forward_model, batch)
+        if not torch.isfinite(loss):
+            s = self.state
+            raise TrainingError(
+                f"loss became {loss.item()} at step {s.global_step} (epoch {s.epoch}); the last good checkpoint is in "
+                f"{self.run_dir / 'checkpoint' / 'last'}. Lower optim.lr or set train.grad_clip."
+            )
+        return loss, logs
+
+    def optimizer_step(self, loss: torch.Tensor, logs: dict[str, float]) -> None:
+        """Backward, optional gradient clipping (its norm joins `logs`), optimizer and LR schedule step."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.recipe.train.grad_clip:
+            logs["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.recipe.train.grad_clip))
+        self.optimizer.step()
+        self.scheduler.step()
+
+    def _log_train(self, window: dict[str, list[float]], rate: float, bar: Any, task: Any) -> None:
+        """One train line in metrics.jsonl: the means of the logs since the last line, lr, throughput."""
+        s = self.state
+        row = {k: float(np.mean(v)) for k, v in window.items()}
+        append_jsonl(self.metrics_file, {"step": s.global_step, "epoch": s.epoch, "lr": self.scheduler.get_last_lr()[0], "samples_per_s": rate, **row})
+        info = " ".join(f"{k} {v:.4g}" for k, v in row.items() if k in ("loss", "acc")) + f" {rate:.0f} samples/s"
+        bar.update(task, info=info)
+
+    # --------------------------------------------------------------- evaluate
+    def evaluate(self, model: nn.Module | None = None) -> dict[str, float]:
+        """Validation metrics of `model` (default: the model as training calls it), see `evaluate()`."""
+        return evaluate(model or self.forward_model, self.objective, val_loader(self.recipe, self.data), self.device,
+                        amp=self.amp, max_batches=self.recipe.eval.max_batches)
+
+    def _validation_due(self) -> bool:
+        """At the end of every `eval_every`-th epoch, and after the last step."""
+        s = self.state
+        epoch_done = s.step_in_epoch == 0
+        return (epoch_done and s.epoch % self.recipe.train.eval_every == 0) or s.global_step >= self.total_steps
+
+    def validate(self) -> dict[str, float]:
+        """Evaluate, log the val line and keep the `best` checkpoint; every rank returns the metrics.
+
+        Rank 0 evaluates the unwrapped model (no collectives) and broadcasts its result."""
+        s = self.state
+        val = dist_utils.broadcast_object(self.evaluate(self.model) if self.dist.is_main else {}, self.dist)
+        if self.dist.is_main:
+            append_jsonl(self.metrics_file, {"step": s.global_step, "epoch": s.epoch, "split": "val", **val})
+        pm = val.get(self.objective.primary_metric)
+        if pm is not None and self._better(pm):
+            s.best = pm
+            self.save("best")
+        return val
+
+    def _better(self, value: float) -> bool:
+        best = self.state.best
+        if best is None:
+            return True
+        return value > best if self.objective.higher_is_better else value < best
+
+    # ----------------------------------------------------------------- finish
     def finish(self, val: dict[str, float], train_time: float) -> dict[str, Any]:
+        """Write summary.json and report.md (with the cost report when `profile.enabled`); return the summary."""
         summary: dict[str, Any] = {
             "model": self.recipe.model["name"],
             "steps": self.state.global_step,
