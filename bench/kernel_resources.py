@@ -129,8 +129,8 @@ def cases() -> list[Case]:
         blocks = ec.exit_conf_blocks(512, True, torch_dt)
         warps = blocks.pop("num_warps")
         out.append(_case("exit_confidence", f"D=512 V<=32000 {dt}", ec._exit_conf_kernel,
-                         {"h_ptr": f"*{dt}", "w_ptr": f"*{dt}", "pmax_ptr": "*fp32", "arg_ptr": "*i64", "N": "i32", "V": "i32",
-                          "D": "i32", "stride_hn": "i32", "stride_wv": "i32"}, blocks, warps, False))
+                         {"h_ptr": f"*{dt}", "w_ptr": f"*{dt}", "m_ptr": "*fp32", "s_ptr": "*fp32", "arg_ptr": "*i64", "N": "i32",
+                          "V": "i32", "D": "i32", "V_PER_SPLIT": "i32", "stride_hn": "i32", "stride_wv": "i32"}, blocks, warps, False))
     for conf in (False, True):
         blocks = linear_ce.ce_blocks(32000)
         warps = blocks.pop("num_warps")

@@ -50,11 +50,15 @@ if triton is not None:
 
     @triton.jit
     def _exit_conf_kernel(
-        h_ptr, w_ptr, pmax_ptr, arg_ptr, N, V, D,
+        h_ptr, w_ptr, m_ptr, s_ptr, arg_ptr, N, V, D, V_PER_SPLIT,
         stride_hn, stride_wv,
         BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
+        # program (row block, vocab split): online softmax over its slice of the vocabulary, writing
+        # the partial (max, sum of exp relative to it, argmax); the splits are combined afterwards,
+        # so a decode step (N = 1) still spreads the V x D weight over many programs
         pid = tl.program_id(0)
+        split = tl.program_id(1)
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < N
         # int64 row and column offsets: V * D (and N * D) pass 2^31 at a 32k vocab and D = 8192
@@ -62,9 +66,11 @@ if triton is not None:
         m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
         s = tl.zeros((BLOCK_N,), tl.float32)
         arg = tl.zeros((BLOCK_N,), tl.int64)
-        for v0 in range(0, V, BLOCK_V):
+        v_start = split * V_PER_SPLIT
+        v_end = tl.minimum(v_start + V_PER_SPLIT, V)
+        for v0 in range(v_start, v_end, BLOCK_V):
             cols = v0 + tl.arange(0, BLOCK_V)
-            cmask = cols < V
+            cmask = cols < v_end
             w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wv
             acc = tl.zeros((BLOCK_N, BLOCK_V), tl.float32)
             for d0 in range(0, D, BLOCK_D):
@@ -80,8 +86,22 @@ if triton is not None:
             s = s * tl.exp(m - m_new) + tl.sum(tl.exp(acc - m_new[:, None]), axis=1)
             arg = tl.where(zm > m, za, arg)
             m = m_new
-        tl.store(pmax_ptr + rows, 1.0 / s, mask=rmask)
-        tl.store(arg_ptr + rows, arg, mask=rmask)
+        out = split.to(tl.int64) * N + rows
+        tl.store(m_ptr + out, m, mask=rmask)
+        tl.store(s_ptr + out, s, mask=rmask)
+        tl.store(arg_ptr + out, arg, mask=rmask)
+
+
+def vocab_splits(n: int, v: int, block_n: int, block_v: int, cuda: bool) -> int:
+    """How many vocabulary slices to give each row block: on CUDA enough programs to fill the device
+    (about 4 per SM), never slices narrower than one vocab tile; in the interpreter a few, so that
+    tests run the combining step."""
+    tiles = -(-v // block_v)
+    if not cuda:
+        return min(tiles, 3)
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    row_blocks = -(-n // block_n)
+    return max(1, min(tiles, -(-4 * sms // row_blocks)))
 
 
 def exit_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,13 +110,21 @@ def exit_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[
     N, D = hidden.shape
     V = weight.shape[0]
     hidden, weight = hidden.contiguous(), weight.contiguous()
-    pmax = torch.empty(N, device=hidden.device, dtype=torch.float32)
-    arg = torch.empty(N, device=hidden.device, dtype=torch.long)
     blocks = exit_conf_blocks(D, hidden.is_cuda, hidden.dtype)
-    _exit_conf_kernel[(triton.cdiv(N, blocks["BLOCK_N"]),)](
-        hidden, weight, pmax, arg, N, V, D, hidden.stride(0), weight.stride(0), **blocks
+    splits = vocab_splits(N, V, blocks["BLOCK_N"], blocks["BLOCK_V"], hidden.is_cuda)
+    per_split = -(-(-(-V // splits)) // blocks["BLOCK_V"]) * blocks["BLOCK_V"]  # whole tiles per slice
+    splits = -(-V // per_split)
+    m = torch.empty(splits, N, device=hidden.device, dtype=torch.float32)
+    s = torch.empty_like(m)
+    arg = torch.empty(splits, N, device=hidden.device, dtype=torch.long)
+    _exit_conf_kernel[(triton.cdiv(N, blocks["BLOCK_N"]), splits)](
+        hidden, weight, m, s, arg, N, V, D, per_split, hidden.stride(0), weight.stride(0), **blocks
     )
-    return pmax, arg
+    # combine the slices: the global max, each slice's sum rescaled to it; ties between slices go to
+    # the first one (torch.max returns the first maximal index), i.e. the lowest vocabulary id
+    top, first = m.max(dim=0)
+    total = (s * torch.exp(m - top)).sum(dim=0)
+    return 1.0 / total, arg.gather(0, first[None]).squeeze(0)
 
 
 def exit_conf_blocks(d: int, cuda: bool = True, dtype: torch.dtype = torch.float32) -> dict:
