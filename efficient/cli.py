@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 
@@ -13,11 +14,20 @@ SUBCOMMANDS: dict[str, str] = {
     "eval": "efficient.commands.evaluate",
     "validate": "efficient.commands.validate",
     "zoo": "efficient.commands.zoo",
-    "profile": "efficient.profiler.cli",
-    "generate": "efficient.generate",
-    "attack": "efficient.attacks_cli",
-    "merge": "efficient.merge",
+    "profile": "efficient.commands.profile",
+    "generate": "efficient.commands.generate",
+    "attack": "efficient.commands.attack",
+    "merge": "efficient.commands.merge",
 }
+
+
+class _NoCudaRuntimeNotice(logging.Filter):
+    """Drops torch's "No CUDA runtime is found, using CUDA_HOME=..." line, which
+    `torch.utils.cpp_extension` logs on import (when inductor first compiles our CPU kernels) on any
+    machine with a CUDA toolkit but no GPU: nothing to act on for a CPU run. Other records pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("No CUDA runtime is found")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
+    notice_filter = _NoCudaRuntimeNotice()
+    cpp_logger = logging.getLogger("torch.utils.cpp_extension")
+    cpp_logger.addFilter(notice_filter)
     try:
         return int(args._run(args) or 0)
     except ConfigError as e:
@@ -62,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as e:
         print(f"interrupted: {e}" if str(e) else "interrupted", file=sys.stderr)
         return 130
+    finally:
+        cpp_logger.removeFilter(notice_filter)
 
 
 if __name__ == "__main__":

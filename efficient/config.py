@@ -9,7 +9,6 @@ component's typed signature, so components add options without touching this fil
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import inspect
 import math
 import re
@@ -21,7 +20,10 @@ from typing import Any, Callable, Literal, Union
 
 import yaml
 
-from efficient.errors import ConfigError
+from efficient.data import DATA_LOADER_DEFAULTS, DATA_LOADER_KEYS, get_dataset_builder
+from efficient.errors import ConfigError, did_you_mean
+from efficient.objectives import get_objective
+
 
 class RecipeLoader(yaml.SafeLoader):
     """SafeLoader that reads `1e-3` as a float (YAML 1.2 style); PyYAML alone makes it a string."""
@@ -134,10 +136,6 @@ FIXED_SECTIONS: dict[str, type] = {
     "profile": ProfileConfig,
 }
 
-# Keys of `data` handled by the engine, not by the dataset builder.
-DATA_LOADER_KEYS: dict[str, Any] = {"batch_size": int, "eval_batch_size": typing.Optional[int], "num_workers": int}
-DATA_LOADER_DEFAULTS = {"batch_size": 64, "eval_batch_size": None, "num_workers": 0}
-
 
 @dataclass
 class Recipe:
@@ -169,11 +167,6 @@ class Recipe:
 
 def _err(source: str, path: str, msg: str) -> ConfigError:
     return ConfigError(f"{source}: {path}: {msg}" if path else f"{source}: {msg}")
-
-
-def did_you_mean(key: str, valid: typing.Iterable[str]) -> str:
-    hint = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
-    return f" Did you mean {hint[0]!r}?" if hint else ""
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
@@ -400,9 +393,6 @@ def _model_options(name: str) -> tuple[dict[str, inspect.Parameter], bool]:
 
 def validate(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
     """Validate a parsed recipe dict; raise ConfigError on the first problem."""
-    from efficient.data import get_dataset_builder
-    from efficient.objectives import get_objective
-
     for k in data:
         if k not in SECTIONS:
             raise _err(source, str(k), f"unknown section.{did_you_mean(str(k), SECTIONS)} Sections: {', '.join(SECTIONS)}.")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
+from typing import Iterable
+
 
 class ConfigError(ValueError):
     """Bad recipe, bad argument or bad artifact. The CLI prints its message without a traceback."""
@@ -15,3 +18,9 @@ class ArtifactError(ConfigError):
     """A weights file, run dir or checkpoint that cannot be used (missing, empty, truncated,
     corrupted, or written for another model). The message names the file, says what is wrong
     with it and what to do instead."""
+
+
+def did_you_mean(key: str, valid: Iterable[str]) -> str:
+    """The hint ` Did you mean 'x'?` for the closest valid name (empty if none is close), to end an error message."""
+    hint = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
+    return f" Did you mean {hint[0]!r}?" if hint else ""

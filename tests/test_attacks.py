@@ -198,7 +198,7 @@ def test_cli_on_a_trained_run_dir(tmp_path, capsys, monkeypatch):
 
 
 def test_pixel_data_for_a_run_trained_on_normalised_inputs():
-    from efficient.attacks_cli import load_pixel_data
+    from efficient.commands.attack import load_pixel_data
 
     bundle, stats = load_pixel_data({"name": "digits", "image_size": 8})  # normalize defaults to true
     assert stats == ([0.3], [0.38])  # the model gets wrapped with these

@@ -9,8 +9,9 @@ import pytest
 import torch
 from torch import nn
 
+from efficient.commands.merge import add_arguments, run
 from efficient.errors import ConfigError
-from efficient.merge import add_arguments, cca_transform, hidden_features, merge_models, run
+from efficient.merge import cca_transform, hidden_features, merge_models
 from efficient.models.mlp import MLP
 
 

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from torch.utils.data import Dataset
 
-from efficient.errors import ConfigError
+from efficient.errors import ConfigError, did_you_mean
+
+# Keys of `data` handled by the engine's loaders, not by the dataset builder (with their types and defaults).
+DATA_LOADER_KEYS: dict[str, Any] = {"batch_size": int, "eval_batch_size": Optional[int], "num_workers": int}
+DATA_LOADER_DEFAULTS: dict[str, Any] = {"batch_size": 64, "eval_batch_size": None, "num_workers": 0}
 
 DATA_MODULES = ["efficient.data.vision", "efficient.data.text", "efficient.data.preferences", "efficient.data.pu", "efficient.data.ssl"]
 
@@ -56,15 +60,11 @@ def list_datasets() -> list[str]:
 def get_dataset_builder(name: str) -> Callable[..., DataBundle]:
     _ensure_loaded()
     if name not in _DATASETS:
-        from efficient.config import did_you_mean
-
         raise ConfigError(f"unknown dataset {name!r}.{did_you_mean(name, _DATASETS)} Available: {', '.join(sorted(_DATASETS))}.")
     return _DATASETS[name]
 
 
 def build_data(cfg: dict[str, Any]) -> DataBundle:
     """Build from a validated `data` section (loader keys are ignored here)."""
-    from efficient.config import DATA_LOADER_KEYS
-
     kwargs = {k: v for k, v in cfg.items() if k != "name" and k not in DATA_LOADER_KEYS}
     return get_dataset_builder(cfg["name"])(**kwargs)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from efficient.errors import ConfigError
+from efficient.errors import ConfigError, did_you_mean
 from efficient.metrics.catapult import agop_alignment, ntk_top_eigenvalue
 from efficient.metrics.local_complexity import local_complexity
 
@@ -24,8 +24,6 @@ MEASURES: dict[str, Callable[..., dict[str, float]]] = {
 
 def get_measure(name: str) -> Callable[..., dict[str, float]]:
     if name not in MEASURES:
-        from efficient.config import did_you_mean
-
         raise ConfigError(f"unknown measure {name!r}.{did_you_mean(name, MEASURES)} Available: {', '.join(sorted(MEASURES))}.")
     return MEASURES[name]
 

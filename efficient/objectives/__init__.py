@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from efficient.errors import ConfigError
+from efficient.errors import ConfigError, did_you_mean
 
 OBJECTIVE_MODULES = ["efficient.objectives.classification", "efficient.objectives.lm", "efficient.objectives.preference", "efficient.objectives.weak_to_strong", "efficient.objectives.pu", "efficient.objectives.interlude", "efficient.objectives.odin", "efficient.objectives.exits", "efficient.objectives.stability", "efficient.objectives.stata"]
 
@@ -69,8 +69,6 @@ def list_objectives() -> list[str]:
 def get_objective(name: str) -> type[Objective]:
     _ensure_loaded()
     if name not in _OBJECTIVES:
-        from efficient.config import did_you_mean
-
         raise ConfigError(f"unknown objective {name!r}.{did_you_mean(name, _OBJECTIVES)} Available: {', '.join(sorted(_OBJECTIVES))}.")
     return _OBJECTIVES[name]
 

@@ -68,8 +68,8 @@ def load_pixel_data(section: dict[str, Any]) -> tuple[Any, tuple[list[float], li
     trained with if its data were normalised (None otherwise)."""
     import inspect
 
-    from efficient.config import DATA_LOADER_KEYS, check_kwargs_against
-    from efficient.data import build_data, get_dataset_builder
+    from efficient.config import check_kwargs_against
+    from efficient.data import DATA_LOADER_KEYS, build_data, get_dataset_builder
 
     builder = get_dataset_builder(section["name"])
     params = inspect.signature(builder).parameters
