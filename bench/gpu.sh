@@ -1,23 +1,25 @@
 #!/usr/bin/env bash
-# Every GPU check of the kernels and models in one run on a CUDA GPU (about 9 minutes on an H200),
-# in this order (correctness before speed; each part has its own time limit, so a slow part cannot
-# take the others down):
-#  lif     Triton LIF/PLIF/DLIF vs the torch reference over every option, dtype, T in {1, 4, 16},
-#          odd and strided inputs; fwd+bwd speed vs spikingjelly 2.0 (its Triton and torch paths)
-#          and torch.compile; the kernels' share of copy bandwidth            (bench/neurons.py)
-#  stata   SSA + token selection vs their references at CIFAR/ImageNet/N=1024 shapes, whole-model
-#          gradients with Triton vs torch kernels (bench/stata_kernels.py); training steps of
-#          spikingjelly's Spikformer vs ours vs STATA at CIFAR b64 and ImageNet b32, fp32 and bf16
-#          autocast (bench/stata.py)
-#  ee      ee-gpt-small trained with recipes/ee_gpt_small.yaml for a fixed time, then decoding speed
-#          per exit strategy and threshold (bench/early_exit.py) and the exit kernels
-#          (bench/ee_kernels.py)
+# Every GPU check of the kernels and models in one run on a CUDA GPU (about 7 minutes on an H200).
+# First every kernel against its reference at the zoo's real shapes in fp32/bf16/fp16 (a mismatch
+# fails the run), then the timings; each part has its own time limit inside one whole-run budget:
+#  lif_check       Triton LIF/PLIF/DLIF vs the torch reference: every option, dtype, T in {1, 4, 16},
+#                  odd and strided inputs                                      (bench/neurons.py)
+#  stata_kernels   SSA + token selection vs their references at CIFAR/ImageNet/N=1024 shapes, and
+#                  whole-model gradients with Triton vs torch kernels      (bench/stata_kernels.py)
+#  ee_kernels      exit_confidence and linear_ce vs their references, then timed (bench/ee_kernels.py)
+#  lif_speed       LIF fwd+bwd vs spikingjelly 2.0 (its Triton and torch paths) and torch.compile;
+#                  the kernels' share of copy bandwidth
+#  stata_cifar/_imagenet  training steps of spikingjelly's Spikformer vs ours vs STATA at CIFAR b64
+#                  and ImageNet b32, fp32 and bf16 autocast                      (bench/stata.py)
+#  ee_train/_decode  ee-gpt-small trained with recipes/ee_gpt_small.yaml, then decoding speed per
+#                  exit strategy and threshold                              (bench/early_exit.py)
+# Parts are selected by group: lif, stata, ee (default: all).
 #
 #   bash bench/gpu.sh [all|lif|stata|ee ...]      (from the repository root)
 #   GPU_DRY=1 bash bench/gpu.sh                    (rehearsal on CPU: tiny shapes, Triton interpreter)
 #
 # Logs and JSON go to $WORK (default runs/gpu) and, where $OUT is set, are packed into
-# $OUT/gpu_results.tar.gz, with the combined log beside it.
+# $OUT/gpu_results.tar.gz, with the combined log beside it; every part's JSON is merged into results.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -74,24 +76,20 @@ else
 fi
 $PY -c "import torch, triton, platform; print('python', platform.python_version(), 'torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$LOG"
 
-if want lif; then
-  if [ "$DRY" = 1 ]; then
-    part lif 300 $PY bench/neurons.py --gpu --dry-run
-  else
-    part lif 110 env SJ_LIF_CUDA_IMPLEMENTATION=triton $PY bench/neurons.py --gpu --shapes 4x32x24576,8x64x65536 --repeats 20 --json "$WORK/lif.json"
-  fi
-fi
-
-if want stata; then
-  if [ "$DRY" = 1 ]; then
-    part stata_kernels 300 $PY bench/stata_kernels.py --device cpu --dry-run
-    part stata_cifar 400 $PY bench/stata.py --device cpu --only cifar --batch 2 --steps 1 --warmup 0 --amp fp32 --threads 1
-    part stata_imagenet 400 $PY bench/stata.py --device cpu --only imagenet --imagenet-batch 1 --imagenet-img 64 --imagenet-steps 1 --warmup 0 --amp fp32 --threads 1
-  else
-    part stata_kernels 60 $PY bench/stata_kernels.py --device cuda --json "$WORK/stata_kernels.json"
-    part stata_cifar 75 $PY bench/stata.py --device cuda --only cifar --batch 64 --steps 20 --warmup 3 --amp fp32,bf16 --json "$WORK/stata_cifar.json"
-    part stata_imagenet 80 $PY bench/stata.py --device cuda --only imagenet --imagenet-batch 32 --imagenet-steps 20 --warmup 2 --amp fp32,bf16 --json "$WORK/stata_imagenet.json"
-  fi
+# correctness of every kernel first (exit 1 on a mismatch), then the timings
+if [ "$DRY" = 1 ]; then
+  want lif && part lif_check 300 $PY bench/neurons.py --gpu --dry-run
+  want stata && part stata_kernels 300 $PY bench/stata_kernels.py --device cpu --dry-run --json "$WORK/stata_kernels.json"
+  want ee && part ee_kernels 300 $PY bench/ee_kernels.py --device cpu --dry-run --dtypes fp32 fp16 --json "$WORK/ee_kernels.json"
+  want stata && part stata_cifar 400 $PY bench/stata.py --device cpu --only cifar --batch 2 --steps 1 --warmup 0 --amp fp32 --threads 1
+  want stata && part stata_imagenet 400 $PY bench/stata.py --device cpu --only imagenet --imagenet-batch 1 --imagenet-img 64 --imagenet-steps 1 --warmup 0 --amp fp32 --threads 1
+else
+  want lif && part lif_check 60 $PY bench/neurons.py --gpu --check-only --json "$WORK/lif_check.json"
+  want stata && part stata_kernels 60 $PY bench/stata_kernels.py --device cuda --json "$WORK/stata_kernels.json"
+  want ee && part ee_kernels 70 $PY bench/ee_kernels.py --device cuda --repeats 20 --budget-s 50 --dtypes fp32 bf16 fp16 --json "$WORK/ee_kernels.json"
+  want lif && part lif_speed 90 env SJ_LIF_CUDA_IMPLEMENTATION=triton $PY bench/neurons.py --gpu --speed-only --shapes 4x32x24576,8x64x65536 --repeats 20 --json "$WORK/lif.json"
+  want stata && part stata_cifar 75 $PY bench/stata.py --device cuda --only cifar --batch 64 --steps 20 --warmup 3 --amp fp32,bf16 --json "$WORK/stata_cifar.json"
+  want stata && part stata_imagenet 80 $PY bench/stata.py --device cuda --only imagenet --imagenet-batch 32 --imagenet-steps 20 --warmup 2 --amp fp32,bf16 --json "$WORK/stata_imagenet.json"
 fi
 
 if want ee; then
@@ -102,16 +100,23 @@ if want ee; then
       model.exit_layers=[1,2] data.seq_len=64 data.batch_size=4 train.max_steps=6 train.device=cpu --out "$RUN"
     part ee_decode 300 $PY bench/early_exit.py "$RUN" --device cpu --prompts 2 --new-tokens 8 --unpaired --repeats 1 \
       --val-batches 2 --sweep recompute=auto speculative=0.5 copy=auto --targets --json "$WORK/early_exit.json"
-    part ee_kernels 300 $PY bench/ee_kernels.py --device cpu --dry-run --json "$WORK/ee_kernels.json"
   else
     # a fixed GPU-time budget: SIGINT makes the trainer save its checkpoint and stop cleanly
     part ee_train 170 timeout -s INT -k 20 140 $PY -m efficient train recipes/ee_gpt_small.yaml --out "$RUN"
-    part ee_decode 110 $PY bench/early_exit.py "$RUN" --device cuda --prompts 20 --new-tokens 256 --unpaired --repeats 1 \
-      --val-batches 23 --sweep recompute=auto speculative=0.8,0.5 copy=auto --targets --budget-s 85 --json "$WORK/early_exit.json"
-    part ee_kernels 60 $PY bench/ee_kernels.py --device cuda --repeats 20 --budget-s 40 --json "$WORK/ee_kernels.json"
+    part ee_decode 150 $PY bench/early_exit.py "$RUN" --device cuda --prompts 20 --new-tokens 256 --unpaired --repeats 1 \
+      --val-batches 23 --sweep recompute=auto speculative=0.8,0.5 copy=auto --targets --budget-s 120 --json "$WORK/early_exit.json"
   fi
   # the run's small files come back; its weights stay (hundreds of MB)
   find "$RUN" -name "*.safetensors" -delete 2>/dev/null; find "$RUN" -name "*.pt" -delete 2>/dev/null
 fi
+# every part's JSON in one file
+$PY - "$WORK" <<'PY' || status=1
+import json, pathlib, sys
+work = pathlib.Path(sys.argv[1])
+merged = {p.stem: json.loads(p.read_text()) for p in sorted(work.glob("*.json")) if p.name != "results.json"}
+(work / "results.json").write_text(json.dumps(merged, indent=1))
+print(f"results.json: {', '.join(merged)}")
+PY
+pack
 echo "gpu.sh: $( [ $status = 0 ] && echo all parts passed || echo some part failed: see the === lines )" | tee -a "$LOG"
 exit $status

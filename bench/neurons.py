@@ -326,6 +326,8 @@ def main() -> None:
     p.add_argument("--gpu", action="store_true", help="CUDA: Triton correctness, speed vs spikingjelly, bandwidth")
     p.add_argument("--json", default=None, help="with --gpu: write the timings here")
     p.add_argument("--sj-child", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--check-only", action="store_true", help="with --gpu: the correctness pass alone")
+    p.add_argument("--speed-only", action="store_true", help="with --gpu: the timings alone (after a --check-only run)")
     p.add_argument("--dry-run", action="store_true", help="with --gpu: rehearse the correctness pass on CPU (TRITON_INTERPRET=1)")
     args = p.parse_args()
     if args.sj_child:
@@ -336,7 +338,14 @@ def main() -> None:
         if args.dry_run:  # CPU rehearsal under TRITON_INTERPRET=1: correctness path only, tiny shapes
             correct = gpu_correctness("cpu", DRY_SHAPES)
             raise SystemExit(0 if correct else 1)
-        correct = gpu_correctness()
+        correct = True if args.speed_only else gpu_correctness()
+        if args.check_only:  # bench/gpu.sh checks every kernel before it times any
+            if args.json:
+                import json
+
+                with open(args.json, "w") as f:
+                    json.dump({"correct": correct, "device": torch.cuda.get_device_name(), "torch": torch.__version__}, f)
+            raise SystemExit(0 if correct else 1)
         fast = gpu_speed(shapes, max(args.repeats, 20))
         print(f"GPU targets {'met' if fast else 'NOT met'} (see lines above)")
         if args.json:
