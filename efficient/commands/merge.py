@@ -1,14 +1,4 @@
-"""Merge two trained runs of the same architecture into one model (`cca`, `permute` or `average`).
-
-CCA Merge (Horoi et al., ICML 2024) aligns B's hidden features to A's with the
-linear map of a canonical correlation analysis on a calibration pass, then averages the weights:
-    Sigma_AA^-1/2 Sigma_AB Sigma_BB^-1/2 = U S V^T,   T = Sigma_BB^-1/2 V U^T Sigma_AA^1/2,
-so that z_A ~ T^T z_B. B's layer l gets its output rows mapped by T^T and layer l+1 its input
-columns by T^-T (T^-1 = Sigma_AA^-1/2 U V^T Sigma_BB^1/2), then A and B' are averaged.
-`permute` matches neurons one-to-one on activation correlation (Hungarian), `average` is plain
-weight averaging. Models are chains of `nn.Linear` with elementwise activations between them
-(`model.linears()` if defined, else the Linear modules in registration order).
-"""
+"""Merge two trained runs of the same architecture into one model (`cca`, `permute` or `average`)."""
 
 from __future__ import annotations
 
@@ -19,7 +9,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from efficient.errors import ConfigError
+import efficient.merge as _merge
 from efficient.merge import METHODS, accuracy, merge_models
+
+__doc__ = _merge.__doc__  # `efficient merge --help` describes the method, whose home is efficient.merge
 
 if TYPE_CHECKING:
     from efficient.config import Recipe
