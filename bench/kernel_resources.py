@@ -114,7 +114,7 @@ def cases() -> list[Case]:
         for rate, label in ((False, "LIF"), (True, "PLIF")):
             out.append(_case("lif_fwd", f"{label} {dt}", lif._lif_fwd_kernel,
                              {"x_ptr": f"*{dt}", "rate_ptr": "*fp32", "s_ptr": f"*{dt}", "h_ptr": "*fp32", "N": "i32",
-                              "T": "i32", "c": "fp32", "v_th": "fp32", "v_reset": "fp32"},
+                              "T": "i32", "c": "fp32", "v_th": "fp32", "v_reset": "fp32", "stride_xt": "i64", "stride_xn": "i64"},
                              {"CHARGE": lif.CHARGE_DECAY_INPUT, "HAS_RATE": rate, "HARD": True, "BLOCK": lif._BLOCK},
                              lif._NUM_WARPS, True))
             out.append(_case("lif_bwd", f"{label} {dt}" + (" +grad_h" if rate else ""), lif._lif_bwd_kernel,

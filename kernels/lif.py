@@ -203,17 +203,20 @@ if HAS_TRITON:
 
     @triton.jit
     def _lif_fwd_kernel(
-        x_ptr, rate_ptr, s_ptr, h_ptr, N, T, c, v_th, v_reset,
+        x_ptr, rate_ptr, s_ptr, h_ptr, N, T, c, v_th, v_reset, stride_xt, stride_xn,
         CHARGE: tl.constexpr, HAS_RATE: tl.constexpr, HARD: tl.constexpr, BLOCK: tl.constexpr,
     ):
+        # x is read through its own strides (a transposed or sliced [T, N] view needs no copy);
+        # spikes and H are written dense row-major
         pid = tl.program_id(0)
         offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < N
+        x_ptrs = x_ptr + offs * stride_xn
         v = tl.zeros([BLOCK], dtype=tl.float32) + v_reset  # v_reset is 0.0 for soft reset
         if HAS_RATE:
             k = tl.load(rate_ptr).to(tl.float32)
         for _t in range(T):
-            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
             if CHARGE == _TL_LEAK:
                 h = c * v + x
             elif CHARGE == _TL_DECAY_INPUT:
@@ -233,7 +236,7 @@ if HAS_TRITON:
                 v = tl.where(spike, v_reset, h)
             else:
                 v = tl.where(spike, h - v_th, h)
-            x_ptr += N
+            x_ptrs += stride_xt
             h_ptr += N
             s_ptr += N
 
@@ -326,7 +329,7 @@ def _triton_forward(x, rate, c, v_th, v_reset, charge, spike_dtype):
     grid = (triton.cdiv(N, _BLOCK),)
     _lif_fwd_kernel[grid](
         x, rate if rate is not None else h, s, h, N, T, float(c), float(v_th),
-        float(v_reset) if hard else 0.0,
+        float(v_reset) if hard else 0.0, x.stride(0), x.stride(1),
         CHARGE=charge, HAS_RATE=rate is not None, HARD=hard, BLOCK=_BLOCK, num_warps=_NUM_WARPS,
     )
     return s, h
@@ -476,10 +479,11 @@ def lif_forward_op(
     """x [T, N], any strides -> (spikes [T, N] spike_dtype, H [T, N] fp32), both contiguous.
 
     `c` is tau (or lambda for the LEAK charge); surrogate/alpha/detach_reset are used by the backward.
-    The kernels index a dense row-major [T, N], so a strided x is copied once here.
+    The Triton kernel reads x through its strides; the CPU loops index a dense [T, N], so a strided
+    x is copied once for them.
     """
     _check_op_args(x, charge, surrogate, impl)
-    return _run_forward(x.contiguous(), rate, c, v_threshold, v_reset, charge, spike_dtype, impl)
+    return _run_forward(x if impl == "triton" else x.contiguous(), rate, c, v_threshold, v_reset, charge, spike_dtype, impl)
 
 
 def _check_op_args(x: Tensor, charge: int, surrogate: int, impl: str) -> None:

@@ -57,7 +57,13 @@ def main() -> int:
     compare("T1", _x((1, 4, 3), 3), tau=1.5, v_reset=0.0, detach_reset=False, surrogate="atan", alpha=2.0)
     nc = _x((35, 5), 4).t()  # [5, 35] with strides (1, 5): flattening keeps it a strided view
     assert not nc.detach().clone().reshape(5, -1).is_contiguous(), "the op must receive the strided tensor"
-    compare("noncontiguous", nc, v_reset=None, detach_reset=False)
+    seen, real = [], K._triton_forward
+    K._triton_forward = lambda x, *a: (seen.append(x.is_contiguous()), real(x, *a))[1]
+    try:  # the kernel itself gets the strided view (it reads x through its strides, no copy first)
+        compare("noncontiguous", nc, v_reset=None, detach_reset=False)
+    finally:
+        K._triton_forward = real
+    assert seen == [False], f"the Triton forward should see the strided tensor once, saw contiguous={seen}"
     compare("two-blocks", _x((2, 1500), 5), v_reset=0.0, detach_reset=False, surrogate="triangle", alpha=1.0)
     for vr, dec in itertools.product([0.0, None], [True, False]):
         compare(f"plif-vr{vr}-decay{dec}", _x((4, 1100), 6), with_rate=True, v_reset=vr, detach_reset=False,
