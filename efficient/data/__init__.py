@@ -10,7 +10,8 @@ from torch.utils.data import Dataset
 
 from efficient.errors import ConfigError
 
-DATA_MODULES = ["efficient.data.vision", "efficient.data.text", "efficient.data.preferences", "efficient.data.pu", "efficient.data.ssl"]
+DATA_MODULES = ["efficient.data.vision", "efficient.data.text", "efficient.data.preferences", "efficient.data.pu", "efficient.data.ssl",
+                "efficient.data.events"]
 
 
 @dataclass
