@@ -146,6 +146,8 @@ class SpikeDrivenTransformer(SpikingTransformer):
 
 
 CIFAR10 = InputSpec((3, 32, 32), timesteps=4, mean=CIFAR_MEAN, std=CIFAR_STD, num_classes=10)
+DVS128 = InputSpec((2, 128, 128), timesteps=16, num_classes=11)
+SDT_DVS = SDTConfig(embed_dim=256, depth=2, num_heads=16, img_size=128, in_chans=2, pool_stages=4, num_classes=11, timesteps=16)
 SDT_CIFAR = SDTConfig(embed_dim=512, depth=2, num_heads=8, img_size=32, pool_stages=2, num_classes=10, reference_params=True)
 
 VARIANTS: dict[str, Variant] = {
@@ -153,6 +155,11 @@ VARIANTS: dict[str, Variant] = {
     "sdt-stata": Variant(
         CIFAR10, STATA_PAPER, "sdt-2-512 + STATA: anchor per timestep, prune blocks 1,2 at rho=0.7 (65->46->33 tokens)",
         replace(SDT_CIFAR, stata=replace(STATA, prune_blocks=[1, 2]))),
+    "sdt-2-256-dvs": Variant(DVS128, PAPER, "DVS128 Gesture / CIFAR10-DVS config: 2 blocks, D=256, 16 heads, "
+                             "128px event frames (2 polarities), T=16", SDT_DVS),
+    "sdt-2-256-dvs-stata": Variant(
+        DVS128, STATA_PAPER, "sdt-2-256-dvs + STATA: anchor per timestep, prune blocks 1,2 at rho=0.7 (65->46->33 tokens)",
+        replace(SDT_DVS, stata=replace(STATA, prune_blocks=[1, 2]))),
 }
 
 register_variants(SpikeDrivenTransformer, VARIANTS, family="sdt")

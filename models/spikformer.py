@@ -340,6 +340,11 @@ IMAGENET_CFG = SpikformerConfig(embed_dim=512, depth=8, num_heads=8, img_size=22
 TINY = SpikformerConfig(embed_dim=64, depth=2, num_heads=4, img_size=16, in_chans=1, pool_stages=1, num_classes=10)
 # paper-like STATA default (seeds/stata.md): anchor per timestep, EViT's rho = 0.7 and keep-rate warm-up
 STATA = StataConfig(anchor="per_timestep", keep_ratio=0.7, keep_warmup_start=10.0, keep_warmup_epochs=60.0)
+# DVS128 Gesture / CIFAR10-DVS config: event frames [T=16, 2, 128, 128] are the T steps (binary, no
+# repetition of a static image), 4 pooled stem stages -> 8x8 tokens, 2 blocks, D=256, 16 heads
+DVS128 = InputSpec((2, 128, 128), timesteps=16, num_classes=11)
+DVS = SpikformerConfig(embed_dim=256, depth=2, num_heads=16, img_size=128, in_chans=2, pool_stages=4, num_classes=11,
+                       timesteps=16)
 
 
 def with_stata(cfg: SpikformerConfig, **stata: Any) -> SpikformerConfig:
@@ -360,6 +365,11 @@ VARIANTS: dict[str, Variant] = {
     "spikformer-tiny-stata": Variant(
         DIGITS, STATA_PAPER, "spikformer-tiny + STATA: anchor per timestep, prune blocks 1,2 at rho=0.5 (65->33->17 tokens)",
         replace(TINY, lean_inference=True, stata=StataConfig(anchor="per_timestep", prune_blocks=[1, 2], keep_ratio=0.5))),
+    "spikformer-2-256-dvs": Variant(DVS128, PAPER, "DVS128 Gesture / CIFAR10-DVS config: 2 blocks, D=256, 16 heads, "
+                                    "128px event frames (2 polarities), T=16", DVS),
+    "spikformer-2-256-dvs-stata": Variant(
+        DVS128, STATA_PAPER, "spikformer-2-256-dvs + STATA: anchor per timestep, prune blocks 1,2 at rho=0.7 (65->46->33 tokens)",
+        with_stata(DVS, prune_blocks=[1, 2])),
 }
 
 register_variants(Spikformer, VARIANTS, family="spikformer")

@@ -86,6 +86,14 @@ CASES: list[Case] = [
     Case("stata/not-lean", "spikformer-tiny-stata", {**SPIKING, "lean_inference": False}, ("eval",)),
     Case("sdt/fuse-after-block", "sdt-stata", {**SPIKING, "embed_dim": 64, "num_heads": 4, "fuse_pruned": True,
                                                 "prune_point": "after_block"}, ("train:done", "eval")),
+    # the DVS entries at 64 px (4x4 tokens) and T=2 instead of 128 px and T=16: same layers and init
+    Case("spikformer-2-256-dvs", "spikformer-2-256-dvs", {**SPIKING, "img_size": 64, "timesteps": 2},
+         note="64 px, T=2 instead of 128 px, T=16"),
+    Case("spikformer-2-256-dvs-stata", "spikformer-2-256-dvs-stata", {**SPIKING, "img_size": 64, "timesteps": 2},
+         STATA_MODES, note="64 px, T=2 (17 -> 12 -> 9 tokens)"),
+    Case("sdt-2-256-dvs", "sdt-2-256-dvs", {**SPIKING, "img_size": 64, "timesteps": 2}, note="64 px, T=2"),
+    Case("sdt-2-256-dvs-stata", "sdt-2-256-dvs-stata", {**SPIKING, "img_size": 64, "timesteps": 2}, STATA_MODES,
+         note="64 px, T=2"),
 ]
 
 
