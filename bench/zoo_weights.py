@@ -5,8 +5,8 @@
     python bench/zoo_weights.py --only stable-snn-digits:digits-rho0 --reuse
 
 Each job runs `efficient train RECIPE [overrides] --out RUNS/NAME-TAG` (one at a time), evaluates the
-best checkpoint on the validation split in fp32 and as fp16 weights, and ships fp16 when the headline
-metric is unchanged within FP16_TOL (else fp32). Retrained metrics must match the recorded ones
+best checkpoint on the validation split in fp32 and as fp16 weights, and ships fp16 when every
+accuracy (clean and robust; the loss for a language model) is unchanged within FP16_TOL, else fp32. Retrained metrics must match the recorded ones
 within --tol-acc (absolute) / --tol-loss (relative).
 """
 
@@ -65,6 +65,12 @@ def close(new: float, ref: float, metric: str, tol_acc: float, tol_loss: float) 
     return abs(new - ref) <= tol_acc if metric.startswith("acc") else abs(new - ref) <= tol_loss * abs(ref)
 
 
+def fp16_unchanged(m32: dict[str, float], m16: dict[str, float]) -> bool:
+    """Every accuracy (clean and robust) within FP16_TOL["acc"]; a model without one, its loss within FP16_TOL["loss"]."""
+    keys = [k for k in m32 if k.startswith("acc")] or ["loss"]
+    return all(close(m16[k], m32[k], k, FP16_TOL["acc"], FP16_TOL["loss"]) for k in keys)
+
+
 def train(job: Job, run_dir: Path, reuse: bool) -> float:
     """Train `job` into `run_dir` (skipped with `reuse` when a best checkpoint is there); seconds taken."""
     if reuse and (run_dir / "checkpoint" / "best" / "model.safetensors").exists():
@@ -104,7 +110,7 @@ def run_job(job: Job, runs: Path, args: argparse.Namespace, manifest: dict) -> d
     with tempfile.TemporaryDirectory() as tmp:
         f16 = Path(tmp) / "w.safetensors"
         m16 = hub.evaluate(fp16_copy(job, model, options, f16), ROOT / job.recipe, job.overrides)
-        use16 = close(m16[metric], m32[metric], metric, FP16_TOL["acc"], FP16_TOL["loss"])
+        use16 = fp16_unchanged(m32, m16)
         f32 = Path(tmp) / "w32.safetensors"
         zoo.save_model(model, f32, job.name, options)
         src = f16 if use16 else f32

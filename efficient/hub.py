@@ -272,6 +272,7 @@ def write_manifest(entries: dict[str, dict[str, dict[str, Any]]], path: Path = M
 
     ordered = {n: {t: entries[n][t] for t in sorted(entries[n])} for n in sorted(entries)}
     write_text(path, json.dumps(ordered, indent=2, sort_keys=False) + "\n")
+    path.chmod(0o644)  # package data: readable by every user of an installation
     _manifest.cache_clear()
 
 
