@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     for col in ("name", "params", "input", "weights", "paper"):
         table.add_column(col, justify="right" if col == "params" else "left")
     for n, p, e in rows:
-        weights = "; ".join(f"{w.summary()}" + ("" if w.tag == w.dataset else f" [{w.tag}]") for w in e.weights().values())
+        weights = "; ".join(w.summary() if w.tag == w.dataset else f"{w.tag} ({w.summary()})" for w in e.weights().values())
         table.add_row(n, f"{p / 1e6:.2f}M", e.input_spec.describe(), weights or "-", e.paper)
     console.print(table)
     return 0
