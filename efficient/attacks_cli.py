@@ -106,6 +106,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     target = Path(args.target)
     run_data = None
     if target.is_dir():
+        if args.pretrained is not None:
+            raise ConfigError(f"--pretrained applies to zoo names; {target} brings its own weights (pick them with --checkpoint)")
         from efficient.config import load_yaml
 
         run_data = (load_yaml(target / "config.yaml") if (target / "config.yaml").exists() else {}).get("data")

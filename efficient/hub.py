@@ -28,7 +28,6 @@ WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 MANIFEST = WEIGHTS_DIR / "manifest.json"
 HF_PREFIX = "hf-hub:"
 _SHA_FRAGMENT = re.compile(r"^sha256=([0-9a-fA-F]{64})$")
-_HASH_IN_NAME = re.compile(r"-([0-9a-f]{8,64})\.[A-Za-z0-9]+$")  # torch.hub style: name-<sha256 prefix>.ext
 
 
 @dataclass(frozen=True)
@@ -116,8 +115,7 @@ def is_url(text: str) -> bool:
 
 
 def split_url(url: str) -> tuple[str, str | None]:
-    """(url without fragment, expected sha256 or None): `#sha256=HEX` (pip's convention) gives
-    the full hash; a torch.hub-style file name `NAME-<hex prefix>.EXT` a prefix of it."""
+    """(url without fragment, expected sha256 or None), the hash given as `#sha256=HEX` (pip's convention)."""
     parts = urllib.parse.urlsplit(url)
     bare = urllib.parse.urlunsplit(parts._replace(fragment=""))
     if parts.fragment:
@@ -125,15 +123,13 @@ def split_url(url: str) -> tuple[str, str | None]:
         if not m:
             raise ConfigError(f"{url}: the URL fragment should be '#sha256=<64 hex digits>', got '#{parts.fragment}'")
         return bare, m.group(1).lower()
-    m = _HASH_IN_NAME.search(Path(parts.path).name)
-    return bare, (m.group(1) if m else None)
+    return bare, None
 
 
 def download(url: str, sha256: str | None = None, cache: Path | None = None, progress: bool = False) -> Path:
     """The cached copy of `url`, downloaded on first use with `torch.hub.download_url_to_file`.
 
-    `sha256` (full hash or a prefix of at least 8 hex digits) is checked before the file enters the
-    cache; a mismatch raises ArtifactError and leaves nothing behind. The file is moved into place
+    `sha256` is checked before the file enters the cache; a mismatch raises ArtifactError and leaves nothing behind. The file is moved into place
     atomically, so an interrupted download never looks like a cached one."""
     from torch.hub import download_url_to_file
 
@@ -141,10 +137,8 @@ def download(url: str, sha256: str | None = None, cache: Path | None = None, pro
     name = Path(urllib.parse.urlsplit(url).path).name or "weights"
     key = hashlib.sha256(url.encode()).hexdigest()[:16]
     dest = cache / "weights" / key / name
-    if sha256 is not None and len(sha256) < 8:
-        raise ConfigError(f"{url}: an expected sha256 needs at least 8 hex digits, got {sha256!r}")
     if dest.exists():
-        if sha256 is None or sha256_file(dest).startswith(sha256.lower()):
+        if sha256 is None or sha256_file(dest) == sha256.lower():
             return dest
         dest.unlink()  # a cached copy that no longer matches (edited by hand): fetch it again
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -158,7 +152,7 @@ def download(url: str, sha256: str | None = None, cache: Path | None = None, pro
             raise ArtifactError(f"{url}: download failed ({type(e).__name__}: {e}). Check the URL and the network, "
                                 "or download the file yourself and pass its path as pretrained=PATH.") from None
         actual = sha256_file(tmp)
-        if sha256 is not None and not actual.startswith(sha256.lower()):
+        if sha256 is not None and actual != sha256.lower():
             raise ArtifactError(f"{url}: sha256 mismatch: expected {sha256.lower()}, downloaded file has {actual}. "
                                 "The file is corrupt or not the one expected; it was not cached. Try again, or check the source.")
         os.replace(tmp, dest)

@@ -242,8 +242,8 @@ def _register_timm(entry: ModelEntry) -> None:
     def fn(pretrained: bool = False, **kwargs: Any) -> nn.Module:
         for k in ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir"):
             kwargs.pop(k, None)
-        if pretrained:
-            raise ValueError("timm cannot fetch weights for efficient models; use efficient.load(name, pretrained=True | TAG | PATH | URL)")
+        if pretrained:  # the weights shipped with the package (an error names the models that have some)
+            return load(entry.name, pretrained=True, **kwargs)
         return create(entry.name, **kwargs)
 
     fn.__name__ = entry.name.replace("-", "_")
