@@ -93,6 +93,12 @@ class ModelEntry:
             return False
         return any(p.kind is p.VAR_KEYWORD for p in inspect.signature(self.options_fn()).parameters.values())
 
+    def weights(self) -> dict[str, Any]:
+        """Tag -> shipped checkpoint (`efficient.hub.ShippedWeights`), the default first."""
+        from efficient import hub
+
+        return hub.shipped(self.name)
+
     def resolved_cfg(self, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
         cfg = {k: p.default for k, p in self.accepted_kwargs().items() if p.default is not inspect.Parameter.empty}
         cfg.update(self.default_cfg)
@@ -236,8 +242,8 @@ def _register_timm(entry: ModelEntry) -> None:
     def fn(pretrained: bool = False, **kwargs: Any) -> nn.Module:
         for k in ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir"):
             kwargs.pop(k, None)
-        if pretrained:
-            raise ValueError("timm cannot fetch weights for efficient models; use efficient.load(name, pretrained=PATH)")
+        if pretrained:  # the weights shipped with the package (an error names the models that have some)
+            return load(entry.name, pretrained=True, **kwargs)
         return create(entry.name, **kwargs)
 
     fn.__name__ = entry.name.replace("-", "_")
@@ -315,28 +321,48 @@ def create(name: str, **overrides: Any) -> nn.Module:
     return model
 
 
-def load(name_or_path: str | Path, pretrained: str | Path | None = None, allow_pickle: bool = False, **overrides: Any) -> nn.Module:
+def load(name_or_path: str | Path, pretrained: bool | str | Path | None = None, allow_pickle: bool = False,
+         **overrides: Any) -> nn.Module:
     """Build a model from a zoo name, a run dir, or a `.safetensors` file with its sidecar config.
 
-    `pretrained` (for zoo names) is a run dir, a `.safetensors` file, or a torch state-dict file
-    (`.pt`; pickled objects are refused unless `allow_pickle=True`).
+    `pretrained` (for zoo names): True (the weights shipped for it), a tag of them (``"digits"``),
+    a URL (downloaded once into the cache and checked against ``#sha256=HEX``), ``hf-hub:ORG/NAME``,
+    a run dir, a `.safetensors` file, or a torch state-dict file (`.pt`; pickled objects are refused
+    unless `allow_pickle=True`). Shipped weights bring the options they were trained with (overrides
+    go on top). The model's `pretrained_cfg` records where its weights came from.
     """
     p = Path(name_or_path)
+    provenance: dict[str, Any] | None = None
     if p.exists():
+        if pretrained is True or (isinstance(pretrained, str) and not Path(pretrained).exists()):
+            raise ConfigError(f"{p}: a run dir or weights file brings its own weights; pretrained= takes a file or run dir here")
         name, cfg, weights = _resolve_artifact(p)
         cfg.update(overrides)
         model = _create_from_artifact(p, name, cfg)
         load_weights(model, weights)
+        provenance = {"source": "file", "architecture": name, "file": str(weights)}
     else:
         if str(name_or_path).endswith(".safetensors") or "/" in str(name_or_path):
             raise ConfigError(f"{name_or_path}: no such file or directory (expected a zoo name, a run dir or a .safetensors file)")
-        model = create(str(name_or_path), **overrides)
-    if pretrained is not None:
+        resolved = None
+        if pretrained is not None and pretrained is not False:
+            from efficient import hub
+
+            resolved = hub.resolve(get_entry(str(name_or_path)).name, pretrained)
+        model = create(str(name_or_path), **({**resolved.config, **overrides} if resolved else overrides))
+        if resolved is not None:
+            load_weights(model, resolved.file)
+            provenance = resolved.pretrained_cfg
+            pretrained = None
+    if pretrained is not None and pretrained is not False:
         src = Path(pretrained)
         if not src.exists():
-            raise ConfigError(f"pretrained={pretrained!s}: no such file or directory (give a run dir or a .safetensors file)")
+            raise ConfigError(f"pretrained={pretrained!s}: no such file or directory (give a run dir, a .safetensors file, a URL or a shipped tag)")
         weights = src if src.is_file() else _resolve_artifact(src)[2]  # a file: only its tensors are needed
         load_weights(model, weights, allow_pickle)
+        provenance = {"source": "file", "architecture": getattr(model, "zoo_name", None), "file": str(weights)}
+    if provenance is not None:
+        model.pretrained_cfg = provenance  # type: ignore[assignment]
     model.eval()
     return model
 
@@ -480,7 +506,9 @@ def save_model(model: nn.Module, path: Path, name: str | None = None, cfg: dict[
 
 def entry_summary(entry: ModelEntry) -> dict[str, Any]:
     d = {k: v for k, v in asdict(entry.input_spec).items()}
-    return {"name": entry.name, "paper": entry.paper, "description": entry.description, "input": d, "config": entry.resolved_cfg()}
+    weights = {t: {k: v for k, v in asdict(w).items() if k not in ("name", "tag")} for t, w in entry.weights().items()}
+    return {"name": entry.name, "paper": entry.paper, "description": entry.description, "input": d, "config": entry.resolved_cfg(),
+            "weights": weights}
 
 
 def count_params(model: nn.Module) -> int:

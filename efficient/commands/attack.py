@@ -16,7 +16,9 @@ from efficient.errors import ConfigError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("target", metavar="RUN_OR_MODEL", help="a run dir, a .safetensors file, or a zoo name (fresh weights)")
+    p.add_argument("target", metavar="RUN_OR_MODEL", help="a run dir, a .safetensors file, or a zoo name (fresh weights unless --pretrained)")
+    p.add_argument("--pretrained", metavar="SOURCE", nargs="?", const=True,
+                   help="zoo names: the shipped weights (no value; attacked on their validation data), a tag of them, a file or URL")
     p.add_argument("--attack", action="append", help="fgsm, pgd, apgd-ce or apgd-dlr; repeat or comma-separate (default: fgsm,pgd)")
     p.add_argument("--eps", default="8/255", help="L-inf radius in [0, 1] pixel units, e.g. 8/255 (default)")
     p.add_argument("--steps", type=int, help="PGD/APGD iterations (default 10; FGSM is one step)")
@@ -104,6 +106,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     target = Path(args.target)
     run_data = None
     if target.is_dir():
+        if args.pretrained is not None:
+            raise ConfigError(f"--pretrained applies to zoo names; {target} brings its own weights (pick them with --checkpoint)")
         from efficient.config import load_yaml
 
         run_data = (load_yaml(target / "config.yaml") if (target / "config.yaml").exists() else {}).get("data")
@@ -114,7 +118,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         elif args.checkpoint != "best":
             raise ConfigError(f"{target}: no {args.checkpoint} checkpoint ({weights} missing)")
     else:
-        model = zoo.load(args.target)
+        model = zoo.load(args.target, pretrained=args.pretrained)
+        run_data = getattr(model, "pretrained_cfg", {}).get("data")  # shipped weights know their dataset
     name = getattr(model, "zoo_name", type(model).__name__)
     bundle, stats = load_pixel_data(_data_section(args, run_data))
     num_classes = getattr(model, "num_classes", bundle.num_classes)

@@ -34,6 +34,8 @@ def _threshold(text: str) -> float | None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="zoo name, run dir, or .safetensors file of an early-exit model")
+    parser.add_argument("--pretrained", metavar="SOURCE", nargs="?", const=True,
+                        help="zoo names: the shipped weights (no value), a tag of them, a run dir, .safetensors file or URL")
     parser.add_argument("--prompt", required=True, help="prompt text (UTF-8, encoded as bytes)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--exit-threshold", type=_threshold, default=None, help="exit when max-prob >= this, in (0, 1]; 'none' (default) or 1 never exits")
@@ -59,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         vocab = get_entry(args.model).resolved_cfg().get("vocab_size")
         if vocab != 256:
             raise ConfigError(f"generate: {args.model} has a {vocab}-token vocabulary; only byte-level (256) models have a tokenizer here")
-    model = load(args.model)
+    model = load(args.model, pretrained=args.pretrained)
     if not hasattr(model, "exit_layers"):
         raise ConfigError(f"generate: {args.model} is not an early-exit language model (try ee-gpt-tiny)")
     if model.vocab_size != 256:

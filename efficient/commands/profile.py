@@ -31,7 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timesteps", type=int, metavar="T", help="override the model's time steps")
     p.add_argument("--checkpoint", choices=("last", "best"), default="last",
                    help="weights of a run dir: last (default; what the run's report profiled) or best")
-    p.add_argument("--pretrained", metavar="RUN", help="load weights from a run dir or .safetensors file (zoo names)")
+    p.add_argument("--pretrained", metavar="SOURCE", nargs="?", const=True,
+                   help="zoo names: the shipped weights (no value), a tag of them, a run dir, .safetensors file or URL; "
+                        "shipped weights are profiled on their validation data unless --data/--input say otherwise")
     p.add_argument("--data", metavar="SOURCE",
                    help="inputs: 'val' (a run's own validation data; default for run dirs), 'random' (default for "
                         "zoo names), or a recipe YAML / dataset name for its validation inputs (also measures exits)")
@@ -102,6 +104,11 @@ def _profile(name: str, args: argparse.Namespace, data: list[Any] | None, pretra
                                      timesteps=args.timesteps, energy=args.energy, flops_per_mac=args.flops_per_mac)
     else:
         model, label = load(name, pretrained=pretrained), name
+        trained_on = getattr(model, "pretrained_cfg", {}).get("data")
+        if trained_on and args.data is None and not args.input:  # shipped weights: their own validation inputs
+            from efficient.hub import validation_batches
+
+            mode, data = "dataset", validation_batches(trained_on, args.batch or 8, args.data_batches)
     energy = args.energy or "45nm-fp32"
     flops_per_mac = args.flops_per_mac if args.flops_per_mac is not None else 2
     if mode == "random":

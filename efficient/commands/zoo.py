@@ -35,18 +35,24 @@ def run(args: argparse.Namespace) -> int:
         table.add_row("input", entry.input_spec.describe())
         for k, v in info["config"].items():
             table.add_row(f"config.{k}", str(v))
+        for tag, w in entry.weights().items():
+            table.add_row(f"weights.{tag}", f"{w.summary()} ({w.dtype}, sha256 {w.sha256[:12]}...): {w.command}")
+            table.add_row(f"weights.{tag}.options", ", ".join(f"{k}={v}" for k, v in w.config.items()))
         console.print(table)
         return 0
     pattern = args.args[0] if args.args else None
     names = zoo.list_models(pattern)
     rows = [(n, zoo.meta_param_count(n), zoo.get_entry(n)) for n in names]
     if args.format == "json":
-        print(json.dumps([{"name": n, "params": p, "input": e.input_spec.describe(), "paper": e.paper} for n, p, e in rows], indent=2))
+        print(json.dumps([{"name": n, "params": p, "input": e.input_spec.describe(), "paper": e.paper,
+                           "weights": {t: {"dataset": w.dataset, "metrics": w.metrics} for t, w in e.weights().items()}}
+                          for n, p, e in rows], indent=2))
         return 0
     table = Table(title="efficient model zoo")
-    for col in ("name", "params", "input", "paper"):
+    for col in ("name", "params", "input", "weights", "paper"):
         table.add_column(col, justify="right" if col == "params" else "left")
     for n, p, e in rows:
-        table.add_row(n, f"{p / 1e6:.2f}M", e.input_spec.describe(), e.paper)
+        weights = "; ".join(w.summary() if w.tag == w.dataset else f"{w.tag} ({w.summary()})" for w in e.weights().values())
+        table.add_row(n, f"{p / 1e6:.2f}M", e.input_spec.describe(), weights or "-", e.paper)
     console.print(table)
     return 0
