@@ -54,6 +54,8 @@ JOBS: list[Job] = [
     Job("stable-snn-digits", "digits", "recipes/stable_snn_digits.yaml"),  # rho = 1 (the recipe's)
     Job("stable-snn-digits", "digits-rho0", "recipes/stable_snn_digits.yaml", ["objective.rho=0"], default=False),
     Job("ee-gpt-tiny", "text", "recipes/ee_gpt_text.yaml"),
+    # the event-camera simulation of digits (efficient/data/events.py): 2 polarity channels, 16x16
+    Job("spikformer-tiny-stata", "saccade-digits", "recipes/stata_saccade_digits.yaml", default=False),
 ]
 
 
