@@ -29,6 +29,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
+from efficient.kernels import _backend
 from efficient.kernels.lif import BACKENDS, leaky, lif
 
 __all__ = ["accelerate", "AccelerateReport", "Replaced", "Skipped"]
@@ -69,6 +70,16 @@ class AccelerateReport:
         return "\n".join(lines)
 
 
+def _backend_for(module: Any, x: Tensor) -> str:
+    """"auto" = Triton on CUDA and, on CPU, the compiled fused loop at every size: a training loop
+    repays its one-time compilation (tens of seconds per neuron configuration), and the eager loop
+    is no faster than the libraries' own steps."""
+    backend = module._efficient_backend
+    if backend == "auto" and x.device.type == "cpu" and _backend.have_cxx_compiler():
+        return "compile"
+    return backend
+
+
 def _type_name(m: nn.Module) -> str:
     for cls in type(m).__mro__:
         if not cls.__name__.startswith("Accelerated"):
@@ -101,7 +112,7 @@ def _sj_multi_step(node: Any, x_seq: Tensor, **charge: Any) -> Tensor:
     spikes, h = lif(
         x_seq, v_threshold=node.v_threshold, v_reset=node.v_reset, detach_reset=node.detach_reset,
         surrogate=node._efficient_surrogate, alpha=node._efficient_alpha, v_init=v.expand(x_seq.shape[1:]),
-        return_membrane=True, backend=node._efficient_backend, **charge,
+        return_membrane=True, backend=_backend_for(node, x_seq), **charge,
     )
     sr = spikes.detach() if node.detach_reset else spikes
     h = h.to(v.dtype)
@@ -207,7 +218,7 @@ def _snn_leaky_multi_step(self: Any, x_seq: Tensor, mem: Optional[Tensor] = None
     spikes, mems = leaky(
         x_seq, self.beta.clamp(0, 1), self.threshold, self.reset_mechanism, self._efficient_surrogate,
         self._efficient_alpha, mem=self.mem, spike_dtype=x_seq.dtype, return_membrane=True,
-        backend=self._efficient_backend,
+        backend=_backend_for(self, x_seq),
     )
     mems = mems.to(x_seq.dtype)
     g = self.graded_spikes_factor
@@ -288,7 +299,8 @@ def accelerate(model: nn.Module, backend: str = "auto") -> tuple[nn.Module, Acce
 
     Returns (model, report): `report.replaced` lists what now runs on the kernels, `report.skipped`
     every neuron (or candidate stack) left as it was, with the reason. `backend` is passed to
-    `efficient.kernels.lif` ("auto": Triton on CUDA, the fused CPU loop otherwise).
+    `efficient.kernels.lif`; "auto" is Triton on CUDA and the compiled fused loop on CPU (its first
+    call compiles, once per neuron configuration), "loop" the same loop uncompiled.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not supported; choose one of {sorted(BACKENDS)}")

@@ -19,6 +19,9 @@ from snntorch import utils as snn_utils  # noqa: E402
 from spikingjelly.activation_based import functional, layer, surrogate  # noqa: E402
 
 T = 4
+# the uncompiled fused loop keeps these tests quick; the compiled loop ("auto" on CPU) runs the same
+# code through inductor and is checked against the libraries in the `*_compiled` cases
+BACKEND = "loop"
 
 
 def _spike_recorder(model: nn.Module, kinds: tuple) -> list:
@@ -67,9 +70,10 @@ def _run_sj(model, x, calls: int, reset: bool):
     return outs, grads
 
 
-def _compare_sj(model: nn.Module, x: torch.Tensor, reset: bool = True, expect_replaced: int = 1) -> None:
+def _compare_sj(model: nn.Module, x: torch.Tensor, reset: bool = True, expect_replaced: int = 1,
+                backend: str = BACKEND) -> None:
     before = model
-    after, report = efficient.accelerate(copy.deepcopy(model))
+    after, report = efficient.accelerate(copy.deepcopy(model), backend=backend)
     assert len(report.replaced) >= expect_replaced and not report.skipped, str(report)
     kinds = (sj_neuron.BaseNode,)
     sb, sa = _spike_recorder(before, kinds), _spike_recorder(after, kinds)
@@ -85,7 +89,7 @@ def test_spikformer_cifar10_is_unchanged():
     torch.manual_seed(0)
     model = spikformer_cifar10(T=2)
     x = torch.rand(2, 3, 32, 32)
-    _compare_sj(model, x, expect_replaced=10)
+    _compare_sj(model, x, expect_replaced=10, backend="auto")
 
 
 def _sj_conv(neuron_fn) -> nn.Module:
@@ -200,9 +204,9 @@ def _run_snn(net, x, fn):
 @pytest.mark.parametrize("reset", ["subtract", "zero", "none"])
 @pytest.mark.parametrize("build", [_snn_mlp, _snn_conv], ids=["mlp", "conv"])
 @pytest.mark.parametrize("per_neuron", [False, True], ids=["scalar-beta", "per-neuron-beta"])
-def test_snntorch_net_is_unchanged(build, reset, per_neuron):
+def test_snntorch_net_is_unchanged(build, reset, per_neuron, backend=BACKEND):
     before = build(reset, per_neuron)
-    after, report = efficient.accelerate(copy.deepcopy(before))
+    after, report = efficient.accelerate(copy.deepcopy(before), backend=backend)
     assert not report.skipped, str(report)
     assert isinstance(after, AcceleratedSequential) and isinstance(after[-1], snn.Leaky)
     x = torch.rand(T, 2, 2, 8, 8) * 1.5
@@ -217,10 +221,14 @@ def test_snntorch_net_is_unchanged(build, reset, per_neuron):
     assert torch.equal(s1, s2) and torch.equal(m1, m2)
 
 
+def test_snntorch_net_is_unchanged_compiled():
+    test_snntorch_net_is_unchanged(_snn_conv, "zero", True, backend="auto")
+
+
 def test_snntorch_state_continues_across_multi_step_calls():
     """Two multi_step calls without reset equal one run over both halves (state carried)."""
     net = _snn_mlp("subtract", True)
-    after, _ = efficient.accelerate(copy.deepcopy(net))
+    after, _ = efficient.accelerate(copy.deepcopy(net), backend=BACKEND)
     x = torch.rand(6, 2, 2, 8, 8) * 1.5
     s_all, m_all = _snn_loop(net, x)
     snn_utils.reset(after)
@@ -278,9 +286,9 @@ def test_profiler_counts_are_unchanged():
     net = _sj_conv(SJ_NEURONS["plif"])
     before = _counts(net, x)
     functional.reset_net(net)
-    efficient.accelerate(net)
+    efficient.accelerate(net, backend=BACKEND)
     assert _counts(net, x) == before and before["dense_macs"] > 0
     snet = _snn_conv("subtract", False)
     before = _counts(_Loop(snet, False), x)
-    efficient.accelerate(snet)
+    efficient.accelerate(snet, backend=BACKEND)
     assert _counts(_Loop(snet, True), x) == before and before["sops"] > 0
