@@ -664,7 +664,7 @@ def _run_leaky_forward(x, m0, beta, thr, reset, spike_dtype, impl):
         return _triton_leaky_forward(x, m0, beta, thr, reset, spike_dtype)
     static = (("reset", reset), ("spike_dtype", spike_dtype))
     if impl == "inductor":
-        return _compiled("leaky_forward", static)(x, m0, beta, thr)
+        return _compiled("leaky_forward", static)(*_unviewed((x, m0, beta, thr)))
     return _leaky_loop_forward(x, m0, beta, thr, **dict(static))
 
 
@@ -674,7 +674,7 @@ def _run_leaky_backward(gs, gm, m, m0, beta, thr, reset, surrogate, alpha, x_dty
     static = (("reset", reset), ("surrogate", surrogate), ("x_dtype", x_dtype))
     args = (gs, gm, m, m0, beta, thr, *_scalars(m.device, alpha))
     if impl == "inductor":
-        return _compiled("leaky_backward", static)(*args)
+        return _compiled("leaky_backward", static)(*_unviewed(args))
     return _leaky_loop_backward(*args, **dict(static))
 
 
@@ -696,6 +696,12 @@ def _compiled(fn_name: str, static: tuple):
 _compiled_names: list[str] = []
 
 
+def _unviewed(args: tuple) -> tuple:
+    """Tensors as non-views (detach drops `_base`, no copy): dynamo otherwise guards on the layout of
+    each view's base, and recompiles (up to its limit, then runs eagerly) for every new one."""
+    return tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
+
+
 def _scalars(device, *values):
     return [torch.tensor(float(v), dtype=torch.float32, device=device) for v in values]
 
@@ -707,7 +713,7 @@ def _run_forward(x, rate, c, v_th, v_reset, charge, spike_dtype, impl, v0=None):
     static = (("charge", charge), ("hard", hard), ("spike_dtype", spike_dtype))
     args = (x, rate, *_scalars(x.device, c, v_th, v_reset if hard else 0.0), v0)
     if impl == "inductor":
-        return _compiled("forward", static)(*args)
+        return _compiled("forward", static)(*_unviewed(args))
     return _loop_forward(*args, **dict(static))
 
 
@@ -720,7 +726,7 @@ def _run_backward(gs, gm, h, rate, c, v_th, v_reset, charge, surrogate, alpha, d
     )
     args = (gs, gm, h, rate, *_scalars(h.device, c, v_th, v_reset if hard else 0.0, alpha), v0)
     if impl == "inductor":
-        return _compiled("backward", static)(*args)
+        return _compiled("backward", static)(*_unviewed(args))
     return _loop_backward(*args, **dict(static))
 
 
@@ -898,8 +904,11 @@ def leaky_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients of leaky_forward from the membrane alone: (grad x [T, N] x_dtype, grad m0 [N] (empty
     without m0), grad beta [N], grad threshold [N], all fp32 but grad x)."""
-    gs = grad_spikes.contiguous()
-    gm = grad_mem.contiguous() if grad_mem is not None else None
+    # the Triton kernels index dense [T, N]; the torch loops read any strides (a loss like
+    # spikes.sum() hands back an expanded gradient, which would otherwise be copied in full)
+    dense = (lambda t: t.contiguous()) if impl == "triton" else (lambda t: t)
+    gs = dense(grad_spikes)
+    gm = dense(grad_mem) if grad_mem is not None else None
     m0 = m0.contiguous() if m0 is not None else None
     return _run_leaky_backward(
         gs, gm, mem, m0, beta.contiguous(), threshold.contiguous(), reset, surrogate, alpha, x_dtype, impl
