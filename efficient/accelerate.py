@@ -64,7 +64,8 @@ class AccelerateReport:
     def __str__(self) -> str:
         lines = [f"accelerated {len(self.replaced)} module(s), left {len(self.skipped)}"]
         for r in self.replaced:
-            lines.append(f"  replaced {r.path or '<model>'} ({r.type}) -> {r.runs_as}" + (f": {r.note}" if r.note else ""))
+            note = f": {r.note}" if r.note else ""
+            lines.append(f"  replaced {r.path or '<model>'} ({r.type}) -> {r.runs_as}{note}")
         for s in self.skipped:
             lines.append(f"  left     {s.path or '<model>'} ({s.type}): {s.reason}")
         return "\n".join(lines)
@@ -188,7 +189,8 @@ def _sj_check(m: Any) -> tuple[str, Optional[float], str]:
 
 def _snn_surrogate(fn: Any) -> tuple[Optional[str], Optional[float], str]:
     qual = getattr(fn, "__qualname__", "")
-    if getattr(fn, "__module__", None) == "snntorch.surrogate" and qual in ("atan.<locals>.inner", "sigmoid.<locals>.inner"):
+    known = ("atan.<locals>.inner", "sigmoid.<locals>.inner")
+    if getattr(fn, "__module__", None) == "snntorch.surrogate" and qual in known:
         cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
         alpha = cells.get("alpha", cells.get("slope"))
         if isinstance(alpha, (int, float)):
