@@ -112,17 +112,32 @@ def cases() -> list[Case]:
     # LIF: elementwise over N = B*C*H*W, a loop over T; the default neuron and PLIF (learned rate)
     for dt in ("fp32", "bf16"):
         for rate, label in ((False, "LIF"), (True, "PLIF")):
+            # the PLIF variant also carries an initial membrane (efficient.accelerate's stateful neurons)
             out.append(_case("lif_fwd", f"{label} {dt}", lif._lif_fwd_kernel,
-                             {"x_ptr": f"*{dt}", "rate_ptr": "*fp32", "s_ptr": f"*{dt}", "h_ptr": "*fp32", "N": "i32",
-                              "T": "i32", "c": "fp32", "v_th": "fp32", "v_reset": "fp32", "stride_xt": "i64", "stride_xn": "i64"},
-                             {"CHARGE": lif.CHARGE_DECAY_INPUT, "HAS_RATE": rate, "HARD": True, "BLOCK": lif._BLOCK},
+                             {"x_ptr": f"*{dt}", "rate_ptr": "*fp32", "v0_ptr": "*fp32", "s_ptr": f"*{dt}", "h_ptr": "*fp32",
+                              "N": "i32", "T": "i32", "c": "fp32", "v_th": "fp32", "v_reset": "fp32", "stride_xt": "i64",
+                              "stride_xn": "i64"},
+                             {"CHARGE": lif.CHARGE_DECAY_INPUT, "HAS_RATE": rate, "HARD": True, "HAS_V0": rate,
+                              "BLOCK": lif._BLOCK},
                              lif._NUM_WARPS, True))
-            out.append(_case("lif_bwd", f"{label} {dt}" + (" +grad_h" if rate else ""), lif._lif_bwd_kernel,
-                             {"gs_ptr": f"*{dt}", "gm_ptr": "*fp32", "h_ptr": "*fp32", "rate_ptr": "*fp32", "gx_ptr": f"*{dt}",
-                              "grate_ptr": "*fp32", "N": "i32", "T": "i32", "c": "fp32", "v_th": "fp32", "v_reset": "fp32",
-                              "alpha": "fp32"},
+            out.append(_case("lif_bwd", f"{label} {dt}" + (" +grad_h +v0" if rate else ""), lif._lif_bwd_kernel,
+                             {"gs_ptr": f"*{dt}", "gm_ptr": "*fp32", "h_ptr": "*fp32", "rate_ptr": "*fp32", "v0_ptr": "*fp32",
+                              "gx_ptr": f"*{dt}", "grate_ptr": "*fp32", "gv0_ptr": "*fp32", "N": "i32", "T": "i32",
+                              "c": "fp32", "v_th": "fp32", "v_reset": "fp32", "alpha": "fp32"},
                              {"CHARGE": lif.CHARGE_DECAY_INPUT, "HAS_RATE": rate, "HAS_GM": rate, "HARD": True,
-                              "DETACH": False, "SURROGATE": 0, "BLOCK": lif._BLOCK},
+                              "DETACH": False, "SURROGATE": 0, "HAS_V0": rate, "BLOCK": lif._BLOCK},
+                             lif._NUM_WARPS, True))
+        # snntorch's Leaky order (efficient.accelerate): per-neuron beta and threshold
+        for m0, label in ((False, "Leaky"), (True, "Leaky +m0")):
+            out.append(_case("leaky_fwd", f"{label} {dt}", lif._leaky_fwd_kernel,
+                             {"x_ptr": f"*{dt}", "m0_ptr": "*fp32", "beta_ptr": "*fp32", "thr_ptr": "*fp32", "s_ptr": f"*{dt}",
+                              "m_ptr": "*fp32", "N": "i32", "T": "i32"},
+                             {"RESET": lif.RESET_SUBTRACT, "HAS_M0": m0, "BLOCK": lif._BLOCK}, lif._NUM_WARPS, True))
+            out.append(_case("leaky_bwd", f"{label} {dt}", lif._leaky_bwd_kernel,
+                             {"gs_ptr": f"*{dt}", "gm_ptr": "*fp32", "m_ptr": "*fp32", "m0_ptr": "*fp32", "beta_ptr": "*fp32",
+                              "thr_ptr": "*fp32", "gx_ptr": f"*{dt}", "gm0_ptr": "*fp32", "gbeta_ptr": "*fp32",
+                              "gthr_ptr": "*fp32", "N": "i32", "T": "i32", "alpha": "fp32"},
+                             {"RESET": lif.RESET_SUBTRACT, "HAS_M0": m0, "HAS_GM": True, "SURROGATE": 0, "BLOCK": lif._BLOCK},
                              lif._NUM_WARPS, True))
     # early exit at ee-gpt-small: D=512 (several D tiles), vocab 256..32000 (runtime)
     for dt, torch_dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):

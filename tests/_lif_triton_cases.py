@@ -49,6 +49,48 @@ def compare(name, x, with_rate=False, membrane_grad=True, **kw):
     print(f"case {name} " + ("ok" if not problems else "FAIL " + "; ".join(problems)), flush=True)
 
 
+def compare_state(name, x, **kw):
+    """lif from a given initial membrane: spikes and H equal, grads of x, rate and v_init within 1e-6."""
+    v0 = _x(x.shape[1:], 8) * 0.5
+    res = []
+    for impl in ("reference", "triton"):
+        xs, vs = x.detach().clone().requires_grad_(), v0.clone().requires_grad_()
+        w = torch.tensor(0.3, requires_grad=True)
+        if impl == "reference":
+            s, h = K.lif_reference(xs, v_init=vs, rate=w.sigmoid(), **kw)
+        else:
+            s, h = K.lif(xs, impl="triton", return_membrane=True, v_init=vs, rate=w.sigmoid(), **kw)
+        ((s * _x(x.shape, 1)).sum() + (h * _x(x.shape, 2)).sum()).backward()
+        res.append((s, h.detach(), xs.grad, vs.grad, w.grad))
+    _report(name, res)
+
+
+def compare_leaky(name, x, reset, per_neuron, surrogate):
+    """snntorch order: spikes and membrane equal, grads of x, mem, beta, threshold within 1e-6."""
+    m0 = _x(x.shape[1:], 9) * 0.5
+    res = []
+    for impl in ("reference", "triton"):
+        xs, ms = x.detach().clone().requires_grad_(), m0.clone().requires_grad_()
+        beta = (torch.linspace(0.2, 0.95, x.shape[-1]) if per_neuron else torch.tensor(0.8)).requires_grad_()
+        thr = torch.tensor(0.9, requires_grad=True)
+        fn = K.leaky_reference if impl == "reference" else lambda *a, **k: K.leaky(*a, impl="triton", return_membrane=True, **k)
+        s, m = fn(xs, beta, thr, reset, surrogate, mem=ms)
+        ((s * _x(x.shape, 1)).sum() + (m * _x(x.shape, 2)).sum()).backward()
+        res.append((s, m.detach(), xs.grad, ms.grad, beta.grad, thr.grad))
+    _report(name, res)
+
+
+def _report(name, res):
+    a, b = res
+    problems = [] if torch.equal(a[0], b[0]) else ["spikes differ"]
+    if not torch.equal(a[1], b[1]):
+        problems.append(f"membrane max diff {(a[1] - b[1]).abs().max().item():.2e}")
+    for i, (u, v) in enumerate(zip(a[2:], b[2:])):
+        if not torch.allclose(u, v, rtol=1e-5, atol=1e-6 if i < 2 else 1e-5):  # parameters: sums over N
+            problems.append(f"grad {i} max diff {(u - v).abs().max().item():.2e}")
+    print(f"case {name} " + ("ok" if not problems else "FAIL " + "; ".join(problems)), flush=True)
+
+
 def main() -> int:
     base = _x((3, 5, 7), 0)  # odd sizes: N=35, one partially masked block
     for vr, det, dec, sg in itertools.product([0.0, None], [True, False], [True, False], ["sigmoid", "atan", "triangle"]):
@@ -71,6 +113,10 @@ def main() -> int:
     compare("leak-dlif", base, leak=0.9, v_reset=0.0, detach_reset=False, surrogate="triangle", alpha=1.0)
     compare("no-membrane-grad", base, membrane_grad=False, v_reset=0.0, detach_reset=True)
     compare("fp16", _x((3, 5, 7), 7, torch.float16), v_reset=0.0, detach_reset=False)
+    for vr, dec in itertools.product([0.0, None], [True, False]):
+        compare_state(f"state-vr{vr}-decay{dec}", _x((4, 3, 400), 10), v_reset=vr, detach_reset=False, decay_input=dec)
+    for reset, per, sg in itertools.product(["subtract", "zero", "none"], [False, True], ["atan", "sigmoid"]):
+        compare_leaky(f"leaky-{reset}-perneuron{per}-{sg}", _x((5, 3, 700), 11), reset, per, sg)
     return 0
 
 

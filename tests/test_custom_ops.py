@@ -38,6 +38,9 @@ def op_cases(dtype):
     hm = _randn(3, 5, dtype=torch.float32, seed=6, scale=2.0)
     gs = _randn(3, 5, dtype=dtype, seed=7)
     rate = torch.tensor(0.3, requires_grad=True)
+    v0 = _randn(5, dtype=torch.float32, seed=11, grad=True, scale=0.5)
+    beta = torch.linspace(0.2, 0.9, 5).requires_grad_()
+    thr = torch.full((5,), 0.8, requires_grad=True)
     return [
         ("ssa-scores-anchor", torch.ops.efficient.ssa, (q, k, v, 0.125, True, True, "torch")),
         ("ssa-scores", torch.ops.efficient.ssa, (q, k, v, 0.125, False, True, "torch")),
@@ -55,6 +58,12 @@ def op_cases(dtype):
          (x, rate, 2.0, 1.0, None, K.CHARGE_NO_DECAY, 1, 2.0, True, torch.float16, "loop")),
         ("lif_backward", torch.ops.efficient.lif_backward,
          (gs, None, hm, None, 2.0, 1.0, 0.0, K.CHARGE_DECAY_INPUT, 0, 4.0, False, dtype, "loop")),
+        ("lif_forward-v0", torch.ops.efficient.lif_forward,
+         (x, None, 2.0, 1.0, 0.0, K.CHARGE_DECAY_INPUT, 0, 4.0, False, dtype, "loop", v0)),
+        ("leaky_forward", torch.ops.efficient.leaky_forward,
+         (x, v0, beta, thr, K.RESET_SUBTRACT, 1, 2.0, dtype, "loop")),
+        ("leaky_backward", torch.ops.efficient.leaky_backward,
+         (gs, None, hm, None, beta.detach(), thr.detach(), K.RESET_ZERO, 0, 4.0, dtype, "loop")),
     ]
 
 
@@ -69,7 +78,7 @@ def test_every_registered_op_has_a_case():
 @pytest.mark.parametrize("case", range(len(op_cases(torch.float32))), ids=[c[0] for c in op_cases(torch.float32)])
 def test_opcheck(case, dtype):
     name, op, args = op_cases(dtype)[case]
-    if dtype != torch.float32 and name.startswith(("ssa-scores", "linear_ce-conf", "lif_forward-plif")):
+    if dtype != torch.float32 and name.startswith(("ssa-scores", "linear_ce-conf", "lif_forward-plif", "lif_forward-v0", "leaky")):
         pytest.skip("one variant per op in half precision keeps the suite short")
     torch.library.opcheck(op, args)
 

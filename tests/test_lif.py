@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from efficient.kernels import _backend
 from efficient.kernels import lif as K
 
 try:  # the parity oracle; only the tests marked needs_spikingjelly use it
@@ -356,3 +357,69 @@ def test_nan_input_documented_behaviour():
 def test_empty_neuron_dims_return_empty():
     x = torch.randn(3, 0, 4)
     assert K.lif(x).shape == (3, 0, 4)
+
+
+# --- initial membrane (stateful callers) and snntorch's update order -------------------------
+
+
+@pytest.mark.parametrize("impl", ["loop", "torch"])
+@pytest.mark.parametrize("kw", [dict(v_reset=0.0, detach_reset=False), dict(v_reset=None, decay_input=False),
+                                dict(leak=1.0, v_reset=0.0)], ids=["hard", "soft-nodecay", "if"])
+def test_v_init_matches_two_calls_of_the_reference(impl, kw):
+    """Starting from v_init equals continuing one long run: spikes of [T1+T2] == first T1 then T2 from V."""
+    torch.manual_seed(0)
+    x = (torch.randn(7, 3, 5) + 0.5).requires_grad_()
+    s_all, h_all = K.lif_reference(x, **kw)
+    s1, h1 = K.lif_reference(x[:3], **kw)
+    sr = s1[-1].detach() if kw.get("detach_reset", True) else s1[-1]
+    v = sr * kw["v_reset"] + (1.0 - sr) * h1[-1] if kw["v_reset"] is not None else h1[-1] - sr * 1.0
+    backend = dict(backend="torch") if impl == "torch" else dict(impl=impl)
+    s2, h2 = K.lif(x[3:], v_init=v, return_membrane=True, **kw, **backend)
+    assert torch.equal(torch.cat([s1, s2]), s_all) and torch.equal(torch.cat([h1, h2]), h_all)
+    g = torch.randn_like(s_all)
+    (gx_ref,) = torch.autograd.grad((s_all * g).sum(), x)
+    (gx,) = torch.autograd.grad((torch.cat([s1, s2]) * g).sum(), x)
+    torch.testing.assert_close(gx, gx_ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("reset", ["subtract", "zero", "none"])
+@pytest.mark.parametrize("impl", ["loop", "inductor"])
+def test_leaky_matches_snntorch(reset, impl):
+    """The snntorch order against snntorch's own Leaky stepped in Python: equal spikes and membrane,
+    gradients of input, initial membrane, per-neuron beta and threshold within 1e-5."""
+    snn = pytest.importorskip("snntorch")
+    if impl == "inductor" and not _backend.have_cxx_compiler():
+        pytest.skip("no C++ compiler")
+    torch.manual_seed(0)
+    T, B, F = 6, 3, 10
+    x = (torch.randn(T, B, F) * 1.2 + 0.5).requires_grad_()
+    mem0 = (torch.randn(B, F) * 0.5).requires_grad_()
+    n = snn.Leaky(beta=torch.rand(F), threshold=torch.tensor(0.8), learn_beta=True, learn_threshold=True,
+                  reset_mechanism=reset)
+    mem, spk, mems = mem0, [], []
+    for t in range(T):
+        s, mem = n(x[t], mem)
+        spk.append(s)
+        mems.append(mem)
+    S, M = torch.stack(spk), torch.stack(mems)
+    g1, g2 = torch.randn_like(S), torch.randn_like(M)
+    ref = torch.autograd.grad((S * g1 + M * g2).sum(), (x, mem0, n.beta, n.threshold))
+    s2, m2 = K.leaky(x, n.beta.clamp(0, 1), n.threshold, reset, mem=mem0, impl=impl, return_membrane=True)
+    got = torch.autograd.grad((s2 * g1 + m2 * g2).sum(), (x, mem0, n.beta, n.threshold))
+    assert torch.equal(S, s2) and torch.equal(M, m2)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_lif_order_snntorch_is_leaky():
+    x = torch.randn(5, 2, 4) + 0.6
+    assert torch.equal(K.lif(x, leak=0.9, v_reset=None, order="snntorch", impl="loop"),
+                       K.leaky(x, 0.9, 1.0, "subtract", impl="loop"))
+    with pytest.raises(ValueError, match="order='snntorch'"):
+        K.lif(x, tau=2.0, order="snntorch")
+    with pytest.raises(ValueError, match="unknown order"):
+        K.lif(x, order="brian")
+    with pytest.raises(ValueError, match="reset_mechanism"):
+        K.leaky(x, 0.9, reset_mechanism="hard")
+    with pytest.raises(ValueError, match="does not broadcast"):
+        K.leaky(x, torch.ones(3), impl="loop")

@@ -22,6 +22,9 @@ CASES = (
     + ["T1", "noncontiguous", "two-blocks"]
     + [f"plif-vr{vr}-decay{dec}" for vr in ("0.0", "None") for dec in (True, False)]
     + ["leak-dlif", "no-membrane-grad", "fp16"]
+    + [f"state-vr{vr}-decay{dec}" for vr in ("0.0", "None") for dec in (True, False)]
+    + [f"leaky-{r}-perneuron{p}-{sg}" for r in ("subtract", "zero", "none") for p in (False, True)
+       for sg in ("atan", "sigmoid")]
 )
 
 
