@@ -85,13 +85,15 @@ def resolve_backend(
     numel: Optional[int] = None,
     compile_min_numel: int = 0,
     interpreter_auto: bool = False,
+    cuda_auto: str = "triton",
 ) -> str:
     """The implementation a kernel runs for `backend` on `device` (see the module table).
 
     `fused_loop`: the kernel has the compiled/eager fused loop (returns one of triton, torch,
     compile, loop); otherwise it returns triton or torch. `numel`/`compile_min_numel`: the size
     from which 'auto' compiles on CPU. `interpreter_auto`: 'auto' picks Triton's interpreter on
-    CPU when TRITON_INTERPRET=1.
+    CPU when TRITON_INTERPRET=1. `cuda_auto`: what 'auto' runs on CUDA for a kernel without the
+    fused loop ("triton", or "torch" where the Triton kernel measured slower).
     """
     want = requested_backend(backend, kernel)
     cuda_triton = device.type == "cuda" and HAS_TRITON
@@ -106,7 +108,9 @@ def resolve_backend(
     if want in ("triton", "torch"):
         return want
     if want == "auto":
-        return "triton" if cuda_triton or (interpreter_auto and HAS_TRITON and interpreter_on()) else "torch"
+        if cuda_triton:
+            return cuda_auto
+        return "triton" if interpreter_auto and HAS_TRITON and interpreter_on() else "torch"
     if want == "compile":
         return "triton" if cuda_triton else "torch"
     return "torch"  # loop

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from efficient.kernels._backend import BACKENDS, requested_backend, resolve_backend  # noqa: F401 - BACKENDS: the accepted values
+from efficient.kernels._backend import BACKENDS, resolve_backend  # noqa: F401 - BACKENDS: the accepted values
 
 try:
     import triton
@@ -141,13 +141,11 @@ def _next_pow2(n: int) -> int:
 
 def _pick_backend(backend: str, device: torch.device) -> str:
     """The path to run, triton or torch, for any documented backend value (efficient.kernels._backend),
-    except that 'auto' stays on torch on CUDA: on an H200 the kernel, which walks the whole vocabulary
-    in one program per row block, was slower than cuBLAS + softmax in all 24 measured configurations
-    (2x at V=256, up to 540x at V=32000; BENCHMARKS.md, gpu). Ask for backend='triton' explicitly to run it."""
-    kind = resolve_backend(backend, device, "exit_confidence")
-    if kind == "triton" and device.type == "cuda" and requested_backend(backend, "exit_confidence") == "auto":
-        return "torch"
-    return kind
+    except that 'auto' stays on torch on CUDA: on an H200 the kernel (then one program per row block
+    over the whole vocabulary) was slower than cuBLAS + softmax in all 24 measured configurations (2x
+    at V=256, up to 540x at V=32000; BENCHMARKS.md, gpu). The vocabulary split has not been timed on a
+    GPU yet; ask for backend='triton' explicitly to run it."""
+    return resolve_backend(backend, device, "exit_confidence", cuda_auto="torch")
 
 
 @torch.library.custom_op("efficient::exit_confidence", mutates_args=())

@@ -41,18 +41,12 @@ def evaluate_run(run_dir: Path, which: str = "best", overrides: list[str] | None
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
+    from efficient.commands import print_values
 
     run_dir = Path(args.run_dir)
     metrics = evaluate_run(run_dir, args.checkpoint, args.overrides)
     if args.format == "json":
         print(json.dumps(metrics, indent=2))
         return 0
-    table = Table(title=f"{run_dir} ({args.checkpoint})")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    for k, v in metrics.items():
-        table.add_row(k, f"{v:.4f}")
-    Console().print(table)
+    print_values(f"{run_dir} ({args.checkpoint})", metrics, "metric", "value")
     return 0

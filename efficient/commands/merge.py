@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from efficient.commands import print_values
 from efficient.errors import ConfigError
 import efficient.merge as _merge
 from efficient.merge import METHODS, accuracy, merge_models
@@ -67,13 +68,5 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"val_acc": rows, "method": args.method, "out": args.out}))
     else:
-        from rich.console import Console
-        from rich.table import Table
-
-        t = Table(title=f"merge {args.a} + {args.b} ({args.method})")
-        t.add_column("model")
-        t.add_column("val acc", justify="right")
-        for k, v in rows.items():
-            t.add_row(k, f"{v:.4f}")
-        Console().print(t)
+        print_values(f"merge {args.a} + {args.b} ({args.method})", rows, "model", "val acc")
     return 0

@@ -332,6 +332,16 @@ def _missing(spec: _TonicSpec, root: Path, what: str) -> DataError:
                      f"recipes/stata_saccade_digits.yaml runs without any files.")
 
 
+def _named_subfolders(spec: _TonicSpec, root: Path, folder: Path, pattern: str, what: str) -> list[Path]:
+    """The sub-folders of `folder`, each named to match `pattern`; else the layout error naming them."""
+    subs = sorted(p for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
+    wrong = [p.name for p in subs if not re.fullmatch(pattern, p.name)]
+    if not subs or wrong:
+        raise _missing(spec, root, f"{folder} must hold {what}"
+                       + (f" (found {', '.join(wrong[:5])})" if wrong else " (it holds none)"))
+    return subs
+
+
 def _check_layout(spec: _TonicSpec, root: Path, split: str | None) -> None:
     """Fail with where to put the files and in which layout, before tonic walks the folders."""
     if not root.is_dir():
@@ -342,20 +352,12 @@ def _check_layout(spec: _TonicSpec, root: Path, split: str | None) -> None:
         raise _missing(spec, root, f"no folder {base} (data.root holds: {', '.join(found) or 'nothing'})")
     if spec is NMNIST:
         folder = base / split
-        subs = sorted(p for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
-        wrong = [p.name for p in subs if not re.fullmatch(r"\d", p.name)]
-        if not subs or wrong:
-            raise _missing(spec, root, f"{folder} must hold one folder per digit, named 0 to 9"
-                           + (f" (found {', '.join(wrong[:5])})" if wrong else " (it holds none)"))
+        subs = _named_subfolders(spec, root, folder, r"\d", "one folder per digit, named 0 to 9")
         if not any(True for p in subs for _ in p.glob("*.bin")):
             raise _missing(spec, root, f"no .bin event files in the digit folders of {folder}")
     elif spec is GESTURE:
         folder = base / split
-        subs = sorted(p for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
-        wrong = [p.name for p in subs if not re.fullmatch(r"user\d+_.+", p.name)]
-        if not subs or wrong:
-            raise _missing(spec, root, f"{folder} must hold one folder per recording, named user<NN>_<lighting>"
-                           + (f" (found {', '.join(wrong[:5])})" if wrong else " (it holds none)"))
+        subs = _named_subfolders(spec, root, folder, r"user\d+_.+", "one folder per recording, named user<NN>_<lighting>")
         bad = [f.name for p in subs for f in p.glob("*.npy") if not re.fullmatch(r"\d+\.npy", f.name)]
         if bad:
             raise _missing(spec, root, f"gesture files must be named <label>.npy, found {bad[0]}")
