@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -22,32 +21,11 @@ import yaml
 
 from efficient.data import DATA_LOADER_DEFAULTS, DATA_LOADER_KEYS, get_dataset_builder
 from efficient.errors import ConfigError, did_you_mean
+from efficient.recipe_yaml import SECTIONS, load_yaml, parse_yaml, yaml_load  # noqa: F401 - re-exported
 from efficient.objectives import get_objective
+from efficient.zoo import get_entry, signature_options
 
 
-class RecipeLoader(yaml.SafeLoader):
-    """SafeLoader that reads `1e-3` as a float (YAML 1.2 style); PyYAML alone makes it a string."""
-
-
-RecipeLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(
-        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-        |\.[0-9_]+(?:[eE][-+][0-9]+)?
-        |[-+]?\.(?:inf|Inf|INF)
-        |\.(?:nan|NaN|NAN))$""",
-        re.X,
-    ),
-    list("-+0123456789."),
-)
-
-
-def yaml_load(text: str) -> Any:
-    return yaml.load(text, Loader=RecipeLoader)  # noqa: S506 - RecipeLoader is a SafeLoader
-
-
-SECTIONS = ("model", "data", "objective", "optim", "schedule", "train", "eval", "profile")
 
 
 def _positive(v: Any) -> str | None:
@@ -167,35 +145,6 @@ class Recipe:
 
 def _err(source: str, path: str, msg: str) -> ConfigError:
     return ConfigError(f"{source}: {path}: {msg}" if path else f"{source}: {msg}")
-
-
-def load_yaml(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
-    if not p.exists():
-        raise ConfigError(f"{p}: recipe file not found. List the shipped ones with `ls recipes/`.")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except OSError as e:  # a directory, no permission
-        raise ConfigError(f"{p}: cannot read it as a YAML file ({e.strerror or e})") from None
-    return parse_yaml(text, str(p))
-
-
-def parse_yaml(text: str, source: str = "<recipe>") -> dict[str, Any]:
-    try:
-        data = yaml_load(text)
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
-        raise ConfigError(f"{source}: malformed YAML at {where}: {e.problem or e}") from None
-    except yaml.YAMLError as e:  # e.g. a control character: PyYAML's text spans lines
-        raise ConfigError(f"{source}: malformed YAML: {' '.join(str(e).split())}") from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{source}: a recipe is a mapping of sections ({', '.join(SECTIONS)}), got {type(data).__name__}")
-    return data
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -378,15 +327,11 @@ def _named_section(raw: Any, section: str, source: str, resolve: Callable[[str],
 
 def _signature(fn: Callable[..., Any]) -> tuple[dict[str, inspect.Parameter], bool]:
     """The typed keyword parameters of `fn`, and whether it also takes `**kwargs`."""
-    from efficient.zoo import signature_options
-
     return signature_options(fn), any(p.kind is p.VAR_KEYWORD for p in inspect.signature(fn).parameters.values())
 
 
 def _model_options(name: str) -> tuple[dict[str, inspect.Parameter], bool]:
     """A zoo model's options, from its config dataclass (or its builder's signature)."""
-    from efficient.zoo import get_entry
-
     entry = get_entry(name)
     return entry.accepted_kwargs(), entry.open_options()
 

@@ -409,7 +409,7 @@ def _resolve_artifact(p: Path) -> tuple[str, dict[str, Any], Path]:
 
 def _run_dir_model(cfg_file: Path) -> tuple[str, dict[str, Any]]:
     """(zoo name, model options) from a run dir's resolved config.yaml."""
-    from efficient.config import load_yaml
+    from efficient.recipe_yaml import load_yaml
 
     try:
         run_cfg = load_yaml(cfg_file)

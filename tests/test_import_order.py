@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "efficient"
-MODULES = ["efficient.config", "efficient.data", "efficient.objectives", "efficient.metrics", "efficient.errors"]
+MODULES = ["efficient.config", "efficient.data", "efficient.objectives", "efficient.metrics", "efficient.errors", "efficient.zoo", "efficient.recipe_yaml"]
 REGISTRIES = ["data", "objectives", "metrics"]
 
 
@@ -50,6 +50,14 @@ def test_registries_do_not_import_config(package: str) -> None:
     offenders = {str(f.relative_to(PACKAGE)): sorted(m for m in _imported_modules(f) if m == "efficient.config" or m.startswith("efficient.config."))
                  for f in files}
     assert not {f: m for f, m in offenders.items() if m}, "registry modules must not import efficient.config (did_you_mean lives in efficient.errors)"
+
+
+@pytest.mark.parametrize("module", ["zoo.py", "recipe_yaml.py"])
+def test_zoo_and_yaml_reader_do_not_import_config(module: str) -> None:
+    """The schema imports the zoo (model options); the zoo reads run configs through
+    `efficient.recipe_yaml`, so the two never import each other in a cycle."""
+    used = sorted(m for m in _imported_modules(PACKAGE / module) if m == "efficient.config" or m.startswith("efficient.config."))
+    assert not used, f"efficient/{module} imports {used}"
 
 
 def test_did_you_mean_lives_with_the_errors() -> None:
