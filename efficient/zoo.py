@@ -323,7 +323,8 @@ def create(name: str, **overrides: Any) -> nn.Module:
 
 def load(name_or_path: str | Path, pretrained: bool | str | Path | None = None, allow_pickle: bool = False,
          **overrides: Any) -> nn.Module:
-    """Build a model from a zoo name, a run dir, or a `.safetensors` file with its sidecar config.
+    """Build a model from a zoo name, a run dir, a `.safetensors` file with its sidecar config, or a
+    NIR graph (`.nir`: a `efficient.export.NIRNetwork` on time-major input; `dt=` seconds per step).
 
     `pretrained` (for zoo names): True (the weights shipped for it), a tag of them (``"digits"``),
     a URL (downloaded once into the cache and checked against ``#sha256=HEX``), ``hf-hub:ORG/NAME``,
@@ -333,6 +334,8 @@ def load(name_or_path: str | Path, pretrained: bool | str | Path | None = None, 
     """
     p = Path(name_or_path)
     provenance: dict[str, Any] | None = None
+    if p.suffix == ".nir":
+        return _load_nir(p, pretrained, overrides)
     if p.exists():
         if pretrained is True or (isinstance(pretrained, str) and not Path(pretrained).exists()):
             raise ConfigError(f"{p}: a run dir or weights file brings its own weights; pretrained= takes a file or run dir here")
@@ -365,6 +368,20 @@ def load(name_or_path: str | Path, pretrained: bool | str | Path | None = None, 
         model.pretrained_cfg = provenance  # type: ignore[assignment]
     model.eval()
     return model
+
+
+def _load_nir(p: Path, pretrained: Any, overrides: dict[str, Any]) -> nn.Module:
+    """A NIR graph file as a module on our kernels (`efficient.export.from_nir`); takes `dt` and `backend`."""
+    from efficient.export.from_nir import load_nir
+
+    if pretrained is not None and pretrained is not False:
+        raise ConfigError(f"{p}: a NIR graph carries its own weights; pretrained= does not apply")
+    unknown = sorted(set(overrides) - {"dt", "backend"})
+    if unknown:
+        raise ConfigError(f"{p}: {unknown[0]!r} is not an option for a NIR graph; it takes dt= (seconds per time step) and backend=")
+    net = load_nir(p, dt=overrides.get("dt"), backend=overrides.get("backend", "auto"))
+    net.pretrained_cfg = {"source": "file", "architecture": "nir", "file": str(p)}  # type: ignore[assignment]
+    return net
 
 
 def _create_from_artifact(p: Path, name: str, cfg: dict[str, Any]) -> nn.Module:
