@@ -272,3 +272,27 @@ def test_unsupported_nodes_are_named(tmp_path: Path) -> None:
                                                 edges=[("input", "lif"), ("lif", "output")], metadata={}))
     with pytest.raises(ArtifactError, match=r"pn\.nir: node 'lif' \(LIF\) has per-neuron 'tau' values"):
         efficient.load(tmp_path / "pn.nir")
+
+
+def test_cli_export_of_a_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from efficient.cli import main
+
+    torch.manual_seed(0)
+    model = _fire(zoo.create("stable-snn-digits", neuron="lif", timesteps=3))
+    zoo.save_model(model, tmp_path / "digits.safetensors")
+    assert main(["export", str(tmp_path / "digits.safetensors"), "--to", "nir", str(tmp_path / "d.nir"), "--dt", "1e-3"]) == 0
+    assert "d.nir: 15 nodes (4 spiking)" in capsys.readouterr().out
+    net = efficient.load(tmp_path / "d.nir")
+    assert net.dt == 1e-3
+    img = torch.rand(2, 1, 8, 8)
+    assert torch.equal(net(img.unsqueeze(0).expand(3, *img.shape)).mean(0), model(img))
+
+
+def test_cli_export_errors_are_messages(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from efficient.cli import main
+
+    assert main(["export", "spikformer-tiny", "--to", "nir", str(tmp_path / "s.nir")]) == 2
+    assert "blocks.0.attn (SSA)" in capsys.readouterr().err
+    assert main(["export", "stable-snn-digits", "--to", "onnx", str(tmp_path / "s.onnx")]) == 2
+    assert "unknown export format" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
