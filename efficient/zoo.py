@@ -328,8 +328,10 @@ def load(name_or_path: str | Path, pretrained: bool | str | Path | None = None, 
 
     `pretrained` (for zoo names): True (the weights shipped for it), a tag of them (``"digits"``),
     a URL (downloaded once into the cache and checked against ``#sha256=HEX``), ``hf-hub:ORG/NAME``,
-    a run dir, a `.safetensors` file, or a torch state-dict file (`.pt`; pickled objects are refused
-    unless `allow_pickle=True`). Shipped weights bring the options they were trained with (overrides
+    a run dir, a `.safetensors` file, or a torch state-dict file (`.pt`/`.pth`/`.tar`, read with
+    `weights_only=True`: pickled objects are refused unless `allow_pickle=True`). Spikformer and SDT
+    checkpoints in spikingjelly's or the official repositories' layouts are mapped onto ours
+    (`efficient.export.checkpoints`). Shipped weights bring the options they were trained with (overrides
     go on top). The model's `pretrained_cfg` records where its weights came from.
     """
     p = Path(name_or_path)
@@ -354,16 +356,21 @@ def load(name_or_path: str | Path, pretrained: bool | str | Path | None = None, 
             resolved = hub.resolve(get_entry(str(name_or_path)).name, pretrained)
         model = create(str(name_or_path), **({**resolved.config, **overrides} if resolved else overrides))
         if resolved is not None:
-            load_weights(model, resolved.file)
-            provenance = resolved.pretrained_cfg
+            from efficient.export.checkpoints import load_pretrained
+
+            model, extra = load_pretrained(model, resolved.file)
+            provenance = {**resolved.pretrained_cfg, **extra}
             pretrained = None
     if pretrained is not None and pretrained is not False:
         src = Path(pretrained)
         if not src.exists():
             raise ConfigError(f"pretrained={pretrained!s}: no such file or directory (give a run dir, a .safetensors file, a URL or a shipped tag)")
         weights = src if src.is_file() else _resolve_artifact(src)[2]  # a file: only its tensors are needed
-        load_weights(model, weights, allow_pickle)
-        provenance = {"source": "file", "architecture": getattr(model, "zoo_name", None), "file": str(weights)}
+        from efficient.export.checkpoints import load_pretrained
+
+        # our files, or Spikformer / SDT checkpoints in other code bases' layouts (mapped by their keys)
+        model, extra = load_pretrained(model, weights, allow_pickle)
+        provenance = {"source": "file", "architecture": getattr(model, "zoo_name", None), "file": str(weights), **extra}
     if provenance is not None:
         model.pretrained_cfg = provenance  # type: ignore[assignment]
     model.eval()
@@ -468,7 +475,11 @@ def read_state_dict(weights: Path, allow_pickle: bool = False) -> dict[str, torc
 
 def load_weights(model: nn.Module, weights: Path, allow_pickle: bool = False) -> None:
     """Load weights strictly; a mismatch names the keys that differ."""
-    sd = read_state_dict(weights, allow_pickle)
+    check_and_load(model, read_state_dict(weights, allow_pickle), weights)
+
+
+def check_and_load(model: nn.Module, sd: dict[str, torch.Tensor], weights: Path) -> None:
+    """Load state dict `sd` (read from `weights`) strictly; a mismatch names the keys that differ."""
     own = model.state_dict()
     missing = sorted(set(own) - set(sd))
     unexpected = sorted(set(sd) - set(own))
