@@ -296,3 +296,20 @@ def test_cli_export_errors_are_messages(tmp_path: Path, capsys: pytest.CaptureFi
     assert main(["export", "stable-snn-digits", "--to", "onnx", str(tmp_path / "s.onnx")]) == 2
     assert "unknown export format" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_time_major_flatten_maps_to_sample_dims(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Flatten(2), nn.Linear(12, 5), LIF(tau=2.0)).eval()
+    with torch.no_grad():
+        net[1].weight.abs_().mul_(2)
+    x = torch.rand(4, 2, 3, 2, 2)
+    graph = to_nir(net, x)
+    flat = next(n for n in graph.nodes.values() if isinstance(n, nir.Flatten))
+    assert (flat.start_dim, flat.end_dim) == (0, -1)
+    write_nir(graph, tmp_path / "f.nir")
+    ref = net(x)
+    assert ref.mean() > 0.05
+    assert torch.equal(efficient.load(tmp_path / "f.nir")(x), ref)
+    with pytest.raises(ConfigError, match=r"0 \(Flatten\): start_dim=1 would flatten time or batch"):
+        to_nir(nn.Sequential(nn.Flatten(1), nn.Linear(24, 5)), x)

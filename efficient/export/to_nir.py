@@ -7,7 +7,7 @@ output the logits of that step; the caller repeats and averages (see `efficient.
 
 Supported layers: `nn.Sequential` / `nn.ModuleList` chains of `nn.Linear`, `nn.Conv2d` (a following
 `nn.BatchNorm2d` is folded into it), a lone `nn.BatchNorm1d/2d` (an affine / a depthwise 1x1
-convolution), `nn.AvgPool2d`, `nn.Flatten`, `nn.Identity`, `nn.Dropout` (inference: identity), our
+convolution), `nn.AvgPool2d`, `nn.Flatten` (its dims counted on time-major `[T, B, ...]`), `nn.Identity`, `nn.Dropout` (inference: identity), our
 LIF / PLIF / DLIF, and the stable-SNN `SpikingVGG` and `SpikingWRN` (whose convex residual
 combination becomes two `Scale` nodes summed at their common target). Spiking transformers fail
 with the reason: NIR 1.0 has no node for a product of two activations (spiking self-attention) nor
@@ -170,10 +170,14 @@ def _lower(m: nn.Module, b: _Builder, tails: list[str], shape: Shape, where: str
         node = nir.AvgPool2d(kernel_size=pair(m.kernel_size), stride=pair(m.stride), padding=pair(m.padding))
         return b.add(where, node, tails), _shape_after(m, shape)
     if isinstance(m, nn.Flatten):
-        start, end = (d - 1 if d > 0 else d for d in (m.start_dim, m.end_dim))
-        if m.start_dim == 0:
-            raise ConfigError(f"{where} (Flatten): start_dim=0 would flatten the batch; NIR flattens within a sample")
-        return b.add(where, nir.Flatten(input_type={"input": np.array(shape)}, start_dim=start, end_dim=end), tails), _shape_after(m, shape)
+        # our layers see time-major [T, B, ...]: dims 0 and 1 are not the sample's; NIR's dims are
+        start, end = (d - 2 if d >= 0 else d for d in (m.start_dim, m.end_dim))
+        if start < 0 and m.start_dim >= 0:
+            raise ConfigError(f"{where} (Flatten): start_dim={m.start_dim} would flatten time or batch ([T, B, ...] input); "
+                              "flatten from dim 2")
+        s, e = start % len(shape), end % len(shape)
+        out = shape[:s] + (int(np.prod(shape[s:e + 1])),) + shape[e + 1:]
+        return b.add(where, nir.Flatten(input_type={"input": np.array(shape)}, start_dim=start, end_dim=end), tails), out
     if isinstance(m, (nn.Identity, nn.Dropout)):
         return tails, shape
     if isinstance(m, stable_snn.ConvUnit):
@@ -183,7 +187,7 @@ def _lower(m: nn.Module, b: _Builder, tails: list[str], shape: Shape, where: str
     if isinstance(m, stable_snn.SpikingVGG):
         tails, shape = _lower(m.normalize, b, tails, shape, "normalize")
         tails, shape = _lower(m.features, b, tails, shape, "features")
-        tails, shape = _lower(nn.Flatten(), b, tails, shape, "flatten")
+        tails, shape = _lower(nn.Flatten(2), b, tails, shape, "flatten")
         for name in ("fc1", "neuron1", "fc2", "neuron2", "head"):
             tails, shape = _lower(getattr(m, name), b, tails, shape, name)
         return tails, shape
@@ -196,7 +200,7 @@ def _lower(m: nn.Module, b: _Builder, tails: list[str], shape: Shape, where: str
         tails, shape = _lower(m.bn, b, tails, shape, "bn")
         tails, shape = _lower(m.neuron, b, tails, shape, "neuron")
         tails, shape = _lower(nn.AvgPool2d(tuple(shape[-2:])), b, tails, shape, "global_pool")
-        tails, shape = _lower(nn.Flatten(), b, tails, shape, "flatten")
+        tails, shape = _lower(nn.Flatten(2), b, tails, shape, "flatten")
         return _lower(m.head, b, tails, shape, "head")
     err = _unsupported_transformer(m)
     if err is not None:
