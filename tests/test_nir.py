@@ -313,3 +313,48 @@ def test_time_major_flatten_maps_to_sample_dims(tmp_path: Path) -> None:
     assert torch.equal(efficient.load(tmp_path / "f.nir")(x), ref)
     with pytest.raises(ConfigError, match=r"0 \(Flatten\): start_dim=1 would flatten time or batch"):
         to_nir(nn.Sequential(nn.Flatten(1), nn.Linear(24, 5)), x)
+
+
+def test_our_vgg5_export_runs_in_spikingjelly(tmp_path: Path) -> None:
+    """The conv graph (normalisation as a diagonal 1x1 conv, BN folded, pools, flatten) in spikingjelly's importer."""
+    from spikingjelly.activation_based.nir_exchange import import_from_nir
+
+    torch.manual_seed(0)
+    model = _fire(zoo.create("stable-snn-vgg5", neuron="lif", img_size=8, fc_dim=32, timesteps=4))
+    img = torch.rand(2, 3, 8, 8)
+    write_nir(to_nir(model, img), tmp_path / "vgg5.nir")
+    sj = import_from_nir(tmp_path / "vgg5.nir", step_mode="m")
+    out, _ = sj(img.unsqueeze(0).expand(4, *img.shape))
+    ref = model.forward_time(img)
+    assert ref.abs().max() > 0.1
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test_if_and_li_nodes(tmp_path: Path) -> None:
+    """IF (no leak, v += dt * r * I) matches spikingjelly's IFNode import; LI outputs its membrane."""
+    from spikingjelly.activation_based.nir_exchange import import_from_nir
+
+    n, dt = 4, 1e-3
+    w = np.random.default_rng(0).uniform(0, 1, (n, n))
+    nodes = {
+        "input": nir.Input(input_type={"input": np.array([n])}),
+        "w": nir.Linear(weight=w),
+        "if": nir.IF(r=np.full(n, 1.0 / dt), v_threshold=np.full(n, 1.0), v_reset=np.zeros(n)),
+        "output": nir.Output(output_type={"output": np.array([n])}),
+    }
+    nir.write(tmp_path / "if.nir", nir.NIRGraph(nodes=nodes, edges=[("input", "w"), ("w", "if"), ("if", "output")], metadata={}))
+    x = torch.rand(6, 2, n)
+    ours = efficient.load(tmp_path / "if.nir", dt=dt)(x)
+    theirs, _ = import_from_nir(tmp_path / "if.nir", dt=dt, step_mode="m")(x)
+    assert 0.05 < ours.mean() < 0.95
+    assert torch.equal(ours, theirs)
+
+    li = {**nodes, "if": nir.LI(tau=np.full(n, 4 * dt), r=np.full(n, 2.0), v_leak=np.zeros(n))}
+    nir.write(tmp_path / "li.nir", nir.NIRGraph(nodes=li, edges=[("input", "w"), ("w", "if"), ("if", "output")], metadata={}))
+    out = efficient.load(tmp_path / "li.nir", dt=dt)(x)
+    v, expect = torch.zeros(2, n), []
+    cur = x @ torch.tensor(w, dtype=torch.float32).T
+    for t in range(6):  # v += dt/tau * (v_leak - v + r * I)
+        v = v + 0.25 * (-v + 2.0 * cur[t])
+        expect.append(v)
+    assert torch.allclose(out, torch.stack(expect), atol=1e-6)
