@@ -463,9 +463,9 @@ def read_state_dict(weights: Path, allow_pickle: bool = False) -> dict[str, torc
                 raise ArtifactError(f"{weights}: metadata 'efficient.aliases' maps {k!r} to {src!r}, which is not a tensor in the file. Re-save it.")
             sd[k] = sd[src]
         return sd
-    sd = read_torch(weights, allow_pickle)
-    if isinstance(sd, dict) and "state_dict" in sd and isinstance(sd["state_dict"], dict):
-        sd = sd["state_dict"]
+    from efficient.export.checkpoints import unwrap
+
+    sd = unwrap(read_torch(weights, allow_pickle))  # the state dict inside a training checkpoint
     if isinstance(sd, nn.Module):
         sd = sd.state_dict()
     if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()):

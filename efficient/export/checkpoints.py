@@ -51,6 +51,9 @@ class Rule:
     shape: str = "same"
     groups: dict[str, str] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:  # the two templates as regexes, compiled once
+        object.__setattr__(self, "_rx", {True: self._regex(self.theirs), False: self._regex(self.ours)})
+
     def _regex(self, template: str) -> re.Pattern[str]:
         pats = {"b": r"\d+", "n": "[12]", "x": BN, "w": PARAM, **self.groups}
         out, i = "", 0
@@ -60,7 +63,7 @@ class Rule:
         return re.compile(out + re.escape(template[i:]) + "$")
 
     def match(self, key: str, forward: bool) -> str | None:
-        m = self._regex(self.theirs if forward else self.ours).match(key)
+        m = self._rx[forward].match(key)  # type: ignore[attr-defined]
         return None if m is None else (self.ours if forward else self.theirs).format(**m.groupdict())
 
     def reshape(self, t: torch.Tensor, forward: bool) -> torch.Tensor:
@@ -253,13 +256,18 @@ LAYOUTS: dict[str, Layout] = {
         lambda sd: _has(sd, r"block\.\d+\.attn\.q_conv\.weight", dim=4) or _has(sd, r"block\.\d+\.attn\.talking_heads\.weight")),
 }
 def unwrap(obj: Any) -> Any:
-    """The state dict inside a training checkpoint ({"model": ...} / {"state_dict": ...}), DDP's `module.` prefix removed."""
+    """The state dict inside a training checkpoint ({"state_dict": ...} / {"model": ...})."""
     for key in ("state_dict", "model"):
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
             obj = obj[key]
-    if isinstance(obj, dict) and obj and all(isinstance(k, str) and k.startswith("module.") for k in obj):
-        obj = {k[len("module."):]: v for k, v in obj.items()}
     return obj
+
+
+def _strip_ddp(sd: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Without the `module.` prefix DistributedDataParallel adds to every key (unless the model's own keys have it)."""
+    if sd and all(k.startswith("module.") for k in sd) and not any(k.startswith("module.") for k in own):
+        return {k[len("module."):]: v for k, v in sd.items()}
+    return sd
 
 
 def detect_layout(sd: dict[str, torch.Tensor]) -> Layout | None:
@@ -344,8 +352,7 @@ def load_pretrained(model: nn.Module, weights: Path, allow_pickle: bool = False)
     from efficient import zoo
 
     weights = Path(weights)
-    raw = zoo.read_state_dict(weights, allow_pickle) if weights.suffix == ".safetensors" else _read_torch_dict(weights, allow_pickle)
-    sd = unwrap(raw)
+    sd = _strip_ddp(zoo.read_state_dict(weights, allow_pickle), model.state_dict())
     layout = detect_layout(sd)
     if layout is None:  # ours, or something unknown: the strict loader names the keys that differ
         zoo.check_and_load(model, sd, weights)
@@ -364,15 +371,3 @@ def load_pretrained(model: nn.Module, weights: Path, allow_pickle: bool = False)
     converted, filled = from_layout(sd, layout, model.state_dict(), str(weights))
     model.load_state_dict(converted, strict=True)
     return model, {"layout": layout.name, **({"filled": filled} if filled else {}), **layout.options}
-
-
-def _read_torch_dict(weights: Path, allow_pickle: bool) -> dict[str, torch.Tensor]:
-    from efficient.io import read_torch
-
-    obj = unwrap(read_torch(weights, allow_pickle))
-    if isinstance(obj, nn.Module):
-        obj = obj.state_dict()
-    if not isinstance(obj, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()):
-        raise ArtifactError(f"{weights}: expected a state dict (names -> tensors), found {type(obj).__name__}; "
-                            "save one with torch.save(model.state_dict(), path)")
-    return obj

@@ -40,7 +40,6 @@ import torch
 from torch import nn
 
 from efficient.errors import ArtifactError, ConfigError
-from efficient.kernels.lif import lif
 from efficient.models.neurons import DLIF, LIF, PLIF, SpikingNeuron
 
 __all__ = ["DEFAULT_DT", "DT_KEY", "NIRLeaky", "lif_node", "neuron_from_node"]
@@ -96,14 +95,15 @@ class NIRLeaky(SpikingNeuron):
         self.v_threshold, self.v_reset, self.spiking = float(v_threshold), float(v_reset), bool(spiking)
         self.backend, self.store_membrane = backend, False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, return_membrane: bool = False):
         current = x if self.scale == 1.0 else x * self.scale
         if self.bias:
             current = current + self.bias
         threshold = self.v_threshold if self.spiking else math.inf
-        spikes, h = lif(current, v_threshold=threshold, v_reset=self.v_reset, detach_reset=False, surrogate="triangle",
-                        leak=self.leak, return_membrane=True, backend=self._backend_for(current))
-        return spikes if self.spiking else h.to(x.dtype)
+        spikes, h = self._run(current, True, v_threshold=threshold, v_reset=self.v_reset, detach_reset=False,
+                              surrogate="triangle", leak=self.leak)
+        out = spikes if self.spiking else h.to(x.dtype)
+        return (out, h) if return_membrane else out
 
     def extra_repr(self) -> str:
         kind = "spiking" if self.spiking else "leaky integrator (outputs membrane)"
