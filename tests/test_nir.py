@@ -358,3 +358,16 @@ def test_if_and_li_nodes(tmp_path: Path) -> None:
         v = v + 0.25 * (-v + 2.0 * cur[t])
         expect.append(v)
     assert torch.allclose(out, torch.stack(expect), atol=1e-6)
+
+
+def test_shape_mismatch_in_a_graph_is_named(tmp_path: Path) -> None:
+    nodes = {
+        "input": nir.Input(input_type={"input": np.array([4])}),
+        "fc1": nir.Affine(weight=np.ones((6, 4)), bias=np.zeros(6)),
+        "fc2": nir.Affine(weight=np.ones((3, 5)), bias=np.zeros(3)),  # expects 5 inputs, gets 6
+        "output": nir.Output(output_type={"output": np.array([3])}),
+    }
+    graph = nir.NIRGraph(nodes=nodes, edges=[("input", "fc1"), ("fc1", "fc2"), ("fc2", "output")], metadata={}, type_check=False)
+    nir.write(tmp_path / "bad.nir", graph)
+    with pytest.raises(ArtifactError, match=r"bad\.nir: the NIR graph cannot be read \(ValueError: .*fc1.*fc2"):
+        efficient.load(tmp_path / "bad.nir")

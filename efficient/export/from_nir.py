@@ -20,7 +20,7 @@ from torch import nn
 from efficient.errors import ArtifactError
 from efficient.export.neurons import DEFAULT_DT, DT_KEY, neuron_from_node
 
-__all__ = ["NIRNetwork", "from_nir", "read_nir", "graph_dt"]
+__all__ = ["NIRNetwork", "from_nir", "graph_dt", "load_nir", "read_nir"]
 
 NEURON_TYPES = ("LIF", "IF", "LI")
 LAYER_TYPES = ("Affine", "Linear", "Conv1d", "Conv2d", "AvgPool2d", "SumPool2d", "Flatten", "Scale", "Identity")
