@@ -2,10 +2,12 @@
 
 MODEL_OR_RUN is a zoo name (with `--pretrained` weights and key=value options), a run dir or a
 .safetensors checkpoint. The graph describes one time step of one sample (see efficient.export);
-`--dt` is the seconds per step its time constants are written for (default 1e-4). Examples:
+`--dt` is the seconds per step its time constants are written for (default 1e-4). Models with
+LIF/PLIF neurons, or DLIF whose per-step gains are all equal, export; spiking transformers do not
+(the error says why). Examples:
 
-    efficient export stable-snn-digits --pretrained --to nir digits.nir
-    efficient export runs/stable-vgg5 --to nir vgg5.nir --dt 1e-3
+    efficient export stable-snn-vgg5 neuron=lif --to nir vgg5.nir
+    efficient export runs/stable-lif --to nir model.nir --dt 1e-3
 """
 
 from __future__ import annotations
