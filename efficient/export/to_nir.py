@@ -33,7 +33,8 @@ Shape = tuple[int, ...]
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().cpu().double().numpy() if t.is_floating_point() else t.detach().cpu().numpy()
+    """A layer tensor as fp32 numpy (BN folding is done in float64 first; neuron parameters stay float64)."""
+    return t.detach().cpu().float().numpy() if t.is_floating_point() else t.detach().cpu().numpy()
 
 
 def _bn_affine(bn: nn.modules.batchnorm._BatchNorm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,8 +229,8 @@ def _lower_wide_block(m: nn.Module, b: _Builder, tails: list[str], shape: Shape,
     if s_h != s_skip:
         raise ConfigError(f"{where} (WideBlock): shortcut {list(s_skip)} and residual {list(s_h)} differ in shape")
     w = m.convex.comb.detach().double()
-    out = b.add(f"{where}.convex.skip", nir.Scale(scale=np.full(s_h, float(w[0]))), skip)
-    out += b.add(f"{where}.convex.residual", nir.Scale(scale=np.full(s_h, float(w[1]))), h)
+    out = b.add(f"{where}.convex.skip", nir.Scale(scale=np.full(s_h, float(w[0]), dtype=np.float32)), skip)
+    out += b.add(f"{where}.convex.residual", nir.Scale(scale=np.full(s_h, float(w[1]), dtype=np.float32)), h)
     return out, s_h
 
 
