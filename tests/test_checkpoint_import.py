@@ -142,6 +142,10 @@ def test_checkpoint_of_another_architecture_is_refused(tmp_path: Path) -> None:
 
 
 def test_mismatched_keys_and_shapes_are_named(tmp_path: Path) -> None:
+    from efficient.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"stem_pool must be 'after_neuron' or 'before_neuron'"):
+        _tiny_spikformer(stem_pool="before")
     torch.manual_seed(0)
     official = to_layout(_tiny_spikformer().state_dict(), "spikformer-cifar")
     opts = dict(embed_dim=32, depth=1, num_heads=4, timesteps=2, img_size=16)
