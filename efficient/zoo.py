@@ -323,16 +323,21 @@ def create(name: str, **overrides: Any) -> nn.Module:
 
 def load(name_or_path: str | Path, pretrained: bool | str | Path | None = None, allow_pickle: bool = False,
          **overrides: Any) -> nn.Module:
-    """Build a model from a zoo name, a run dir, or a `.safetensors` file with its sidecar config.
+    """Build a model from a zoo name, a run dir, a `.safetensors` file with its sidecar config, or a
+    NIR graph (`.nir`: a `efficient.export.NIRNetwork` on time-major input; `dt=` seconds per step).
 
     `pretrained` (for zoo names): True (the weights shipped for it), a tag of them (``"digits"``),
     a URL (downloaded once into the cache and checked against ``#sha256=HEX``), ``hf-hub:ORG/NAME``,
-    a run dir, a `.safetensors` file, or a torch state-dict file (`.pt`; pickled objects are refused
-    unless `allow_pickle=True`). Shipped weights bring the options they were trained with (overrides
+    a run dir, a `.safetensors` file, or a torch state-dict file (`.pt`/`.pth`/`.tar`, read with
+    `weights_only=True`: pickled objects are refused unless `allow_pickle=True`). Spikformer and SDT
+    checkpoints in spikingjelly's or the official repositories' layouts are mapped onto ours
+    (`efficient.export.checkpoints`). Shipped weights bring the options they were trained with (overrides
     go on top). The model's `pretrained_cfg` records where its weights came from.
     """
     p = Path(name_or_path)
     provenance: dict[str, Any] | None = None
+    if p.suffix == ".nir":
+        return _load_nir(p, pretrained, overrides)
     if p.exists():
         if pretrained is True or (isinstance(pretrained, str) and not Path(pretrained).exists()):
             raise ConfigError(f"{p}: a run dir or weights file brings its own weights; pretrained= takes a file or run dir here")
@@ -351,20 +356,39 @@ def load(name_or_path: str | Path, pretrained: bool | str | Path | None = None, 
             resolved = hub.resolve(get_entry(str(name_or_path)).name, pretrained)
         model = create(str(name_or_path), **({**resolved.config, **overrides} if resolved else overrides))
         if resolved is not None:
-            load_weights(model, resolved.file)
-            provenance = resolved.pretrained_cfg
+            from efficient.export.checkpoints import load_pretrained
+
+            model, extra = load_pretrained(model, resolved.file)
+            provenance = {**resolved.pretrained_cfg, **extra}
             pretrained = None
     if pretrained is not None and pretrained is not False:
         src = Path(pretrained)
         if not src.exists():
             raise ConfigError(f"pretrained={pretrained!s}: no such file or directory (give a run dir, a .safetensors file, a URL or a shipped tag)")
         weights = src if src.is_file() else _resolve_artifact(src)[2]  # a file: only its tensors are needed
-        load_weights(model, weights, allow_pickle)
-        provenance = {"source": "file", "architecture": getattr(model, "zoo_name", None), "file": str(weights)}
+        from efficient.export.checkpoints import load_pretrained
+
+        # our files, or Spikformer / SDT checkpoints in other code bases' layouts (mapped by their keys)
+        model, extra = load_pretrained(model, weights, allow_pickle)
+        provenance = {"source": "file", "architecture": getattr(model, "zoo_name", None), "file": str(weights), **extra}
     if provenance is not None:
         model.pretrained_cfg = provenance  # type: ignore[assignment]
     model.eval()
     return model
+
+
+def _load_nir(p: Path, pretrained: Any, overrides: dict[str, Any]) -> nn.Module:
+    """A NIR graph file as a module on our kernels (`efficient.export.from_nir`); takes `dt` and `backend`."""
+    from efficient.export.from_nir import load_nir
+
+    if pretrained is not None and pretrained is not False:
+        raise ConfigError(f"{p}: a NIR graph carries its own weights; pretrained= does not apply")
+    unknown = sorted(set(overrides) - {"dt", "backend"})
+    if unknown:
+        raise ConfigError(f"{p}: {unknown[0]!r} is not an option for a NIR graph; it takes dt= (seconds per time step) and backend=")
+    net = load_nir(p, dt=overrides.get("dt"), backend=overrides.get("backend", "auto"))
+    net.pretrained_cfg = {"source": "file", "architecture": "nir", "file": str(p)}  # type: ignore[assignment]
+    return net
 
 
 def _create_from_artifact(p: Path, name: str, cfg: dict[str, Any]) -> nn.Module:
@@ -439,9 +463,9 @@ def read_state_dict(weights: Path, allow_pickle: bool = False) -> dict[str, torc
                 raise ArtifactError(f"{weights}: metadata 'efficient.aliases' maps {k!r} to {src!r}, which is not a tensor in the file. Re-save it.")
             sd[k] = sd[src]
         return sd
-    sd = read_torch(weights, allow_pickle)
-    if isinstance(sd, dict) and "state_dict" in sd and isinstance(sd["state_dict"], dict):
-        sd = sd["state_dict"]
+    from efficient.export.checkpoints import unwrap
+
+    sd = unwrap(read_torch(weights, allow_pickle))  # the state dict inside a training checkpoint
     if isinstance(sd, nn.Module):
         sd = sd.state_dict()
     if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()):
@@ -451,7 +475,11 @@ def read_state_dict(weights: Path, allow_pickle: bool = False) -> dict[str, torc
 
 def load_weights(model: nn.Module, weights: Path, allow_pickle: bool = False) -> None:
     """Load weights strictly; a mismatch names the keys that differ."""
-    sd = read_state_dict(weights, allow_pickle)
+    check_and_load(model, read_state_dict(weights, allow_pickle), weights)
+
+
+def check_and_load(model: nn.Module, sd: dict[str, torch.Tensor], weights: Path) -> None:
+    """Load state dict `sd` (read from `weights`) strictly; a mismatch names the keys that differ."""
     own = model.state_dict()
     missing = sorted(set(own) - set(sd))
     unexpected = sorted(set(sd) - set(own))

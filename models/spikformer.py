@@ -12,7 +12,7 @@ Transformer are in `efficient.models.spiking_transformer`. Variants are data: `V
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -68,9 +68,11 @@ class LinearBNLIF(nn.Module):
 class SPS(nn.Module):
     """Spiking patch splitting: 4 conv-BN-LIF stages (D/8, D/4, D/2, D) with max-pools, plus a
     conv relative-position embedding added to the tokens. `pool_stages` max-pools (on the last
-    stages) set the token grid: img_size / 2**pool_stages per side."""
+    stages) set the token grid: img_size / 2**pool_stages per side. `pool_first` max-pools the
+    BN output before the stage's LIF instead of its spikes after it (spikingjelly 2.0's Spikformer)."""
 
-    def __init__(self, img_size: int, in_chans: int, dim: int, pool_stages: int, lif_cfg: dict, rpe_lif: bool = True) -> None:
+    def __init__(self, img_size: int, in_chans: int, dim: int, pool_stages: int, lif_cfg: dict, rpe_lif: bool = True,
+                 pool_first: bool = False) -> None:
         super().__init__()
         if not 1 <= pool_stages <= 4:
             raise ConfigError(f"pool_stages must be in 1..4 (got {pool_stages})")
@@ -97,13 +99,15 @@ class SPS(nn.Module):
         if rpe_lif:  # the Spike-driven Transformer's stem adds real-valued features instead
             self.rpe_lif = _lif(lif_cfg)
         self.chans = chans
+        self.pool_first = pool_first
 
     def neuron_peak(self) -> int:
         """Elements per timestep and sample of the stem's largest neuron input (before its pool)."""
         res, peak = self.img_size, 0
         for c, pool in zip(self.chans[1:], self.pools):
-            peak = max(peak, c * res * res)
-            res = res // 2 if isinstance(pool, nn.MaxPool2d) else res
+            pooled = res // 2 if isinstance(pool, nn.MaxPool2d) else res
+            peak = max(peak, c * (pooled if self.pool_first else res) ** 2)
+            res = pooled
         return peak
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -112,8 +116,11 @@ class SPS(nn.Module):
         x = x.flatten(0, 1)
         for conv, bn, lif, pool in zip(self.convs, self.bns, self.lifs, self.pools):
             x = bn(conv(x))
+            if self.pool_first:
+                x = pool(x)
             x = lif(x.reshape(T, B, *x.shape[1:])).flatten(0, 1)
-            x = pool(x)
+            if not self.pool_first:
+                x = pool(x)
         feat = x
         x = self.rpe_bn(self.rpe_conv(x))
         x = self.rpe_lif(x.reshape(T, B, *x.shape[1:])).flatten(0, 1)
@@ -281,11 +288,14 @@ class Block(nn.Module):
 class SpikformerConfig(SpikingTransformerConfig):
     """Spikformer's options: the shared ones, bias-free q/k/v (`qkv_bias=False`, the ImageNet code),
     the reference code's unused LayerNorms (`reference_norms`, counted in its published sizes), and
-    `lean_inference` (see `Spikformer`)."""
+    `lean_inference` (see `Spikformer`). `stem_pool`: where the stem's max-pools sit, on the spikes
+    after each LIF (the paper's code) or on the BN output before it (spikingjelly 2.0's Spikformer,
+    whose checkpoints load with it; `efficient.export.checkpoints`)."""
 
     qkv_bias: bool = True
     reference_norms: bool = False
     lean_inference: bool = False
+    stem_pool: Literal["after_neuron", "before_neuron"] = "after_neuron"
 
 
 class Spikformer(SpikingTransformer):
@@ -304,7 +314,10 @@ class Spikformer(SpikingTransformer):
         self.lean_inference = cfg.lean_inference
 
     def build_stem(self, cfg: SpikformerConfig, lif_cfg: dict) -> SPS:
-        return SPS(cfg.img_size, cfg.in_chans, cfg.embed_dim, cfg.pool_stages, lif_cfg)
+        if cfg.stem_pool not in ("after_neuron", "before_neuron"):
+            raise ConfigError(f"stem_pool must be 'after_neuron' or 'before_neuron' (got {cfg.stem_pool!r})")
+        return SPS(cfg.img_size, cfg.in_chans, cfg.embed_dim, cfg.pool_stages, lif_cfg,
+                   pool_first=cfg.stem_pool == "before_neuron")
 
     def build_block(self, cfg: SpikformerConfig, lif_cfg: dict) -> Block:
         return Block(cfg.embed_dim, cfg.num_heads, cfg.mlp_ratio, lif_cfg, cfg.qkv_bias, cfg.reference_norms, self.kernel_backend)

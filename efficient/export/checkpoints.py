@@ -1,0 +1,373 @@
+"""Spikformer / Spike-driven Transformer checkpoints in other code bases' layouts -> our zoo models.
+
+`efficient.load("spikformer-4-384", pretrained="x.pth")` reads the file (`weights_only=True`),
+detects its layout from the keys and maps names and shapes onto our model:
+
+* `spikingjelly`: spikingjelly 2.0's `spikformer_*` models (`patch_embed.stages.N.conv_bn.block.*`,
+  fused `attn.qkv_conv_bn`, Conv1d projections without bias). Its stem max-pools the BN output
+  before each pooled stage's neuron, so the model is rebuilt with `stem_pool="before_neuron"`; the
+  bias-free projections load as zero biases and the reference code's unused LayerNorms as identity.
+* `spikformer-cifar`: the official Spikformer code, `cifar10/model.py` (`patch_embed.proj_convN`,
+  `block.N.attn.q_linear`, `mlp.fc1_linear`, LayerNorms `norm1/norm2`).
+* `spikformer-imagenet`: its `imagenet/model.py` (Conv1d q/k/v/proj, 1x1 Conv2d MLP).
+* `sdt-spikingjelly`: spikingjelly 2.0's `SpikeDrivenTransformer` (its stem convs' biases move
+  into the BatchNorm running means; the unused talking-heads weights of `sdt-*` load as zeros).
+* `sdt`: the official Spike-driven Transformer code (`block.N.attn.q_conv` 1x1 Conv2d,
+  `talking_heads`, `mlp.fc1_conv`), whose `lif` spike mode without `dvs_mode` matches `sdt-*`.
+
+Max-pools leave no trace in a state dict: the zoo entry's `pool_stages` must equal the number of
+pooled stem stages of the checkpoint (the trailing 1s of the SDT code's `pooling_stat`, e.g. "0011" = 2).
+
+`to_layout(our_state_dict, layout)` is the inverse (used by tests and for publishing weights back).
+A layout of the other architecture, keys left over or missing, and shapes that differ are errors
+that name the file and the keys in both namings.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from efficient.errors import ArtifactError
+
+__all__ = ["LAYOUTS", "detect_layout", "from_layout", "to_layout", "load_pretrained"]
+
+BN = r"weight|bias|running_mean|running_var|num_batches_tracked"
+PARAM = r"weight|bias"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """`theirs` <-> `ours` key templates ({b} block, {p} projection, {n} MLP layer, {x} parameter) and
+    the weight's shape change: "same", or "conv1d" / "conv2d" (a 1x1 convolution kernel <-> a Linear weight)."""
+
+    theirs: str
+    ours: str
+    shape: str = "same"
+    groups: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:  # the two templates as regexes, compiled once
+        object.__setattr__(self, "_rx", {True: self._regex(self.theirs), False: self._regex(self.ours)})
+
+    def _regex(self, template: str) -> re.Pattern[str]:
+        pats = {"b": r"\d+", "n": "[12]", "x": BN, "w": PARAM, **self.groups}
+        out, i = "", 0
+        for m in re.finditer(r"\{(\w)\}", template):
+            out += re.escape(template[i:m.start()]) + f"(?P<{m.group(1)}>{pats[m.group(1)]})"
+            i = m.end()
+        return re.compile(out + re.escape(template[i:]) + "$")
+
+    def match(self, key: str, forward: bool) -> str | None:
+        m = self._rx[forward].match(key)  # type: ignore[attr-defined]
+        return None if m is None else (self.ours if forward else self.theirs).format(**m.groupdict())
+
+    def reshape(self, t: torch.Tensor, forward: bool) -> torch.Tensor:
+        if self.shape == "same" or t.dim() < 2 or not forward and t.dim() != 2:
+            return t
+        if forward:  # [out, in, 1] / [out, in, 1, 1] -> [out, in]
+            return t.reshape(t.shape[0], t.shape[1]) if all(s == 1 for s in t.shape[2:]) else t
+        return t.reshape(*t.shape, *([1] * (1 if self.shape == "conv1d" else 2)))
+
+
+def _stem(bn_rpe: str = "rpe_bn") -> list[Rule]:
+    """The official SPS / MS_SPS stem: proj_conv, proj_conv1..3 (+ BNs), rpe_conv, rpe_bn."""
+    rules = []
+    for i in range(4):
+        s = "" if i == 0 else str(i)
+        rules += [Rule(f"patch_embed.proj_conv{s}.weight", f"patch_embed.convs.{i}.weight"),
+                  Rule(f"patch_embed.proj_bn{s}.{{x}}", f"patch_embed.bns.{i}.{{x}}")]
+    return rules + [Rule("patch_embed.rpe_conv.weight", "patch_embed.rpe_conv.weight"),
+                    Rule(f"patch_embed.{bn_rpe}.{{x}}", "patch_embed.rpe_bn.{x}")]
+
+
+QKVP = {"p": "q|k|v|proj"}
+SPIKFORMER_CIFAR = _stem() + [
+    Rule("block.{b}.attn.{p}_linear.{w}", "blocks.{b}.attn.{p}.linear.{w}", groups=QKVP),
+    Rule("block.{b}.attn.{p}_bn.{x}", "blocks.{b}.attn.{p}.bn.{x}", groups=QKVP),
+    Rule("block.{b}.mlp.fc{n}_linear.{w}", "blocks.{b}.mlp.fc{n}.linear.{w}"),
+    Rule("block.{b}.mlp.fc{n}_bn.{x}", "blocks.{b}.mlp.fc{n}.bn.{x}"),
+    Rule("block.{b}.norm{n}.{w}", "blocks.{b}.norm{n}.{w}"),
+    Rule("head.{w}", "head.{w}"),
+]
+SPIKFORMER_IMAGENET = _stem() + [
+    Rule("block.{b}.attn.{p}_conv.{w}", "blocks.{b}.attn.{p}.linear.{w}", "conv1d", QKVP),
+    Rule("block.{b}.attn.{p}_bn.{x}", "blocks.{b}.attn.{p}.bn.{x}", groups=QKVP),
+    Rule("block.{b}.mlp.fc{n}_conv.{w}", "blocks.{b}.mlp.fc{n}.linear.{w}", "conv2d"),
+    Rule("block.{b}.mlp.fc{n}_bn.{x}", "blocks.{b}.mlp.fc{n}.bn.{x}"),
+    Rule("block.{b}.norm{n}.{w}", "blocks.{b}.norm{n}.{w}"),
+    Rule("head.{w}", "head.{w}"),
+]
+SDT = _stem() + [
+    Rule("block.{b}.attn.{p}_conv.{w}", "blocks.{b}.attn.{p}.linear.{w}", "conv2d", QKVP),
+    Rule("block.{b}.attn.{p}_bn.{x}", "blocks.{b}.attn.{p}.bn.{x}", groups=QKVP),
+    Rule("block.{b}.attn.talking_heads.weight", "blocks.{b}.attn.talking_heads.weight"),
+    Rule("block.{b}.mlp.fc{n}_conv.{w}", "blocks.{b}.mlp.fc{n}.linear.{w}", "conv2d"),
+    Rule("block.{b}.mlp.fc{n}_bn.{x}", "blocks.{b}.mlp.fc{n}.bn.{x}"),
+    Rule("head.{w}", "head.{w}"),
+]
+# spikingjelly 2.0, after its fused q/k/v unit is split into `attn.{q,k,v}_conv_bn` (see `_split_qkv`)
+SPIKINGJELLY = [
+    Rule("patch_embed.stages.{i}.conv_bn.block.0.weight", "patch_embed.convs.{i}.weight", groups={"i": "[0-3]"}),
+    Rule("patch_embed.stages.{i}.conv_bn.block.1.{x}", "patch_embed.bns.{i}.{x}", groups={"i": "[0-3]"}),
+    Rule("patch_embed.positional_encoding.conv_bn.block.0.weight", "patch_embed.rpe_conv.weight"),
+    Rule("patch_embed.positional_encoding.conv_bn.block.1.{x}", "patch_embed.rpe_bn.{x}"),
+    Rule("blocks.{b}.attn.{p}_conv_bn.0.weight", "blocks.{b}.attn.{p}.linear.weight", "conv1d", QKVP),
+    Rule("blocks.{b}.attn.{p}_conv_bn.1.{x}", "blocks.{b}.attn.{p}.bn.{x}", groups=QKVP),
+    Rule("blocks.{b}.mlp.fc{n}.0.weight", "blocks.{b}.mlp.fc{n}.linear.weight", "conv1d"),
+    Rule("blocks.{b}.mlp.fc{n}.1.{x}", "blocks.{b}.mlp.fc{n}.bn.{x}"),
+    Rule("head.{w}", "head.{w}"),
+]
+
+
+def _zero_biases_and_identity_norms(key: str, like: torch.Tensor) -> torch.Tensor | None:
+    """What spikingjelly's layout lacks: biases of its bias-free projections (zero: the same
+    function) and the reference code's unused LayerNorms (identity)."""
+    if re.fullmatch(r"blocks\.\d+\.(attn\.(q|k|v|proj)|mlp\.fc[12])\.linear\.bias", key):
+        return torch.zeros_like(like)
+    if re.fullmatch(r"blocks\.\d+\.norm[12]\.weight", key):
+        return torch.ones_like(like)
+    if re.fullmatch(r"blocks\.\d+\.norm[12]\.bias", key):
+        return torch.zeros_like(like)
+    return None
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    description: str
+    family: str  # the model class it is for: "Spikformer" or "SpikeDrivenTransformer"
+    rules: list[Rule]
+    detect: Callable[[dict[str, torch.Tensor]], bool]
+    options: dict[str, Any] = field(default_factory=dict)  # model options the layout's architecture needs
+    fill: Callable[[str, torch.Tensor], torch.Tensor | None] | None = None
+    prepare: Callable[[dict[str, torch.Tensor], str], dict[str, torch.Tensor]] | None = None  # theirs -> rule-mappable
+    restore: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None  # inverse of `prepare`
+
+
+SDT_SPIKINGJELLY = [
+    Rule("patch_embed.stages.{i}.0.weight", "patch_embed.convs.{i}.weight", groups={"i": "[0-2]"}),
+    Rule("patch_embed.stages.{i}.1.{x}", "patch_embed.bns.{i}.{x}", groups={"i": "[0-2]"}),
+    Rule("patch_embed.final_stage.0.weight", "patch_embed.convs.3.weight"),
+    Rule("patch_embed.final_stage.1.{x}", "patch_embed.bns.3.{x}"),
+    Rule("patch_embed.rpe_conv.weight", "patch_embed.rpe_conv.weight"),
+    Rule("patch_embed.rpe_bn.{x}", "patch_embed.rpe_bn.{x}"),
+    Rule("blocks.{b}.attn.{p}_conv.{w}", "blocks.{b}.attn.{p}.linear.{w}", "conv2d", QKVP),
+    Rule("blocks.{b}.attn.{p}_bn.{x}", "blocks.{b}.attn.{p}.bn.{x}", groups=QKVP),
+    Rule("blocks.{b}.mlp.fc{n}.{w}", "blocks.{b}.mlp.fc{n}.linear.{w}", "conv2d"),
+    Rule("blocks.{b}.mlp.bn{n}.{x}", "blocks.{b}.mlp.fc{n}.bn.{x}"),
+    Rule("head.{w}", "head.{w}"),
+]
+SJ_SDT_STEM = {f"patch_embed.stages.{i}": i for i in range(3)} | {"patch_embed.final_stage": 3}
+
+
+def _fold_stem_bias(sd: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
+    """spikingjelly's SDT stem convs have a bias, ours none: a bias before BatchNorm only shifts its
+    mean, so it moves into the running mean (exact in eval; in training the batch mean absorbs it)."""
+    out = dict(sd)
+    for prefix in SJ_SDT_STEM:
+        b = out.pop(f"{prefix}.0.bias", None)
+        mean = f"{prefix}.1.running_mean"
+        if b is not None and mean in out:
+            if b.shape != out[mean].shape:
+                raise ArtifactError(f"{source}: {prefix}.0.bias {tuple(b.shape)} does not match {mean} {tuple(out[mean].shape)}")
+            out[mean] = out[mean] - b
+    return out
+
+
+def _zero_stem_bias(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = dict(sd)
+    for prefix in SJ_SDT_STEM:
+        if f"{prefix}.0.weight" in out:
+            out[f"{prefix}.0.bias"] = torch.zeros(out[f"{prefix}.0.weight"].shape[0], dtype=out[f"{prefix}.0.weight"].dtype)
+    return out
+
+
+def _unused_talking_heads(key: str, like: torch.Tensor) -> torch.Tensor | None:
+    """The official SDT's talking-heads convs (kept in `sdt-*` for its parameter count, never called)."""
+    return torch.zeros_like(like) if re.fullmatch(r"blocks\.\d+\.attn\.talking_heads\.weight", key) else None
+
+
+def _has(sd: dict[str, torch.Tensor], pattern: str, dim: int | None = None) -> bool:
+    rx = re.compile(pattern)
+    return any(rx.fullmatch(k) and (dim is None or sd[k].dim() == dim) for k in sd)
+
+
+FUSED = re.compile(rf"blocks\.(\d+)\.attn\.qkv_conv_bn\.([01])\.({BN})$")
+
+
+def _split_qkv(sd: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
+    """spikingjelly's one q/k/v unit (3D output channels: q, then k, then v) as three units."""
+    out: dict[str, torch.Tensor] = {}
+    for k, v in sd.items():
+        m = FUSED.match(k)
+        if m is None:
+            out[k] = v
+            continue
+        b, i, x = m.groups()
+        if x == "num_batches_tracked":
+            parts = [v, v.clone(), v.clone()]
+        elif v.shape[0] % 3:
+            raise ArtifactError(f"{source}: {k} has {v.shape[0]} output channels, not a multiple of 3 (q, k, v)")
+        else:
+            parts = list(v.chunk(3, dim=0))
+        for p, t in zip("qkv", parts):
+            out[f"blocks.{b}.attn.{p}_conv_bn.{i}.{x}"] = t
+    return out
+
+
+def _merge_qkv(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    rx = re.compile(rf"blocks\.(\d+)\.attn\.([qkv])_conv_bn\.([01])\.({BN})$")
+    groups: dict[tuple[str, str, str], dict[str, torch.Tensor]] = {}
+    for k, v in sd.items():
+        m = rx.match(k)
+        if m is None:
+            out[k] = v
+        else:
+            b, p, i, x = m.groups()
+            groups.setdefault((b, i, x), {})[p] = v
+    for (b, i, x), parts in groups.items():
+        out[f"blocks.{b}.attn.qkv_conv_bn.{i}.{x}"] = parts["q"] if x == "num_batches_tracked" else torch.cat([parts[p] for p in "qkv"])
+    return out
+
+
+LAYOUTS: dict[str, Layout] = {
+    "spikingjelly": Layout(
+        "spikingjelly", "spikingjelly 2.0's spikformer models", "Spikformer", SPIKINGJELLY,
+        lambda sd: _has(sd, r"patch_embed\.stages\.\d+\.conv_bn\.block\.0\.weight"),
+        {"stem_pool": "before_neuron"}, _zero_biases_and_identity_norms, _split_qkv, _merge_qkv),
+    "sdt-spikingjelly": Layout(
+        "sdt-spikingjelly", "spikingjelly 2.0's SpikeDrivenTransformer", "SpikeDrivenTransformer", SDT_SPIKINGJELLY,
+        lambda sd: _has(sd, r"patch_embed\.final_stage\.0\.weight"), {}, _unused_talking_heads, _fold_stem_bias,
+        _zero_stem_bias),
+    "spikformer-cifar": Layout(
+        "spikformer-cifar", "the official Spikformer code (cifar10/model.py)", "Spikformer", SPIKFORMER_CIFAR,
+        lambda sd: _has(sd, r"block\.\d+\.attn\.q_linear\.weight")),
+    "spikformer-imagenet": Layout(
+        "spikformer-imagenet", "the official Spikformer code (imagenet/model.py)", "Spikformer", SPIKFORMER_IMAGENET,
+        lambda sd: _has(sd, r"block\.\d+\.attn\.q_conv\.weight", dim=3)),
+    "sdt": Layout(
+        "sdt", "the official Spike-driven Transformer code (module/ms_conv.py, module/sps.py)", "SpikeDrivenTransformer", SDT,
+        lambda sd: _has(sd, r"block\.\d+\.attn\.q_conv\.weight", dim=4) or _has(sd, r"block\.\d+\.attn\.talking_heads\.weight")),
+}
+def unwrap(obj: Any) -> Any:
+    """The state dict inside a training checkpoint ({"state_dict": ...} / {"model": ...})."""
+    for key in ("state_dict", "model"):
+        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
+            obj = obj[key]
+    return obj
+
+
+def _strip_ddp(sd: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Without the `module.` prefix DistributedDataParallel adds to every key (unless the model's own keys have it)."""
+    if sd and all(k.startswith("module.") for k in sd) and not any(k.startswith("module.") for k in own):
+        return {k[len("module."):]: v for k, v in sd.items()}
+    return sd
+
+
+def detect_layout(sd: dict[str, torch.Tensor]) -> Layout | None:
+    """The foreign layout whose keys `sd` has, or None (our own layout, or unknown)."""
+    for layout in LAYOUTS.values():
+        if layout.detect(sd):
+            return layout
+    return None
+
+
+def _their_name(layout: Layout, our_key: str) -> str:
+    for rule in layout.rules:
+        k = rule.match(our_key, forward=False)
+        if k is not None:
+            return k
+    return "?"
+
+
+def from_layout(sd: dict[str, torch.Tensor], layout: Layout, own: dict[str, torch.Tensor], source: str
+                ) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """(our state dict, keys filled because the layout lacks them) for `sd` in `layout`, checked
+    against `own` (the target model's state dict): leftover, missing and misshapen keys are errors."""
+    if layout.prepare is not None:
+        sd = layout.prepare(sd, source)
+    out: dict[str, torch.Tensor] = {}
+    origin: dict[str, tuple[str, tuple[int, ...]]] = {}
+    unexpected = []
+    for k, v in sd.items():
+        for rule in layout.rules:
+            ours = rule.match(k, forward=True)
+            if ours is not None:
+                out[ours], origin[ours] = rule.reshape(v, forward=True), (k, tuple(v.shape))
+                break
+        else:
+            unexpected.append(k)
+    unexpected += [origin[k][0] for k in out if k not in own]
+    filled = []
+    for k in sorted(set(own) - set(out)):
+        value = layout.fill(k, own[k]) if layout.fill else None
+        if value is not None:
+            out[k] = value
+            filled.append(k)
+    missing = sorted(set(own) - set(out))
+    bad = [f"{origin[k][0]} {origin[k][1]} -> {k} {tuple(own[k].shape)}"
+           for k in sorted(set(own) & set(out)) if k in origin and out[k].shape != own[k].shape]
+    if unexpected or missing or bad:
+        parts = []
+        if missing:
+            names = [f"{_their_name(layout, k)} (ours: {k})" for k in missing[:5]]
+            parts.append(f"missing {len(missing)} keys: {', '.join(names)}{' ...' if len(missing) > 5 else ''}")
+        if unexpected:
+            parts.append(f"unexpected {len(unexpected)} keys: {sorted(unexpected)[:5]}{' ...' if len(unexpected) > 5 else ''}")
+        if bad:
+            parts.append("shape mismatch (file -> model) " + "; ".join(bad[:5]))
+        raise ArtifactError(f"{source}: a checkpoint in the layout of {layout.description} that does not fit this model: "
+                            + "; ".join(parts) + ". Check that the zoo entry has the checkpoint's depth, width and classes "
+                            "(e.g. efficient.load(NAME, pretrained=FILE, depth=..., embed_dim=..., num_classes=...)).")
+    return {k: out[k] for k in own}, filled
+
+
+def to_layout(sd: dict[str, torch.Tensor], layout: str | Layout) -> dict[str, torch.Tensor]:
+    """Our state dict in another code base's layout (the inverse of the load mapping). Keys that
+    layout has no place for (e.g. a zero bias spikingjelly's projections lack) must be their filled value."""
+    lay = LAYOUTS[layout] if isinstance(layout, str) else layout
+    out: dict[str, torch.Tensor] = {}
+    for k, v in sd.items():
+        for rule in lay.rules:
+            theirs = rule.match(k, forward=False)
+            if theirs is not None:
+                out[theirs] = rule.reshape(v, forward=False)
+                break
+        else:
+            filled = lay.fill(k, v) if lay.fill else None
+            if filled is None or not torch.equal(filled, v):
+                raise ArtifactError(f"{k}: {lay.description} has no place for this tensor")
+    return lay.restore(out) if lay.restore is not None else out
+
+
+def load_pretrained(model: nn.Module, weights: Path, allow_pickle: bool = False) -> tuple[nn.Module, dict[str, Any]]:
+    """Load `weights` (ours or a foreign layout) into zoo model `model`; returns the model (rebuilt
+    if the layout's architecture needs other options) and what to add to its `pretrained_cfg`."""
+    from efficient import zoo
+
+    weights = Path(weights)
+    sd = _strip_ddp(zoo.read_state_dict(weights, allow_pickle), model.state_dict())
+    layout = detect_layout(sd)
+    if layout is None:  # ours, or something unknown: the strict loader names the keys that differ
+        zoo.check_and_load(model, sd, weights)
+        return model, {}
+    kind = type(model).__name__
+    if kind != layout.family:
+        name = getattr(model, "zoo_name", kind)
+        other = "spikformer-4-384" if layout.family == "Spikformer" else "sdt-2-512"
+        raise ArtifactError(f"{weights}: a {layout.family} checkpoint in the layout of {layout.description}, but {name!r} is a {kind}; "
+                            f"load it into a {layout.family} entry (e.g. efficient.load({other!r}, pretrained=...))")
+    cfg = dict(getattr(model, "zoo_cfg", {}) or {})
+    if any(cfg.get(k) != v for k, v in layout.options.items()):
+        was_training = model.training
+        model = zoo.create(model.zoo_name, **{**cfg, **layout.options})
+        model.train(was_training)
+    converted, filled = from_layout(sd, layout, model.state_dict(), str(weights))
+    model.load_state_dict(converted, strict=True)
+    return model, {"layout": layout.name, **({"filled": filled} if filled else {}), **layout.options}

@@ -1,0 +1,373 @@
+"""NIR export/import: round trips give identical spikes and logits; graphs cross to and from
+spikingjelly 2.0 and snntorch 1.0 with the same outputs; the dt convention; clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import efficient
+from efficient import zoo
+from efficient.errors import ArtifactError, ConfigError
+from efficient.export import load_nir, to_nir, write_nir
+from efficient.models.neurons import DLIF, LIF, PLIF, SpikingNeuron
+
+nir = pytest.importorskip("nir")
+
+
+def _spike_recorder(model: nn.Module) -> list[torch.Tensor]:
+    """Spikes of every neuron of `model`, in call order, appended at each forward."""
+    out: list[torch.Tensor] = []
+    for m in model.modules():
+        if isinstance(m, SpikingNeuron):
+            m.register_forward_hook(lambda _m, _i, o: out.append(o.detach()))
+    return out
+
+
+def _lif_mlp(decay_input: bool = True) -> nn.Sequential:
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(8, 16), LIF(tau=2.0, decay_input=decay_input), nn.Linear(16, 4),
+                        LIF(tau=3.0, decay_input=decay_input, v_threshold=0.5))
+    with torch.no_grad():  # weights large enough that both layers fire
+        for p in mlp.parameters():
+            p.mul_(3.0)
+    return mlp.eval()
+
+
+def _fire(model: nn.Module) -> nn.Module:
+    """Batch-norm statistics and scales that make every spiking layer fire (fresh models are silent)."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.copy_(torch.randn(m.num_features, generator=g) * 0.1)
+                m.running_var.copy_(torch.rand(m.num_features, generator=g) + 0.5)
+                m.weight.fill_(2.0)
+                m.bias.copy_(torch.rand(m.num_features, generator=g))
+            elif isinstance(m, nn.Linear):
+                m.weight.mul_(4.0)
+                m.bias.fill_(0.3)
+    return model.eval()
+
+
+def test_lif_mlp_round_trip_is_exact(tmp_path: Path) -> None:
+    mlp = _lif_mlp()
+    x = torch.rand(6, 3, 8) * 2
+    write_nir(to_nir(mlp, x), tmp_path / "mlp.nir")
+    net = efficient.load(tmp_path / "mlp.nir")
+    ours, theirs = _spike_recorder(mlp), _spike_recorder(net)
+    y_ref, y = mlp(x), net(x)
+    assert torch.equal(y_ref, y)
+    assert len(ours) == len(theirs) == 2
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+        assert 0.05 < a.mean() < 0.95  # both layers really fire
+
+
+@pytest.mark.parametrize("neuron", ["lif", "dlif"])
+def test_stable_snn_vgg5_round_trip_spikes_and_logits(tmp_path: Path, neuron: str) -> None:
+    torch.manual_seed(0)
+    model = _fire(zoo.create("stable-snn-vgg5", neuron=neuron, img_size=8, fc_dim=32, timesteps=4))
+    img = torch.rand(2, 3, 8, 8)
+    write_nir(to_nir(model, img), tmp_path / "vgg5.nir")
+    net = efficient.load(tmp_path / "vgg5.nir")
+    ours, theirs = _spike_recorder(model), _spike_recorder(net)
+    logits_t = model.forward_time(img)
+    out = net(img.unsqueeze(0).expand(4, *img.shape))  # direct encoding: the image at every step
+    assert torch.equal(out, logits_t)
+    assert len(ours) == len(theirs) == 5
+    assert torch.equal(out.mean(0), model(img))
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+        assert 0.01 < a.float().mean() < 0.99
+
+
+def test_wrn_exports_residual_sums(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = _fire(zoo.create("stable-snn-wrn16", neuron="lif", img_size=8, timesteps=3, widen=1))
+    with torch.no_grad():
+        for blk in model.blocks:
+            blk.convex.comb.copy_(torch.tensor([0.3, 0.7]))
+    img = torch.rand(2, 3, 8, 8)
+    graph = to_nir(model, img)
+    assert any(isinstance(n, nir.Scale) for n in graph.nodes.values())
+    write_nir(graph, tmp_path / "wrn.nir")
+    net = efficient.load(tmp_path / "wrn.nir")
+    out = net(img.unsqueeze(0).expand(3, *img.shape))
+    ref = model.forward_time(img)
+    # batch norm folded into the convs in float64 rounds differently from conv-then-BN in fp32
+    assert torch.allclose(out, ref, atol=1e-4)
+    assert ref.abs().max() > 0.1
+
+
+def test_spikingjelly_graph_loads_with_its_outputs(tmp_path: Path) -> None:
+    """Written by spikingjelly 2.0's `export_to_nir` (its neurons are ours: same charge, >= threshold)."""
+    from spikingjelly.activation_based import functional, layer, neuron
+    from spikingjelly.activation_based.nir_exchange import export_to_nir
+
+    torch.manual_seed(0)
+    net = nn.Sequential(layer.Conv2d(2, 4, 3, padding=1), neuron.LIFNode(tau=2.0), layer.AvgPool2d(2), layer.Flatten(),
+                        layer.Linear(64, 5), neuron.LIFNode(tau=4.0, decay_input=False, v_threshold=0.5))
+    with torch.no_grad():
+        for p in net.parameters():
+            p.mul_(3.0)
+    functional.set_step_mode(net, "m")
+    x = (torch.rand(6, 3, 2, 8, 8) > 0.5).float()
+    export_to_nir(net, x, tmp_path / "sj.nir", dt=1e-3)
+    functional.reset_net(net)
+    ref = net(x)
+    assert 0.05 < ref.mean() < 0.95
+    ours = efficient.load(tmp_path / "sj.nir", dt=1e-3)  # spikingjelly writes no dt: pass the one it used
+    assert torch.equal(ours(x), ref)
+    # the same file read at the default dt=1e-4 has ten times the time constants: other spikes
+    assert not torch.equal(efficient.load(tmp_path / "sj.nir")(x), ref)
+
+
+def test_our_export_imports_into_spikingjelly(tmp_path: Path) -> None:
+    from spikingjelly.activation_based.nir_exchange import import_from_nir
+
+    mlp = _lif_mlp()
+    x = torch.rand(6, 3, 8) * 2
+    write_nir(to_nir(mlp, x, dt=1e-3), tmp_path / "mlp.nir")
+    sj = import_from_nir(tmp_path / "mlp.nir", dt=1e-3, step_mode="m")
+    out, _ = sj(x)
+    assert torch.equal(out, mlp(x))
+
+
+def test_our_export_imports_into_snntorch(tmp_path: Path) -> None:
+    """snntorch 1.0's `import_from_nir` (reset to zero, beta = 1 - dt/tau) matches LIF without input
+    decay (r = tau, so snntorch does not rescale the threshold); its `export_to_nir` fails, see the report."""
+    from snntorch.import_nir import import_from_nir
+
+    mlp = _lif_mlp(decay_input=False)
+    x = torch.rand(6, 3, 8) * 2
+    write_nir(to_nir(mlp, x), tmp_path / "mlp.nir")
+    sn = import_from_nir(nir.read(tmp_path / "mlp.nir"))  # snntorch assumes dt = 1e-4, our default
+    steps, state = [], None
+    for t in range(x.shape[0]):  # snntorch runs one step per call, its Leaky layers keep their state
+        y, state = sn(x[t], state)
+        steps.append(y)
+    ref = mlp(x)
+    assert 0.05 < ref.mean() < 0.95
+    assert torch.equal(torch.stack(steps), ref)
+
+
+def test_dt_is_stored_and_read_back(tmp_path: Path) -> None:
+    mlp = _lif_mlp()
+    x = torch.rand(5, 2, 8) * 2
+    graph = to_nir(mlp, x, dt=1e-3)
+    lif = next(n for n in graph.nodes.values() if isinstance(n, nir.LIF))
+    assert np.allclose(lif.tau, 2.0 * 1e-3) and np.allclose(lif.r, 1.0)  # tau_nir = tau * dt; decay_input -> r = 1
+    write_nir(graph, tmp_path / "m.nir")
+    net = load_nir(tmp_path / "m.nir")
+    assert net.dt == 1e-3
+    assert torch.equal(net(x), mlp(x))
+    # reading it as if each step were 10x shorter makes tau 10x longer in steps
+    slow = load_nir(tmp_path / "m.nir", dt=1e-4)
+    assert slow.nodes["1"].tau == pytest.approx(20.0)
+
+
+def test_neuron_parameter_mapping() -> None:
+    shape = (3,)
+    from efficient.export.neurons import lif_node
+
+    no_decay = lif_node(LIF(tau=4.0, decay_input=False, v_threshold=0.7), shape, 1e-4, "n")
+    assert np.allclose(no_decay.tau, 4e-4) and np.allclose(no_decay.r, 4.0) and np.allclose(no_decay.v_threshold, 0.7)
+    plif = PLIF(init_tau=3.0)
+    assert np.allclose(lif_node(plif, shape, 1e-4, "p").tau, 3e-4)
+    d = DLIF(timesteps=3, leak=0.75)
+    with torch.no_grad():
+        d.gain.fill_(2.0)
+    node = lif_node(d, shape, 1e-4, "d")  # tau = 1 / (1 - leak) = 4 steps, r = tau * gain
+    assert np.allclose(node.tau, 4e-4) and np.allclose(node.r, 8.0) and np.allclose(node.v_reset, 0.0)
+
+
+def test_dlif_equal_gains_round_trip_exact(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(6, 10), DLIF(timesteps=5, leak=0.8)).eval()
+    with torch.no_grad():
+        mlp[1].gain.fill_(1.7)
+        mlp[0].weight.mul_(2)
+    x = torch.rand(5, 4, 6)
+    write_nir(to_nir(mlp, x), tmp_path / "d.nir")
+    ref = mlp(x)
+    assert 0.05 < ref.mean() < 0.95
+    assert torch.equal(efficient.load(tmp_path / "d.nir")(x), ref)
+
+
+def test_unexportable_neurons_name_the_layer() -> None:
+    x = torch.rand(3, 2, 4)
+    d = DLIF(timesteps=3)
+    with torch.no_grad():
+        d.gain.copy_(torch.tensor([1.0, 0.9, 1.1]))
+    with pytest.raises(ConfigError, match=r"1 \(DLIF\).*gains.*differ"):
+        to_nir(nn.Sequential(nn.Linear(4, 4), d), x)
+    with pytest.raises(ConfigError, match=r"1 \(LIF\): soft reset"):
+        to_nir(nn.Sequential(nn.Linear(4, 4), LIF(v_reset=None)), x)
+    with pytest.raises(ConfigError, match=r"1 \(GELU\): no NIR export"):
+        to_nir(nn.Sequential(nn.Linear(4, 4), nn.GELU()), x)
+
+
+def test_transformers_fail_with_the_reason() -> None:
+    img = torch.rand(1, 1, 16, 16)
+    plain = zoo.create("spikformer-tiny", embed_dim=16, depth=1, num_heads=2, timesteps=2)
+    with pytest.raises(ConfigError, match=r"blocks\.0\.attn \(SSA\): spiking self-attention multiplies spike tensors"):
+        to_nir(plain, img)
+    stata = zoo.create("spikformer-tiny", embed_dim=16, depth=2, num_heads=2, timesteps=2, prune_blocks=[1], keep_ratio=0.5)
+    with pytest.raises(ConfigError, match=r"stata \(TokenPruner, at blocks\.0\): STATA's token selection"):
+        to_nir(stata, img)
+
+
+def test_bad_nir_files_give_clear_errors(tmp_path: Path) -> None:
+    foreign = tmp_path / "model.nir"
+    foreign.write_bytes(b"PK\x03\x04 this is a zip archive")
+    with pytest.raises(ArtifactError, match=r"model\.nir: not a NIR file"):
+        efficient.load(foreign)
+    mlp = _lif_mlp()
+    good = tmp_path / "good.nir"
+    write_nir(to_nir(mlp, torch.rand(2, 1, 8)), good)
+    truncated = tmp_path / "trunc.nir"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises(ArtifactError, match=r"trunc\.nir: .*(cannot be read|not a NIR)"):
+        efficient.load(truncated)
+    import h5py
+
+    other = tmp_path / "other.nir"
+    with h5py.File(other, "w") as f:
+        f.create_dataset("weights", data=np.zeros(3))
+    with pytest.raises(ArtifactError, match=r"other\.nir: an HDF5 file but not a NIR graph"):
+        efficient.load(other)
+    with pytest.raises(ArtifactError, match=r"missing\.nir: no such NIR file"):
+        efficient.load(tmp_path / "missing.nir")
+    with pytest.raises(ValueError, match=r"time-major input \[T, B, 8\]"):
+        efficient.load(good)(torch.rand(2, 1, 9))
+
+
+def test_unsupported_nodes_are_named(tmp_path: Path) -> None:
+    n = 3
+    nodes = {
+        "input": nir.Input(input_type={"input": np.array([n])}),
+        "syn": nir.CubaLIF(tau_syn=np.ones(n), tau_mem=np.ones(n), r=np.ones(n), v_leak=np.zeros(n), v_threshold=np.ones(n)),
+        "output": nir.Output(output_type={"output": np.array([n])}),
+    }
+    nir.write(tmp_path / "cuba.nir", nir.NIRGraph(nodes=nodes, edges=[("input", "syn"), ("syn", "output")], metadata={}))
+    with pytest.raises(ArtifactError, match=r"cuba\.nir: the graph uses nodes efficient cannot run: 'syn' \(CubaLIF: .*synaptic current"):
+        efficient.load(tmp_path / "cuba.nir")
+    rec = {
+        "input": nir.Input(input_type={"input": np.array([n])}),
+        "lif": nir.LIF(tau=np.full(n, 2e-4), r=np.ones(n), v_leak=np.zeros(n), v_threshold=np.ones(n)),
+        "w": nir.Linear(weight=np.eye(n)),
+        "output": nir.Output(output_type={"output": np.array([n])}),
+    }
+    g = nir.NIRGraph(nodes=rec, edges=[("input", "lif"), ("lif", "w"), ("w", "lif"), ("lif", "output")], metadata={})
+    nir.write(tmp_path / "rnn.nir", g)
+    with pytest.raises(ArtifactError, match=r"rnn\.nir: the graph is recurrent"):
+        efficient.load(tmp_path / "rnn.nir")
+    per_neuron = dict(rec, lif=nir.LIF(tau=np.array([2e-4, 3e-4, 4e-4]), r=np.ones(n), v_leak=np.zeros(n), v_threshold=np.ones(n)))
+    nir.write(tmp_path / "pn.nir", nir.NIRGraph(nodes={k: v for k, v in per_neuron.items() if k != "w"},
+                                                edges=[("input", "lif"), ("lif", "output")], metadata={}))
+    with pytest.raises(ArtifactError, match=r"pn\.nir: node 'lif' \(LIF\) has per-neuron 'tau' values"):
+        efficient.load(tmp_path / "pn.nir")
+
+
+def test_cli_export_of_a_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from efficient.cli import main
+
+    torch.manual_seed(0)
+    model = _fire(zoo.create("stable-snn-digits", neuron="lif", timesteps=3))
+    zoo.save_model(model, tmp_path / "digits.safetensors")
+    assert main(["export", str(tmp_path / "digits.safetensors"), "--to", "nir", str(tmp_path / "d.nir"), "--dt", "1e-3"]) == 0
+    assert "d.nir: 15 nodes (4 spiking)" in capsys.readouterr().out
+    net = efficient.load(tmp_path / "d.nir")
+    assert net.dt == 1e-3
+    img = torch.rand(2, 1, 8, 8)
+    assert torch.equal(net(img.unsqueeze(0).expand(3, *img.shape)).mean(0), model(img))
+
+
+def test_cli_export_errors_are_messages(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from efficient.cli import main
+
+    assert main(["export", "spikformer-tiny", "--to", "nir", str(tmp_path / "s.nir")]) == 2
+    assert "blocks.0.attn (SSA)" in capsys.readouterr().err
+    assert main(["export", "stable-snn-digits", "--to", "onnx", str(tmp_path / "s.onnx")]) == 2
+    assert "unknown export format" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_time_major_flatten_maps_to_sample_dims(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Flatten(2), nn.Linear(12, 5), LIF(tau=2.0)).eval()
+    with torch.no_grad():
+        net[1].weight.abs_().mul_(2)
+    x = torch.rand(4, 2, 3, 2, 2)
+    graph = to_nir(net, x)
+    flat = next(n for n in graph.nodes.values() if isinstance(n, nir.Flatten))
+    assert (flat.start_dim, flat.end_dim) == (0, -1)
+    write_nir(graph, tmp_path / "f.nir")
+    ref = net(x)
+    assert ref.mean() > 0.05
+    assert torch.equal(efficient.load(tmp_path / "f.nir")(x), ref)
+    with pytest.raises(ConfigError, match=r"0 \(Flatten\): start_dim=1 would flatten time or batch"):
+        to_nir(nn.Sequential(nn.Flatten(1), nn.Linear(24, 5)), x)
+
+
+def test_our_vgg5_export_runs_in_spikingjelly(tmp_path: Path) -> None:
+    """The conv graph (normalisation as a diagonal 1x1 conv, BN folded, pools, flatten) in spikingjelly's importer."""
+    from spikingjelly.activation_based.nir_exchange import import_from_nir
+
+    torch.manual_seed(0)
+    model = _fire(zoo.create("stable-snn-vgg5", neuron="lif", img_size=8, fc_dim=32, timesteps=4))
+    img = torch.rand(2, 3, 8, 8)
+    write_nir(to_nir(model, img), tmp_path / "vgg5.nir")
+    sj = import_from_nir(tmp_path / "vgg5.nir", step_mode="m")
+    out, _ = sj(img.unsqueeze(0).expand(4, *img.shape))
+    ref = model.forward_time(img)
+    assert ref.abs().max() > 0.1
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test_if_and_li_nodes(tmp_path: Path) -> None:
+    """IF (no leak, v += dt * r * I) matches spikingjelly's IFNode import; LI outputs its membrane."""
+    from spikingjelly.activation_based.nir_exchange import import_from_nir
+
+    n, dt = 4, 1e-3
+    w = np.random.default_rng(0).uniform(0, 1, (n, n))
+    nodes = {
+        "input": nir.Input(input_type={"input": np.array([n])}),
+        "w": nir.Linear(weight=w),
+        "if": nir.IF(r=np.full(n, 1.0 / dt), v_threshold=np.full(n, 1.0), v_reset=np.zeros(n)),
+        "output": nir.Output(output_type={"output": np.array([n])}),
+    }
+    nir.write(tmp_path / "if.nir", nir.NIRGraph(nodes=nodes, edges=[("input", "w"), ("w", "if"), ("if", "output")], metadata={}))
+    x = torch.rand(6, 2, n)
+    ours = efficient.load(tmp_path / "if.nir", dt=dt)(x)
+    theirs, _ = import_from_nir(tmp_path / "if.nir", dt=dt, step_mode="m")(x)
+    assert 0.05 < ours.mean() < 0.95
+    assert torch.equal(ours, theirs)
+
+    li = {**nodes, "if": nir.LI(tau=np.full(n, 4 * dt), r=np.full(n, 2.0), v_leak=np.zeros(n))}
+    nir.write(tmp_path / "li.nir", nir.NIRGraph(nodes=li, edges=[("input", "w"), ("w", "if"), ("if", "output")], metadata={}))
+    out = efficient.load(tmp_path / "li.nir", dt=dt)(x)
+    v, expect = torch.zeros(2, n), []
+    cur = x @ torch.tensor(w, dtype=torch.float32).T
+    for t in range(6):  # v += dt/tau * (v_leak - v + r * I)
+        v = v + 0.25 * (-v + 2.0 * cur[t])
+        expect.append(v)
+    assert torch.allclose(out, torch.stack(expect), atol=1e-6)
+
+
+def test_shape_mismatch_in_a_graph_is_named(tmp_path: Path) -> None:
+    nodes = {
+        "input": nir.Input(input_type={"input": np.array([4])}),
+        "fc1": nir.Affine(weight=np.ones((6, 4)), bias=np.zeros(6)),
+        "fc2": nir.Affine(weight=np.ones((3, 5)), bias=np.zeros(3)),  # expects 5 inputs, gets 6
+        "output": nir.Output(output_type={"output": np.array([3])}),
+    }
+    graph = nir.NIRGraph(nodes=nodes, edges=[("input", "fc1"), ("fc1", "fc2"), ("fc2", "output")], metadata={}, type_check=False)
+    nir.write(tmp_path / "bad.nir", graph)
+    with pytest.raises(ArtifactError, match=r"bad\.nir: the NIR graph cannot be read \(ValueError: .*fc1.*fc2"):
+        efficient.load(tmp_path / "bad.nir")
