@@ -37,10 +37,18 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
         yield tmp_path
         with open(tmp_path, "rb") as f:
             os.fsync(f.fileno())
+        # mkstemp makes the file owner-only (0600); give it the mode a plain open() would (0666 - umask)
+        os.chmod(tmp_path, 0o666 & ~_current_umask())
         os.replace(tmp_path, path)
     finally:
         if tmp_path.exists():
             tmp_path.unlink()
+
+
+def _current_umask() -> int:
+    mask = os.umask(0)  # the only portable way to read it is to set it and put it back
+    os.umask(mask)
+    return mask
 
 
 def write_text(path: str | os.PathLike[str], text: str) -> None:

@@ -118,3 +118,19 @@ def test_sigint_saves_and_exits_cleanly(tmp_path: Path) -> None:
     assert "resume with --resume" in err and "Traceback" not in err
     meta = json.loads((run / "checkpoint" / "last" / "meta.json").read_text())
     assert meta["global_step"] >= 3  # the interrupt saved where it stopped, mid-epoch
+
+
+def test_atomic_writes_get_the_mode_a_plain_open_gives(tmp_path: Path) -> None:
+    """Artifacts are shared between users and tools: an atomic write must not leave them owner-only."""
+    import os
+
+    from efficient.io import write_text
+
+    old = os.umask(0o022)
+    try:
+        write_text(tmp_path / "a.txt", "x")
+        with open(tmp_path / "b.txt", "w") as f:
+            f.write("x")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.txt").stat().st_mode & 0o777 == (tmp_path / "b.txt").stat().st_mode & 0o777 == 0o644
