@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, str] = {
     "generate": "efficient.commands.generate",
     "attack": "efficient.commands.attack",
     "merge": "efficient.commands.merge",
+    "report": "efficient.commands.report",
 }
 
 
