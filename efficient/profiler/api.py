@@ -571,9 +571,9 @@ def silent_network_warning(report: Report, threshold: float = SILENT_FIRING_RATE
                 "so SOPs downstream of them are 0 and the energy is that of a network that does not compute. "
                 f"Silent layers: {_name_some(silent)}.")
     else:
-        head = (f"the network is nearly silent: mean firing rate {rate:.4f}, below {threshold:g}; SOPs and energy "
+        head = (f"the network is nearly silent: mean firing rate {rate:.2g}, below {threshold:g}; SOPs and energy "
                 "reflect a network that barely spikes, not a working one." if rate < threshold else
-                f"some spiking layers never fired (mean firing rate {rate:.4f}), so SOPs downstream of them are 0.")
+                f"some spiking layers never fired (mean firing rate {rate:.3g}), so SOPs downstream of them are 0.")
         if silent:
             head += f" Never fired ({len(silent)} of {len(neurons)} spiking layers): {_name_some(silent)}."
         else:

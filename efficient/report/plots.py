@@ -79,7 +79,7 @@ def layer_bars(profiles: Sequence[dict[str, Any]], titles: Sequence[str], kind: 
             ax.bar(range(len(layers)), [x["output_firing_rate"] or 0.0 for x in layers], color=_RATE)
             ax.set_ylabel("spikes per neuron per step", fontsize=8)
             mean = prof["totals"].get("mean_firing_rate")
-            ax.set_title(f"{title}: mean {mean:.4f}" if mean is not None else title, fontsize=9)
+            ax.set_title(f"{title}: mean firing rate {mean:.3g}" if mean is not None else title, fontsize=9)
             heights = [x["output_firing_rate"] or 0.0 for x in layers]
         else:
             layers = [x for x in prof["layers"] if x["dense_macs"] > 0]
