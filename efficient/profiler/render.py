@@ -124,7 +124,7 @@ def _layers_narrow(report: "Report", max_layers: int) -> Any:
     from rich import box
     from rich.table import Table
 
-    tl = Table(title="layers", box=box.SIMPLE_HEAD, pad_edge=False,
+    tl = Table(title="layers", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0),
                caption="rate: spike rate of a compute layer's input (its SOP operand), or of a neuron's output")
     tl.add_column("layer / type", overflow="fold", ratio=1)
     for c in ("dense MACs", "MACs", "SOPs", "rate", "energy"):

@@ -21,7 +21,7 @@ def svg(fig: Any) -> str:
 
     buf = io.StringIO()
     with matplotlib.rc_context({"svg.fonttype": "none"}):
-        fig.savefig(buf, format="svg", metadata={"Date": None}, bbox_inches="tight")
+        fig.savefig(buf, format="svg", metadata={"Date": None})
     text = buf.getvalue()
     return text[text.index("<svg"):]
 
