@@ -29,7 +29,7 @@ from efficient.io import write_json, write_text
 from efficient.models.progress import inform_progress
 from efficient.objectives import Objective, build_objective
 from efficient.report.environment import environment
-from efficient.report.loggers import build_loggers
+from efficient.report.loggers import Loggers, build_loggers
 from efficient.train import checkpoint as ckpt
 from efficient.train import distributed as dist_utils
 from efficient.train.optim import build_optimizer, build_scheduler
@@ -368,8 +368,8 @@ class Trainer:
         if not self.resume and self.dist.is_main:
             write_text(self.run_dir / "config.yaml", self.recipe.to_yaml())
             self.metrics_file.write_text("")
-        self.loggers = build_loggers(self.recipe.train.loggers if self.dist.is_main else [], self.run_dir,
-                                     resume_step=self.state.global_step if self.resume else None)
+        self.loggers = (build_loggers(self.recipe.train.loggers, self.run_dir, self.state.global_step if self.resume else None)
+                        if self.dist.is_main else Loggers([]))
         dist_utils.barrier(self.dist)
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
