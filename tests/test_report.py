@@ -232,3 +232,19 @@ def test_page_renders_in_headless_chromium(stata_run, tmp_path):
     assert img.shape[0] > 2000 and img.std() > 0.05  # a long page with content, not a blank one
     if os.environ.get("EFFICIENT_REPORT_SCREENSHOT"):  # keep it to look at
         shutil.copy(shot, os.environ["EFFICIENT_REPORT_SCREENSHOT"])
+
+
+def test_run_without_profile_says_how_to_add_one_and_the_report_then_shows_it(tiny_recipe, tmp_path, capsys):
+    run = tmp_path / "run"
+    Trainer(load_recipe(tiny_recipe, ["train.max_steps=2"]), run).fit()  # the tiny recipe disables profile
+    page = _page(run / "report.html")
+    command = f"efficient profile {run} --format json -o {run / 'profile.json'}"
+    assert command in " ".join(page.sections["energy"]["text"].split())
+    assert page.sections["energy"]["svgs"] == 0
+    assert main(command.split()[1:]) == 0 and main(["report", str(run)]) == 0
+    assert f"report written to {run / 'report.html'}" in capsys.readouterr().out
+    page = _page(run / "report.html")
+    prof = json.loads((run / "profile.json").read_text())
+    rates = {r[0]["text"]: r[2]["value"] for r in page.table("firing", "layer-firing")}
+    assert rates == {x["name"]: x["output_firing_rate"] for x in prof["layers"] if x["neuron"]}
+    assert page.sections["energy"]["svgs"] == 1
