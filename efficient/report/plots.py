@@ -71,6 +71,7 @@ def layer_bars(profiles: Sequence[dict[str, Any]], titles: Sequence[str], kind: 
     sample), "sops" (synaptic operations per sample) or "firing" (output rate per spiking layer)."""
     fig, axes = _figure(len(profiles), width=max(5.0, min(14.0, 0.22 * _most_layers(profiles, kind))), height=3.6, cols=2)
     top = 0.0
+    energy_unit = _energy_unit(max((x["energy_pj"] / (p["totals"].get("batch_size") or 1) for p in profiles for x in p["layers"]), default=0.0))
     for ax, prof, title in zip(axes, profiles, titles):
         n = prof["totals"].get("batch_size") or 1
         e = prof["meta"]["energy"]
@@ -84,11 +85,12 @@ def layer_bars(profiles: Sequence[dict[str, Any]], titles: Sequence[str], kind: 
         else:
             layers = [x for x in prof["layers"] if x["dense_macs"] > 0]
             if kind == "energy":
-                mac = [e["e_mac_pj"] * x["macs"] / n for x in layers]
-                ac = [e["e_ac_pj"] * x["sops"] / n for x in layers]
+                unit, scale = energy_unit
+                mac = [e["e_mac_pj"] * x["macs"] / n / scale for x in layers]
+                ac = [e["e_ac_pj"] * x["sops"] / n / scale for x in layers]
                 ax.bar(range(len(layers)), mac, color=_E_MAC, label="MAC energy")
                 ax.bar(range(len(layers)), ac, bottom=mac, color=_E_AC, label="AC (SOP) energy")
-                ax.set_ylabel("pJ / sample", fontsize=8)
+                ax.set_ylabel(f"{unit} / sample", fontsize=8)
                 ax.legend(fontsize=7)
                 heights = [a + b for a, b in zip(mac, ac)]
             else:
@@ -103,6 +105,14 @@ def layer_bars(profiles: Sequence[dict[str, Any]], titles: Sequence[str], kind: 
     for ax in axes:  # one scale across runs
         ax.set_ylim(0, 1.08 * top or 1.0)
     return svg(fig)
+
+
+def _energy_unit(peak_pj: float) -> tuple[str, float]:
+    """The unit (and pJ per unit) that keeps the tallest energy bar between 1 and 1000."""
+    for unit, scale in (("mJ", 1e9), ("uJ", 1e6), ("nJ", 1e3)):
+        if peak_pj >= scale:
+            return unit, scale
+    return "pJ", 1.0
 
 
 def _most_layers(profiles: Sequence[dict[str, Any]], kind: str) -> int:
