@@ -19,12 +19,21 @@ pytest.importorskip("tensorboard", reason="tensorboard is an extra (pip install 
 LOGGERS = "train.loggers=[jsonl, tensorboard]"
 
 
-def _events(run: Path) -> dict[str, dict[int, float]]:
+def _event_lists(run: Path) -> dict[str, list[tuple[int, float]]]:
+    """(step, value) of every scalar event TensorBoard reads from the run, in file order."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0})  # 0: keep every event
     acc.Reload()
-    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def _events(run: Path) -> dict[str, dict[int, float]]:
+    out = {}
+    for tag, events in _event_lists(run).items():
+        assert len({s for s, _ in events}) == len(events), f"{tag}: a step logged twice"
+        out[tag] = dict(events)
+    return out
 
 
 def _lines(run: Path) -> list[dict]:
@@ -97,3 +106,29 @@ def test_missing_tensorboard_is_a_recipe_error_saying_how_to_install(tiny_recipe
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
     with pytest.raises(ConfigError, match=r"tensorboard is not installed; install it with `pip install 'efficient\[report\]'`"):
         load_recipe(tiny_recipe, [LOGGERS])
+
+
+def test_resume_replaces_the_events_a_killed_run_wrote_after_its_checkpoint(tiny_recipe, tmp_path):
+    """A kill between a checkpoint and the next leaves events past it; the resumed run's are the ones read back."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    overrides = [LOGGERS, "train.max_steps=6"]
+    run = tmp_path / "run"
+    trainer = Trainer(load_recipe(tiny_recipe, overrides), run)
+    real = trainer.objective.set_progress
+
+    def stop_after_step_3(epoch: float, step: int) -> None:
+        real(epoch, step)
+        trainer._stop_requested = step + 1 >= 3
+
+    trainer.objective.set_progress = stop_after_step_3
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit()  # `last` holds step 3
+    stale = SummaryWriter(str(run / "tensorboard"))  # what the killed run had logged after it
+    for step in (4, 5):
+        stale.add_scalar("train/loss", 1e6, step)
+    stale.close()
+    Trainer(load_recipe(run / "config.yaml"), run, resume=True).fit()
+    train = [r for r in _lines(run) if "lr" in r]
+    assert [r["step"] for r in train] == list(range(1, 7))
+    assert _event_lists(run)["train/loss"] == [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in train]
