@@ -6,12 +6,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from efficient.report.loggers import LOGGERS, build_loggers
 
 __all__ = ["LOGGERS", "build_loggers", "write_run_report", "write_comparison"]
 
 
-def __getattr__(name: str):  # the page pulls in matplotlib: import it when asked for
+def __getattr__(name: str) -> Any:  # the page pulls in matplotlib: import it when asked for
     if name in ("write_run_report", "write_comparison"):
         from efficient.report import html
 
