@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, str] = {
     "attack": "efficient.commands.attack",
     "merge": "efficient.commands.merge",
     "export": "efficient.commands.export",
+    "report": "efficient.commands.report",
 }
 
 

@@ -40,6 +40,12 @@ def _unit(v: Any) -> str | None:
     return None if v is None or 0 <= v < 1 else "must be in [0, 1)"
 
 
+def _loggers(v: list[str]) -> str | None:
+    from efficient.report.loggers import logger_names_problem
+
+    return logger_names_problem(v)
+
+
 def _opt(check: Callable[[Any], str | None], **kw: Any) -> Any:
     return field(metadata={"check": check}, **kw)
 
@@ -88,6 +94,8 @@ class TrainConfig:
     progress: bool = True
     measures: list[str] = field(default_factory=list)  # training-time measures (efficient.metrics)
     measure_every: int = _opt(_positive, default=50)
+    # where metric records go: metrics.jsonl (always) and TensorBoard event files (efficient.report.loggers)
+    loggers: list[Literal["jsonl", "tensorboard"]] = _opt(_loggers, default_factory=lambda: ["jsonl"])
 
 
 @dataclass

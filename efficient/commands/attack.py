@@ -3,6 +3,7 @@
 Runs white-box L-inf attacks (BPTT through the model's own surrogate) on the validation split in
 [0, 1] pixel space and prints clean and robust accuracy (a table, or JSON with --format json).
 A run trained on normalised data is wrapped with its normalisation so the attack still sees pixels.
+Results on a run dir are also appended to RUN_DIR/attacks.jsonl, which `efficient report` shows.
 """
 
 from __future__ import annotations
@@ -142,8 +143,26 @@ def bundle_name(args: argparse.Namespace, run_data: dict[str, Any] | None) -> st
     return str(args.data or (run_data or {}).get("name", "?"))
 
 
+def record_in_run(args: argparse.Namespace, res: dict[str, Any]) -> Path | None:
+    """Append the result to RUN_DIR/attacks.jsonl when the target is a run dir (its report.html shows
+    robust accuracy from it); None for other targets."""
+    target = Path(args.target)
+    if not (target.is_dir() and (target / "config.yaml").exists()):
+        return None
+    import time
+
+    from efficient.io import append_jsonl
+    from efficient.report.rundata import ATTACKS_FILE
+
+    entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "checkpoint": args.checkpoint, "seed": args.seed,
+             "max_batches": args.max_batches, **res}
+    append_jsonl(target / ATTACKS_FILE, entry)
+    return target / ATTACKS_FILE
+
+
 def run(args: argparse.Namespace) -> int:
     res = evaluate(args)
+    saved = record_in_run(args, res)
     if args.format == "json":
         print(json.dumps(res, indent=2))
         return 0
@@ -157,5 +176,8 @@ def run(args: argparse.Namespace) -> int:
     for r in res["attacks"]:
         step = "adaptive" if r["alpha"] is None else f"{255 * r['alpha']:.3g}/255"
         table.add_row(r["attack"], f"{255 * r['eps']:.3g}/255", str(r["steps"]), step, f"{100 * r['acc']:.2f}")
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    if saved is not None:
+        console.print(f"recorded in {saved} (shown by `efficient report {args.target}`)")
     return 0

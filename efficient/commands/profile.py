@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -148,7 +149,8 @@ def run(args: argparse.Namespace) -> int:
         from rich.console import Console
         from rich.rule import Rule
 
-        console = Console(width=None if sys.stdout.isatty() else 160)  # pipes: don't squeeze layer names
+        # a terminal (or COLUMNS) sets the width, down to 80 columns; pipes get 160 so layer names stay whole
+        console = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160)
         for rep in (report, other) if other is not None else (report,):
             if other is not None:
                 console.print(Rule(str(rep.meta.get("model"))))

@@ -81,3 +81,5 @@ def print_summary(console, summary: dict, run_dir: Path) -> None:
     if "mean_firing_rate" in cost:
         table.add_row("mean firing rate", f"{cost['mean_firing_rate']:.4f}")
     console.print(table)
+    if (run_dir / "report.html").exists():
+        console.print(f"report: {run_dir / 'report.html'} (plots, costs, recipe; `efficient report {run_dir} --open`)")

@@ -21,6 +21,10 @@ from efficient.profiler.report import LayerStat, Report
 from efficient.zoo import InputSpec, get_entry
 
 MAX_DATA_BATCHES = 16  # batches of `data=` used to measure an exit distribution
+# Below this mean firing rate a spiking network is reported as (nearly) silent: its SOPs and energy
+# describe a network that barely computes (typical of a fresh initialisation), not a working one.
+SILENT_FIRING_RATE = 0.01
+SILENT_LAYERS_NAMED = 8  # layers named in the warning before "and N more"
 
 
 def profile(
@@ -531,20 +535,11 @@ def _exits(model: nn.Module, args: tuple, kwargs: dict, spike_matmul: str, emode
 
 def _warnings(report: Report, stack: ModuleStack, mode: CountingMode, random_input: bool) -> list[str]:
     out = []
-    neurons = report.neurons
-    if neurons:
-        silent = [n.name for n in neurons if not n.output_firing_rate]
-        if len(silent) == len(neurons):
-            out.append(
-                f"all {len(neurons)} spiking neurons were silent (firing rate 0), so SOPs downstream are 0: "
-                "the model is untrained, or eval-mode BatchNorm statistics / thresholds keep membranes "
-                "below threshold. Profile a trained checkpoint on real inputs (inputs= or data=)."
-            )
-        elif silent:
-            shown = ", ".join(silent[:5]) + (" ..." if len(silent) > 5 else "")
-            out.append(f"{len(silent)} of {len(neurons)} spiking neurons never fired: {shown}")
-        if random_input:
-            out.append("inputs were random: firing rates and SOPs depend on the data; pass inputs= or data= for real numbers")
+    silence = silent_network_warning(report)
+    if silence:
+        out.append(silence)
+    if report.neurons and random_input:
+        out.append("inputs were random: firing rates and SOPs depend on the data; pass inputs= or data= for real numbers")
     un = stack.layers.get(UNATTRIBUTED)
     if un is not None and (un.dense_macs or un.ops):
         kinds = ", ".join(f"{k} ({v})" for k, v in stack.unattributed_modules.items()) or "code outside any module"
@@ -558,3 +553,37 @@ def _warnings(report: Report, stack: ModuleStack, mode: CountingMode, random_inp
     if report.totals["dense_macs"] == 0:
         out.append("no matmul/conv/linear ops were seen in the forward pass")
     return out
+
+
+def silent_network_warning(report: Report, threshold: float = SILENT_FIRING_RATE) -> str | None:
+    """A warning when the spiking layers (nearly) never fire: the mean firing rate is below
+    `threshold` or some spiking layer never fired. It names the layers and says what to do;
+    None for a network that fires (or has no spiking neurons)."""
+    neurons = report.neurons
+    if not neurons:
+        return None
+    rate = float(report.totals.get("mean_firing_rate", 0.0))
+    silent = [n.name for n in neurons if not n.output_firing_rate]
+    if rate >= threshold and not silent:
+        return None
+    if len(silent) == len(neurons):
+        head = (f"the network is silent: none of its {len(neurons)} spiking layers fired (mean firing rate 0), "
+                "so SOPs downstream of them are 0 and the energy is that of a network that does not compute. "
+                f"Silent layers: {_name_some(silent)}.")
+    else:
+        head = (f"the network is nearly silent: mean firing rate {rate:.2g}, below {threshold:g}; SOPs and energy "
+                "reflect a network that barely spikes, not a working one." if rate < threshold else
+                f"some spiking layers never fired (mean firing rate {rate:.3g}), so SOPs downstream of them are 0.")
+        if silent:
+            head += f" Never fired ({len(silent)} of {len(neurons)} spiking layers): {_name_some(silent)}."
+        else:
+            quiet = sorted(neurons, key=lambda n: n.output_firing_rate or 0.0)[:SILENT_LAYERS_NAMED]
+            head += " Quietest layers: " + ", ".join(f"{n.name} ({n.output_firing_rate or 0.0:.4f})" for n in quiet) + "."
+    return (head + " A freshly initialised network, or inputs unlike its training data, does this: profile a trained "
+            "run (`efficient profile RUN_DIR`, or a zoo name with --pretrained) or real data (`--data NAME`; "
+            "data= or inputs= from Python).")
+
+
+def _name_some(names: list[str]) -> str:
+    shown = ", ".join(names[:SILENT_LAYERS_NAMED])
+    return shown + (f" and {len(names) - SILENT_LAYERS_NAMED} more" if len(names) > SILENT_LAYERS_NAMED else "")

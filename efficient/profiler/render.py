@@ -92,12 +92,58 @@ def _exits_md(ex: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+class _FitWidth:
+    """Renders `wide` when it fits the console without squeezing its columns, else `narrow`: the
+    layer table keeps its full layout in a wide terminal and stays legible in an 80-column one."""
+
+    def __init__(self, wide: Any, narrow: Any) -> None:
+        self.wide, self.narrow = wide, narrow
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        from rich.measure import Measurement
+
+        natural = Measurement.get(console, options.update(max_width=10_000), self.wide).maximum
+        fits = natural <= options.max_width
+        yield self.wide if fits else self.narrow
+
+
+def _layers_wide(report: "Report", max_layers: int) -> Any:
+    from rich.table import Table
+
+    tl = Table(title="layers")
+    for c in _LAYER_COLS:
+        tl.add_column(c, justify="left" if c in ("layer", "type") else "right")
+    for row in _layer_rows(report, max_layers):
+        tl.add_row(*row)
+    return tl
+
+
+def _layers_narrow(report: "Report", max_layers: int) -> Any:
+    """Layer name with its type below it; one `rate` column (a compute layer's input spike rate,
+    a neuron's output rate); numbers never wrap, long names fold."""
+    from rich import box
+    from rich.table import Table
+
+    tl = Table(title="layers", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0),
+               caption="rate: spike rate of a compute layer's input (its SOP operand), or of a neuron's output")
+    tl.add_column("layer / type", overflow="fold", ratio=1)
+    for c in ("dense MACs", "MACs", "SOPs", "rate", "energy"):
+        tl.add_column(c, justify="right", no_wrap=True)
+    for layer, row in zip(report.layers, _layer_rows(report, max_layers)):
+        rate = row[6] if layer.is_neuron else row[5]
+        tl.add_row(f"{row[0]}\n[dim]{row[1]}[/dim]", row[2], row[3], row[4], rate, row[7])
+    return tl
+
+
 def rich_tables(report: "Report", max_layers: int = 40, depth: int = 1) -> list[Any]:
+    """rich renderables that fit the console they are printed on (down to 80 columns)."""
     from rich.table import Table
 
     m = report.meta
-    t = Table(title=f"{m.get('model')}  ({m.get('input')}" + (f", T={m['timesteps']}" if m.get("timesteps") else "") + ")",
-              caption=convention_line(report))
+    title = f"{m.get('model')}  ({m.get('input')}" + (f", T={m['timesteps']}" if m.get("timesteps") else "") + ")"
+    caption = convention_line(report)
+    # as wide as its title and caption need (the console width caps it), so they do not wrap to a sliver
+    t = Table(title=title, caption=caption, min_width=max(len(title), len(caption)) + 2)
     t.add_column("metric")
     t.add_column("value", justify="right")
     for k, label, f in _TOTAL_ROWS:
@@ -109,17 +155,12 @@ def rich_tables(report: "Report", max_layers: int = 40, depth: int = 1) -> list[
         total_e = report.totals["energy_pj"] or 1.0
         tm = Table(title=f"top modules at depth {depth} (by energy)")
         for c in ("module", "type", "params", "dense MACs", "SOPs", "energy", "share"):
-            tm.add_column(c, justify="left" if c in ("module", "type") else "right")
+            tm.add_column(c, justify="left" if c in ("module", "type") else "right", overflow="fold")
         for r in top:
             tm.add_row(r["name"], r["type"], fmt_count(r["params"]), fmt_count(r["dense_macs"]), fmt_count(r["sops"]),
                        fmt_energy(r["energy_pj"]), f"{100 * r['energy_pj'] / total_e:.1f}%")
         out.append(tm)
-    tl = Table(title="layers")
-    for c in _LAYER_COLS:
-        tl.add_column(c, justify="left" if c in ("layer", "type") else "right")
-    for row in _layer_rows(report, max_layers):
-        tl.add_row(*row)
-    out.append(tl)
+    out.append(_FitWidth(_layers_wide(report, max_layers), _layers_narrow(report, max_layers)))
     if report.blocks:
         tb = Table(title="tokens entering each block")
         tb.add_column("block")

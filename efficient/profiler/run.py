@@ -151,7 +151,8 @@ def profile_run_model(model: nn.Module, run: Run, *, data: Literal["val", "rando
 
         n = samples if samples is not None else recipe.profile.samples
         x = validation_inputs(build_data(recipe.data), n)
-        report = profile(model, inputs=x, timesteps=timesteps, energy=energy, flops_per_mac=flops_per_mac, name=label)
+        exits = [x] if hasattr(model, "exit_layers") else None  # an early-exit model's exit distribution, as the run's
+        report = profile(model, inputs=x, data=exits, timesteps=timesteps, energy=energy, flops_per_mac=flops_per_mac, name=label)
         shape = list(x.shape) if hasattr(x, "shape") else sorted(x) if isinstance(x, dict) else type(x).__name__
         report.meta["input"] = f"validation data of the run, first {int(report.totals['batch_size'])} samples {shape}"
     else:

@@ -25,9 +25,11 @@ from efficient import zoo
 from efficient.config import Recipe
 from efficient.data import DataBundle, build_data
 from efficient.errors import ArtifactError, ConfigError
-from efficient.io import append_jsonl, write_json, write_text
+from efficient.io import write_json, write_text
 from efficient.models.progress import inform_progress
 from efficient.objectives import Objective, build_objective
+from efficient.report.environment import environment
+from efficient.report.loggers import Loggers, build_loggers
 from efficient.train import checkpoint as ckpt
 from efficient.train import distributed as dist_utils
 from efficient.train.optim import build_optimizer, build_scheduler
@@ -342,22 +344,32 @@ class Trainer:
                     if self._validation_due():
                         val = self.validate()
                     self._save_last()
+        except BaseException:
+            self.loggers.close()
+            raise
         finally:
             if old_handler is not None:
                 signal.signal(signal.SIGINT, old_handler)
         if self._stop_requested:
+            self.loggers.close()
             self._save_last()
             raise KeyboardInterrupt(f"training interrupted at step {self.state.global_step}; resume with --resume {self.run_dir}")
-        summary = self.finish(val, time.perf_counter() - self._t_start) if self.dist.is_main else {}
+        try:
+            summary = self.finish(val, time.perf_counter() - self._t_start) if self.dist.is_main else {}
+        finally:
+            self.loggers.close()
         dist_utils.barrier(self.dist)
         return summary
 
     def _start_run_dir(self) -> None:
-        """A fresh run writes its resolved config and an empty metrics log; a resumed one keeps both."""
+        """A fresh run writes its resolved config and an empty metrics log; a resumed one keeps both.
+        Rank 0 opens the `train.loggers` (metrics.jsonl, TensorBoard); the others log nothing."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if not self.resume and self.dist.is_main:
             write_text(self.run_dir / "config.yaml", self.recipe.to_yaml())
             self.metrics_file.write_text("")
+        self.loggers = (build_loggers(self.recipe.train.loggers, self.run_dir, self.state.global_step if self.resume else None)
+                        if self.dist.is_main else Loggers([]))
         dist_utils.barrier(self.dist)
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
@@ -403,7 +415,7 @@ class Trainer:
             if t.measures and s.global_step % t.measure_every == 0 and self.dist.is_main:
                 from efficient.metrics import measure
 
-                append_jsonl(self.metrics_file, {"step": s.global_step, "epoch": s.epoch, "measures": measure(t.measures, self.model, batch)})
+                self.loggers.log({"step": s.global_step, "epoch": s.epoch, "measures": measure(t.measures, self.model, batch)})
             # stop before fetching the next batch: fetching runs augmentation, which draws RNG
             if s.global_step >= self.total_steps or self._stop_requested:
                 break
@@ -436,7 +448,7 @@ class Trainer:
         """One train line in metrics.jsonl: the means of the logs since the last line, lr, throughput."""
         s = self.state
         row = {k: float(np.mean(v)) for k, v in window.items()}
-        append_jsonl(self.metrics_file, {"step": s.global_step, "epoch": s.epoch, "lr": self.scheduler.get_last_lr()[0], "samples_per_s": rate, **row})
+        self.loggers.log({"step": s.global_step, "epoch": s.epoch, "lr": self.scheduler.get_last_lr()[0], "samples_per_s": rate, **row})
         info = " ".join(f"{k} {v:.4g}" for k, v in row.items() if k in ("loss", "acc")) + f" {rate:.0f} samples/s"
         bar.update(task, info=info)
 
@@ -459,7 +471,7 @@ class Trainer:
         s = self.state
         val = dist_utils.broadcast_object(self.evaluate(self.model) if self.dist.is_main else {}, self.dist)
         if self.dist.is_main:
-            append_jsonl(self.metrics_file, {"step": s.global_step, "epoch": s.epoch, "split": "val", **val})
+            self.loggers.log({"step": s.global_step, "epoch": s.epoch, "split": "val", **val})
         pm = val.get(self.objective.primary_metric)
         if pm is not None and self._better(pm):
             s.best = pm
@@ -474,7 +486,8 @@ class Trainer:
 
     # ----------------------------------------------------------------- finish
     def finish(self, val: dict[str, float], train_time: float) -> dict[str, Any]:
-        """Write summary.json and report.md (with the cost report when `profile.enabled`); return the summary."""
+        """Write summary.json, report.md and report.html (with the cost profile, also kept whole in
+        profile.json, when `profile.enabled`); return the summary."""
         summary: dict[str, Any] = {
             "model": self.recipe.model["name"],
             "steps": self.state.global_step,
@@ -483,25 +496,36 @@ class Trainer:
             "val": val,
             "best": {self.objective.primary_metric: self.state.best},
             "params": zoo.count_params(self.model),
+            "environment": environment(self.device),
         }
         report_md = ""
         if self.recipe.profile.enabled:
-            cost, report_md = self.cost_report()
-            summary["cost"] = cost
+            rep = self.cost_profile()
+            summary["cost"], report_md = dict(rep.totals), rep.to_markdown()
+            rep.to_json(self.run_dir / "profile.json")
+            self.loggers.log_profile(rep, self.state.global_step)
         write_json(self.run_dir / "summary.json", summary)
         write_text(self.run_dir / "report.md", render_report_md(self.recipe, summary, report_md))
+        from efficient.report.html import write_run_report
+
+        write_run_report(self.run_dir)
         return summary
 
     def cost_report(self) -> tuple[dict[str, Any], str]:
-        """Profile the trained model on a few validation inputs (per-sample costs)."""
+        """The cost profile's totals and markdown (see `cost_profile`)."""
+        rep = self.cost_profile()
+        return dict(rep.totals), rep.to_markdown()
+
+    def cost_profile(self) -> Any:
+        """Profile the trained model on a few validation inputs (per-sample costs); an early-exit
+        model also gets its exit distribution on them."""
         from efficient.profiler import profile
         from efficient.profiler.run import validation_inputs
 
-        x = validation_inputs(self.data, self.recipe.profile.samples)  # the samples `efficient profile RUN` uses
+        x = to_device(validation_inputs(self.data, self.recipe.profile.samples), self.device)  # as `efficient profile RUN`
         self.model.eval()
-        rep = profile(self.model, inputs=to_device(x, self.device), energy=self.recipe.profile.energy,
-                      flops_per_mac=self.recipe.profile.flops_per_mac)
-        return dict(rep.totals), rep.to_markdown()
+        return profile(self.model, inputs=x, data=[x] if hasattr(self.model, "exit_layers") else None,
+                       energy=self.recipe.profile.energy, flops_per_mac=self.recipe.profile.flops_per_mac)
 
 
 def _is_main_thread() -> bool:
