@@ -139,23 +139,6 @@ def train(out: Path, arm: Arm, seed: int, extra: list[str]) -> str:
 # ---------------------------------------------------------------------------------- analysis
 
 
-def final_kept(stats: dict[str, Any]) -> list[list[int]]:
-    """Per sample, the original patch indices that survive every pruning block (a fused token,
-    appended after the kept candidates, is no patch and is dropped)."""
-    import torch
-
-    kept = None
-    for idx in stats.get("kept_idx", []):
-        if kept is None:
-            kept = idx
-        else:
-            real = idx < kept.shape[1]
-            kept = torch.where(real, kept.gather(1, idx.clamp_max(kept.shape[1] - 1)), torch.full_like(idx, -1))
-    if kept is None:  # nothing pruned
-        return []
-    return [[int(i) for i in row if i >= 0] for row in kept]
-
-
 def analyse(d: Path) -> dict[str, Any]:
     """Accuracy on every validation canvas and, for a pruned model, the tokens kept after the last
     pruning block: their share of the digit's tokens (recall) and of digit tokens among them
@@ -169,6 +152,7 @@ def analyse(d: Path) -> dict[str, Any]:
     from efficient.config import load_recipe
     from efficient.data import build_data
     from efficient.io import write_json
+    from efficient.models.stata import surviving_patches
 
     torch.set_num_threads(1)
     recipe = load_recipe(d / "config.yaml")
@@ -184,7 +168,9 @@ def analyse(d: Path) -> dict[str, Any]:
         for i in range(0, len(xs), 256):
             logits = model(xs[i:i + 256])
             correct += int((logits.argmax(-1) == ys[i:i + 256]).sum())
-            kept_all += final_kept(model.stata_stats)
+            kept = surviving_patches(model.stata_stats)
+            if kept is not None:
+                kept_all += [[int(i) for i in row if i >= 0] for row in kept]
     out: dict[str, Any] = {"acc": correct / len(xs), "tokens": grid * grid, "patch": patch,
                            "digit_token_share": float(digit.float().mean())}
     if kept_all:

@@ -299,6 +299,21 @@ def residual_block(x: torch.Tensor, attn_out: torch.Tensor, s: torch.Tensor | No
     return x
 
 
+def surviving_patches(stats: dict[str, Any]) -> torch.Tensor | None:
+    """`[B, k]` indices into the original patch grid of the tokens that survive every pruning block
+    of a forward (`StataOutputs.stats`), in order; -1 marks a fused token. None if nothing was pruned.
+    Each block's `kept_idx` indexes that block's candidates, so the sets are composed."""
+    kept = None
+    for idx in stats.get("kept_idx", []):
+        if kept is None:
+            kept = idx
+            continue
+        fused = idx >= kept.shape[1]  # the fused token sits after the kept candidates
+        prev = kept.gather(1, idx.clamp_max(kept.shape[1] - 1))
+        kept = torch.where(fused | (prev < 0), torch.full_like(idx, -1), prev)
+    return kept
+
+
 def find_pruner(model: nn.Module) -> TokenPruner | None:
     """The model's `TokenPruner` (through DDP / compile wrappers), or None for a model without STATA."""
     return next((m for m in model.modules() if isinstance(m, TokenPruner)), None)

@@ -156,3 +156,24 @@ def test_arm_keys_are_validated_in_recipes():
         validate({"model": {"name": "spikformer-tiny-stata", "random_seed": 0.5}, **base})
     with pytest.raises(ConfigError, match=r"model\.anchor: expected one of 'per_timestep', 'shared', 'off'"):
         validate({"model": {"name": "spikformer-tiny-stata", "anchor": "none"}, **base})
+
+
+# ------------------------------------------------------------------------------ surviving patches
+
+
+def test_surviving_patches_compose_the_kept_sets_of_every_block():
+    from efficient.models.stata import surviving_patches
+
+    stats = {"kept_idx": [torch.tensor([[0, 2, 5, 7], [1, 3, 4, 6]]), torch.tensor([[1, 3], [0, 2]])]}
+    assert surviving_patches(stats).tolist() == [[2, 7], [1, 4]]
+    fused = {"kept_idx": [torch.tensor([[0, 2, 5]]), torch.tensor([[1, 3]])]}  # candidate 3 = the fused token
+    assert surviving_patches(fused).tolist() == [[2, -1]]
+    assert surviving_patches({"kept_idx": []}) is None
+    m = tiny(keep_ratio=[0.5, 0.25]).eval()
+    m(torch.rand(3, 1, 16, 16) * 2)
+    kept = surviving_patches(m.stata_stats)
+    first = m.stata_stats["kept_idx"][0]
+    assert kept.shape == (3, 8)  # 64 -> 32 -> 8 patches
+    for b in range(3):
+        assert len(set(kept[b].tolist())) == 8 and set(kept[b].tolist()) <= set(first[b].tolist())
+        assert kept[b].tolist() == sorted(kept[b].tolist())
