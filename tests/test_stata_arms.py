@@ -177,3 +177,14 @@ def test_surviving_patches_compose_the_kept_sets_of_every_block():
     for b in range(3):
         assert len(set(kept[b].tolist())) == 8 and set(kept[b].tolist()) <= set(first[b].tolist())
         assert kept[b].tolist() == sorted(kept[b].tolist())
+
+
+def test_anchor_off_reads_as_the_string_in_recipes_and_overrides():
+    from efficient.config import apply_overrides, parse_yaml
+
+    data = parse_yaml("model:\n  name: spikformer-tiny-stata\n  anchor: off\n  lean_inference: true\ndata:\n  name: digits\n")
+    assert data["model"]["anchor"] == "off" and data["model"]["lean_inference"] is True
+    assert validate(data).model["anchor"] == "off"
+    over = apply_overrides({"model": {"name": "spikformer-tiny-stata"}, "data": {"name": "digits"}}, ["model.anchor=off", "train.amp=false"])
+    assert over["model"]["anchor"] == "off" and over["train"]["amp"] is False
+    assert parse_yaml("a: yes\nb: No\nc: FALSE\n") == {"a": "yes", "b": "No", "c": False}
