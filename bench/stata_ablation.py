@@ -203,6 +203,8 @@ def verdict(arm: Arm, lo: float, hi: float) -> str:
         return "dense more accurate: pruning costs accuracy" if lo > 0 else ("STATA more accurate" if hi < 0 else "no detectable accuracy difference")
     if arm.name == "random":
         return "STATA's criterion beats random selection" if hi < 0 else ("random selection is better" if lo > 0 else "no detectable difference from random selection")
+    if not arm.removes:  # a point of the keep-ratio sweep
+        return "less accurate than rho 0.5" if hi < 0 else ("more accurate than rho 0.5" if lo > 0 else "no detectable difference from rho 0.5")
     if hi < 0:
         return f"helps: without {arm.removes}, accuracy drops"
     if lo > 0:
@@ -275,6 +277,11 @@ def markdown(table: dict[str, Any], known: dict[str, Arm]) -> str:
         cover = f"{100 * r['digit_recall']:.1f} % ({100 * r['random_recall']:.1f} %)" if not math.isnan(r["digit_recall"]) else "all"
         lines.append(f"| {name} | {r['n']} | {fmt(r['acc_mean'])} +- {fmt(r['acc_std'])} | {diff} | {r.get('verdict', '')} | "
                      f"{fmt(r['sops'] / 1e6, 3)} | {fmt(r['energy_uj'], 3)} | {fmt(r['step_ms'], 1)} | {cover} |")
+    for fam in ("stata", "random"):
+        r = table.get(fam)
+        if r and not math.isnan(r["digit_recall"]):
+            lines.append(f"\n{'STATA' if fam == 'stata' else 'random selection'} keeps {100 * r['digit_recall']:.1f} % of the digit's "
+                         f"tokens after the last pruning block (a random set of that size keeps {100 * r['random_recall']:.1f} % on average).")
     return "\n".join(lines) + "\n"
 
 
@@ -383,8 +390,11 @@ def main() -> None:
 
     out = Path(args.out)
     known = arms()
-    check_manifest(out, args.extra)
-    if not args.report:
+    if args.report:  # reading only: the runs' overrides are the manifest's
+        manifest = out / "manifest.json"
+        args.extra = json.loads(manifest.read_text()).get("extra", []) if manifest.exists() else []
+    else:
+        check_manifest(out, args.extra)
         jobs = [(known[a], s) for s in parse_seeds(args.seeds) for a in parse_arms(args.arms, known)]  # seed-major: pairs finish together
         t0 = time.perf_counter()
 
