@@ -40,7 +40,8 @@ class StataConfig:
     `anchor="shared"` uses one anchor for every timestep. Ablations of the score: `score="raw"`
     skips standardization; `score="random"` keeps a uniformly random set of the same size (the
     floor any criterion must beat), drawn from torch's global generator in training (seeded by the
-    run, restored on resume) and from one seeded by `random_seed` at every inference forward."""
+    run, restored on resume) and, at inference, from one seeded by `random_seed` at the start of
+    every evaluation pass (each train()/eval() switch)."""
 
     anchor: Anchor = "off"
     prune_blocks: list[int] | None = None
