@@ -199,12 +199,16 @@ def t_interval(diffs: list[float]) -> tuple[float, float, float]:
 def verdict(arm: Arm, lo: float, hi: float) -> str:
     if math.isnan(lo):
         return "too few seeds for an interval"
+    def three(below: str, above: str, neither: str) -> str:  # arm minus STATA: CI below 0, above 0, across it
+        return below if hi < 0 else (above if lo > 0 else neither)
+
     if arm.name == "dense":
-        return "dense more accurate: pruning costs accuracy" if lo > 0 else ("STATA more accurate" if hi < 0 else "no detectable accuracy difference")
+        return three("STATA more accurate", "dense more accurate: pruning costs accuracy", "no detectable accuracy difference")
     if arm.name == "random":
-        return "STATA's criterion beats random selection" if hi < 0 else ("random selection is better" if lo > 0 else "no detectable difference from random selection")
+        return three("STATA's criterion beats random selection", "random selection is better",
+                     "no detectable difference from random selection")
     if not arm.removes:  # a point of the keep-ratio sweep
-        return "less accurate than rho 0.5" if hi < 0 else ("more accurate than rho 0.5" if lo > 0 else "no detectable difference from rho 0.5")
+        return three("less accurate than rho 0.5", "more accurate than rho 0.5", "no detectable difference from rho 0.5")
     if hi < 0:
         return f"helps: without {arm.removes}, accuracy drops"
     if lo > 0:
@@ -267,21 +271,26 @@ def fmt(v: float, nd: int = 2) -> str:
 
 
 def markdown(table: dict[str, Any], known: dict[str, Arm]) -> str:
-    lines = ["| arm | seeds | val acc % (mean +- std) | paired diff to STATA, points [95 % CI] | verdict | SOPs / sample (M) | energy / sample (uJ) | step (ms) | digit tokens kept (random: k/N) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    head = ["arm", "seeds", "val acc % (mean +- std)", "paired diff to STATA, points [95 % CI]", "verdict", "SOPs / sample (M)",
+            "energy / sample (uJ)", "step (ms)", "digit tokens kept (random: k/N)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name in known:
         if name not in table:
             continue
         r = table[name]
-        diff = f"{r['diff']:+.2f} [{fmt(r['diff_lo'])}, {fmt(r['diff_hi'])}]" if "diff" in r else ("(reference)" if name == "stata" else "n/a")
-        cover = f"{100 * r['digit_recall']:.1f} % ({100 * r['random_recall']:.1f} %)" if not math.isnan(r["digit_recall"]) else "all"
+        if "diff" in r:
+            diff = f"{r['diff']:+.2f} [{fmt(r['diff_lo'])}, {fmt(r['diff_hi'])}]"
+        else:
+            diff = "(reference)" if name == "stata" else "n/a"
+        cover = "all" if math.isnan(r["digit_recall"]) else f"{100 * r['digit_recall']:.1f} % ({100 * r['random_recall']:.1f} %)"
         lines.append(f"| {name} | {r['n']} | {fmt(r['acc_mean'])} +- {fmt(r['acc_std'])} | {diff} | {r.get('verdict', '')} | "
                      f"{fmt(r['sops'] / 1e6, 3)} | {fmt(r['energy_uj'], 3)} | {fmt(r['step_ms'], 1)} | {cover} |")
     for fam in ("stata", "random"):
         r = table.get(fam)
         if r and not math.isnan(r["digit_recall"]):
-            lines.append(f"\n{'STATA' if fam == 'stata' else 'random selection'} keeps {100 * r['digit_recall']:.1f} % of the digit's "
-                         f"tokens after the last pruning block (a random set of that size keeps {100 * r['random_recall']:.1f} % on average).")
+            who = "STATA" if fam == "stata" else "random selection"
+            lines.append(f"\n{who} keeps {100 * r['digit_recall']:.1f} % of the digit's tokens after the last pruning block "
+                         f"(a random set of that size keeps {100 * r['random_recall']:.1f} % on average).")
     return "\n".join(lines) + "\n"
 
 
