@@ -7,7 +7,8 @@
 # `... seeds` (not part of `all`) is the seed-stability study: seeds 0-9 (SEEDS to change) of dense,
 # the shipped STATA recipe, and the recipe with one change each: the keep ratio of the
 # reconstruction's default (0.5 -> 0.7), pruning only where the anchor has seen the image (block 2),
-# a keep-ratio warm-up that starts once the network has learned (epochs 2-5 instead of 0.5-2.5);
+# a keep-ratio warm-up that starts once the network has learned (epochs 2-5 instead of 0.5-2.5),
+# and the last two together;
 # then `python bench/stata_digits_seeds.py $OUT` for the table.
 set -u
 OUT=${OUT:-runs/stata}
@@ -38,6 +39,7 @@ if [ "$PART" = seeds ]; then
     run rho07_s$s $A model.keep_ratio=0.7 train.seed=$s
     run block2_s$s $A "model.prune_blocks=[2]" train.seed=$s
     run late_s$s $A model.keep_warmup_start=2.0 model.keep_warmup_epochs=3.0 train.seed=$s
+    run rho07late_s$s $A model.keep_ratio=0.7 model.keep_warmup_start=2.0 model.keep_warmup_epochs=3.0 train.seed=$s
   done
 fi
 if [ "$PART" = all ] || [ "$PART" = energy ]; then
