@@ -4,10 +4,17 @@
 # "both" at rho 0.5 is stata_s0), then keep ratio 0.4 on three seeds, then the energy of the trained
 # checkpoints (lean inference path, and every row computed). `bench/stata_digits_runs.sh main`,
 # `... ablation` or `... energy` runs one part; results: runs/stata/*/summary.json and stdout.
+# `... seeds` (not part of `all`) is the seed-stability study: seeds 0-9 (SEEDS to change) of dense,
+# the shipped STATA recipe, and the recipe with one change each: the keep ratio of the
+# reconstruction's default (0.5 -> 0.7), pruning only where the anchor has seen the image (block 2),
+# a keep-ratio warm-up that starts once the network has learned (epochs 2-5 instead of 0.5-2.5),
+# and the last two together;
+# then `python bench/stata_digits_seeds.py $OUT` for the table.
 set -u
 OUT=${OUT:-runs/stata}
 PART=${1:-all}
 E=".venv/bin/efficient train"
+mkdir -p "$OUT"
 run() { name=$1; shift; [ -f "$OUT/$name/summary.json" ] || $E "$@" train.progress=false --out "$OUT/$name" > "$OUT/$name.log" 2>&1; }
 if [ "$PART" = all ] || [ "$PART" = main ]; then
   for s in 0 1 2; do
@@ -23,6 +30,17 @@ if [ "$PART" = all ] || [ "$PART" = ablation ]; then
   run abl_keep1.0 $A model.keep_ratio=1.0
   run abl_keep0.7 $A model.keep_ratio=0.7
   for s in 0 1 2; do run stata04_s$s $A model.keep_ratio=0.4 train.seed=$s; done
+fi
+if [ "$PART" = seeds ]; then
+  A=recipes/stata_digits.yaml
+  for s in ${SEEDS:-0 1 2 3 4 5 6 7 8 9}; do
+    run dense_s$s recipes/spikformer_digits.yaml train.seed=$s
+    run stata_s$s $A train.seed=$s
+    run rho07_s$s $A model.keep_ratio=0.7 train.seed=$s
+    run block2_s$s $A "model.prune_blocks=[2]" train.seed=$s
+    run late_s$s $A model.keep_warmup_start=2.0 model.keep_warmup_epochs=3.0 train.seed=$s
+    run rho07late_s$s $A model.keep_ratio=0.7 model.keep_warmup_start=2.0 model.keep_warmup_epochs=3.0 train.seed=$s
+  done
 fi
 if [ "$PART" = all ] || [ "$PART" = energy ]; then
   R="$OUT/dense_s0 $OUT/dense_s1 $OUT/dense_s2 $OUT/stata_s0 $OUT/stata_s1 $OUT/stata_s2"

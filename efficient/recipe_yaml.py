@@ -30,6 +30,13 @@ RecipeLoader.add_implicit_resolver(
     ),
     list("-+0123456789."),
 )
+# YAML 1.2 booleans too: only true / false. PyYAML's YAML 1.1 rules also read yes/no/on/off as
+# booleans, which would turn a choice among strings such as `anchor: off` into False.
+RecipeLoader.yaml_implicit_resolvers = {
+    ch: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for ch, resolvers in RecipeLoader.yaml_implicit_resolvers.items()
+}
+RecipeLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 
 
 def yaml_load(text: str) -> Any:

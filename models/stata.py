@@ -24,19 +24,24 @@ from torch import nn
 
 from efficient.errors import ConfigError
 from efficient.kernels.ssa import scores_ref
-from efficient.kernels.token_select import gather_tokens, select_tokens
+from efficient.kernels.token_select import gather_tokens, select_tokens, topk_lower_index
 from efficient.models.progress import TracksProgress
 
 Anchor = Literal["per_timestep", "shared", "off"]
 PrunePoint = Literal["after_attn", "after_block"]
-Score = Literal["standardized", "raw"]
+Score = Literal["standardized", "raw", "random"]
 
 
 @dataclass
 class StataConfig:
     """STATA switches (recipe keys of the same names). `prune_blocks` are 1-based; `keep_ratio` is
-    one rho for every pruning block or one per block; `score="raw"` skips standardization (ablation);
-    `anchor="off"` scores with the mean patch query instead of an anchor token."""
+    one rho for every pruning block or one per block; `anchor="off"` scores with the mean patch query
+    (the tokens' mean received attention, EViT without a class token) instead of an anchor token,
+    `anchor="shared"` uses one anchor for every timestep. Ablations of the score: `score="raw"`
+    skips standardization; `score="random"` keeps a uniformly random set of the same size (the
+    floor any criterion must beat), drawn from torch's global generator in training (seeded by the
+    run, restored on resume) and, at inference, from one seeded by `random_seed` at the start of
+    every evaluation pass (each train()/eval() switch)."""
 
     anchor: Anchor = "off"
     prune_blocks: list[int] | None = None
@@ -47,6 +52,7 @@ class StataConfig:
     keep_warmup_epochs: float = 0.0
     score: Score = "standardized"
     std_eps: float = 1e-6
+    random_seed: int = 0
     # unit scale, like the spike-count residual stream: a 0.02-scale anchor (ViT's CLS init) never
     # makes its query fire, so every timestep abstains and selection degenerates to index order
     anchor_init_std: float = 1.0
@@ -102,6 +108,7 @@ class TokenPruner(nn.Module, TracksProgress):
         if self.n_prefix:  # drawn by `reset_parameters`, once the host model's weights are
             self.anchor = nn.Parameter(torch.zeros(timesteps if cfg.anchor == "per_timestep" else 1, embed_dim))
         self._epoch: float | None = None
+        self._eval_rng: torch.Generator | None = None  # random selection at inference, reseeded by train()/eval()
         self.record_scores = False  # also keep scores in eval mode (training always keeps them)
         self.last = StataOutputs()
 
@@ -128,6 +135,10 @@ class TokenPruner(nn.Module, TracksProgress):
         if self.n_prefix:
             std = self.cfg.anchor_init_std
             nn.init.trunc_normal_(self.anchor, std=std, a=-2 * std, b=2 * std)
+
+    def train(self, mode: bool = True) -> TokenPruner:
+        self._eval_rng = None  # the next inference pass draws again from `random_seed`
+        return super().train(mode)
 
     # ------------------------------------------------------------------ keep-ratio schedule
 
@@ -203,9 +214,23 @@ class TokenPruner(nn.Module, TracksProgress):
         self.last.stats["degenerate"] += int((s.detach().float().std(-1, correction=0) == 0).all(0).sum())
         if k == n:  # nothing to prune: keep order and shape exactly (identity at rho = 1)
             return None
-        idx, z = select_tokens(s, k, self.cfg.std_eps, self.standardize, self.kernel_backend)
+        if self.cfg.score == "random":
+            z = self.random_scores(s.shape[1], n, s.device)
+            idx = topk_lower_index(z, k)  # top-k of i.i.d. uniforms: a uniformly random k-subset
+        else:
+            idx, z = select_tokens(s, k, self.cfg.std_eps, self.standardize, self.kernel_backend)
         self.last.stats.setdefault("kept_idx", []).append(idx)
         return idx, z
+
+    def random_scores(self, b: int, n: int, device: torch.device) -> torch.Tensor:
+        """`[B, N]` i.i.d. uniform scores for `score="random"`: torch's global generator in training;
+        in eval one seeded by `random_seed` whenever the model is switched to eval or train mode, so
+        every evaluation pass over the same data keeps the same sets."""
+        if self.training:
+            return torch.rand(b, n).to(device)
+        if self._eval_rng is None:
+            self._eval_rng = torch.Generator().manual_seed(self.cfg.random_seed)
+        return torch.rand(b, n, generator=self._eval_rng).to(device)
 
     def prune(self, x: torch.Tensor, s: torch.Tensor, c: torch.Tensor, ratio: float) -> torch.Tensor:
         """Keep the anchor and the top ceil(ratio*N) candidates of `x` `[T, B, N, D]` by `s`, the
@@ -273,6 +298,21 @@ def residual_block(x: torch.Tensor, attn_out: torch.Tensor, s: torch.Tensor | No
     if step is not None and step.point == "after_block":
         x = step(x, s, c)
     return x
+
+
+def surviving_patches(stats: dict[str, Any]) -> torch.Tensor | None:
+    """`[B, k]` indices into the original patch grid of the tokens that survive every pruning block
+    of a forward (`StataOutputs.stats`), in order; -1 marks a fused token. None if nothing was pruned.
+    Each block's `kept_idx` indexes that block's candidates, so the sets are composed."""
+    kept = None
+    for idx in stats.get("kept_idx", []):
+        if kept is None:
+            kept = idx
+            continue
+        fused = idx >= kept.shape[1]  # the fused token sits after the kept candidates
+        prev = kept.gather(1, idx.clamp_max(kept.shape[1] - 1))
+        kept = torch.where(fused | (prev < 0), torch.full_like(idx, -1), prev)
+    return kept
 
 
 def find_pruner(model: nn.Module) -> TokenPruner | None:

@@ -16,6 +16,8 @@ CASES = [
     ("pu_digits", [], {"acc"}),
     ("odin_text", ["data.num_train=64", "data.num_val=32"], {"rho_q", "rho_l", "acc"}),
     *[(name, TEXT, {"pref_acc"}) for name in ("dpo_text", "rdpo_text", "ipo_text", "kto_text")],
+    *[(name, ["data.train_per_digit=1", "data.val_per_digit=1", "profile.samples=4"], {"acc"})
+      for name in ("stata_cluttered", "sdt_stata_cluttered")],
 ]
 
 

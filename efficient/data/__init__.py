@@ -15,7 +15,7 @@ DATA_LOADER_KEYS: dict[str, Any] = {"batch_size": int, "eval_batch_size": Option
 DATA_LOADER_DEFAULTS: dict[str, Any] = {"batch_size": 64, "eval_batch_size": None, "num_workers": 0}
 
 DATA_MODULES = ["efficient.data.vision", "efficient.data.text", "efficient.data.preferences", "efficient.data.pu", "efficient.data.ssl",
-                "efficient.data.events"]
+                "efficient.data.events", "efficient.data.cluttered"]
 
 
 @dataclass
