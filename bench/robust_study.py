@@ -208,6 +208,7 @@ def main() -> None:
     ap.add_argument("--apgd-restarts", type=int, default=2)
     ap.add_argument("--pgd-steps", type=int, default=100)
     ap.add_argument("--pgd-restarts", type=int, default=3)
+    ap.add_argument("--pgd-step", type=float, default=0.25, help="PGD step as a fraction of eps")
     ap.add_argument("--transfer-steps", type=int, default=100)
     ap.add_argument("--square-queries", type=int, default=1000)
     ap.add_argument("--summary-only", action="store_true", help="train and attack nothing; summarise what is finished")
@@ -220,7 +221,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     cfg = SuiteConfig(apgd_steps=args.apgd_steps, apgd_restarts=args.apgd_restarts, pgd_steps=args.pgd_steps,
-                      pgd_restarts=args.pgd_restarts, transfer_steps=args.transfer_steps, square_queries=args.square_queries)
+                      pgd_restarts=args.pgd_restarts, pgd_step=args.pgd_step, transfer_steps=args.transfer_steps, square_queries=args.square_queries)
     check_cfg = CheckConfig()
     out = Path(args.out)
     arm_list = arms(args.regimes, args.neurons)

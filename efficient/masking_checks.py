@@ -10,7 +10,9 @@ white-box attacks follow are masked, so their robust accuracy is not to be belie
 4. black-box (Square) and transfer attacks never beat the white-box ones (the model's own gradient);
 5. for SNNs, BPTT through another surrogate never beats the model's own surrogate.
 
-The checks run FGSM and PGD-k at eps and PGD-k on an eps grid; the rest come from `worst_case`'s result.
+The checks run FGSM and PGD-k at eps and PGD-k on an eps grid (with the suite's PGD step as a
+fraction of each eps, so check 2 compares the same attack run for k and N steps); the rest come
+from `worst_case`'s result.
 """
 
 from __future__ import annotations
@@ -101,7 +103,8 @@ def masking_checks(
         raise ConfigError("masking checks need eps > 0 (at eps 0 every attack returns the clean input)")
     batches = list(batches)
     grid = eps_grid(eps, cfg.large_eps)
-    specs = [AttackSpec("fgsm", eps)] + [AttackSpec("pgd", e, cfg.steps) for e in grid]
+    frac = float(suite["config"].get("pgd_step", 2.5 / cfg.steps))
+    specs = [AttackSpec("fgsm", eps)] + [AttackSpec("pgd", e, cfg.steps, alpha=frac * e) for e in grid]
     runs = robust_accuracy(model, batches, specs, device=device, max_batches=max_batches, seed=seed)
     if runs["n"] != suite["n"]:
         raise ConfigError(f"the checks saw {runs['n']} examples but the suite {suite['n']}: pass the same batches")

@@ -72,16 +72,19 @@ def fit(model: nn.Module, data, steps: int = 150, seed: int = 0) -> nn.Module:
 
 @pytest.fixture(scope="module")
 def cnn(digits):
+    torch.manual_seed(0)  # initial weights independent of the tests that ran before
     return fit(small_cnn(), digits[0])
 
 
 @pytest.fixture(scope="module")
 def cnn_source(digits):
+    torch.manual_seed(1)
     return fit(small_cnn(), digits[0], seed=1)
 
 
 @pytest.fixture(scope="module")
 def masked_cnn(digits):
+    torch.manual_seed(2)
     net = nn.Sequential(Binarise(), small_cnn())
     net.num_classes = 10
     return fit(net, digits[0])
@@ -89,7 +92,9 @@ def masked_cnn(digits):
 
 @pytest.fixture(scope="module")
 def snn(digits):
-    model = create("stable-snn-digits", timesteps=2, fc_dim=32, backend="torch")
+    torch.manual_seed(3)
+    # threshold 0.5: at 1 a fresh two-step net is silent for some inits and never trains
+    model = create("stable-snn-digits", timesteps=2, fc_dim=32, v_threshold=0.5, backend="torch")
     return fit(model, digits[0], steps=60)
 
 

@@ -44,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--apgd-restarts", type=int, default=2, help="APGD restarts (default 2)")
     g.add_argument("--pgd-steps", type=int, default=100, help="PGD steps per random start (default 100)")
     g.add_argument("--pgd-restarts", type=int, default=3, help="PGD random starts (default 3)")
+    g.add_argument("--pgd-step", type=float, default=0.25, help="PGD step as a fraction of eps (default 0.25)")
     g.add_argument("--transfer-steps", type=int, default=100, help="PGD steps on the --source model (default 100)")
     g.add_argument("--square-queries", type=int, default=1000, help="Square attack queries (default 1000)")
     g.add_argument("--surrogate", action="append", metavar="NAME[:ALPHA]",
@@ -172,7 +173,7 @@ def suite_config(args: argparse.Namespace) -> Any:
     only = tuple(a.strip() for a in args.suite_attacks.split(",") if a.strip()) if args.suite_attacks else None
     return SuiteConfig(
         apgd_steps=args.apgd_steps, apgd_restarts=args.apgd_restarts, pgd_steps=args.pgd_steps,
-        pgd_restarts=args.pgd_restarts, surrogates=tuple(surrogates), transfer_steps=args.transfer_steps,
+        pgd_restarts=args.pgd_restarts, pgd_step=args.pgd_step, surrogates=tuple(surrogates), transfer_steps=args.transfer_steps,
         square_queries=args.square_queries, only=only,
     )
 
