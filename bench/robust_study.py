@@ -65,17 +65,40 @@ def build_recipe(regime: str, neuron: str, rho: float | None, seed: int, extra: 
     return validate(apply_overrides(data, overrides), str(path))
 
 
-def ensure_trained(out: Path, arm: tuple, seed: int, extra: list[str]) -> Path:
+def ensure_trained(out: Path, arm: tuple, seed: int, extra: list[str], wait_s: float = 6 * 3600) -> Path:
+    """Train the run unless it finished (summary.json); an interrupted one resumes from its last
+    checkpoint. A lock file lets concurrent pieces share a run (e.g. a transfer source): the one
+    that gets the lock trains, the others wait for summary.json."""
+    import os
+
     from efficient.io import write_json
     from efficient.train.engine import Trainer
 
     name, regime, neuron, rho = arm
     run_dir = out / f"{name}_s{seed}"
-    if not (run_dir / "checkpoint" / "best" / "model.safetensors").exists():
+    if (run_dir / "summary.json").exists():
+        return run_dir
+    out.mkdir(parents=True, exist_ok=True)
+    lock = out / f"{run_dir.name}.lock"
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        t0 = time.monotonic()
+        while not (run_dir / "summary.json").exists():
+            if time.monotonic() - t0 > wait_s:
+                raise SystemExit(f"{lock} held for {wait_s:.0f} s and {run_dir} is unfinished; if no other process trains it, delete the lock")
+            time.sleep(10)
+        return run_dir
+    try:
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
         t0 = time.perf_counter()
-        Trainer(build_recipe(regime, neuron, rho, seed, extra), run_dir).fit()
-        write_json(run_dir / "study_train_s.json", {"seconds": time.perf_counter() - t0})
+        resume = (run_dir / "checkpoint" / "last").exists()
+        Trainer(build_recipe(regime, neuron, rho, seed, extra), run_dir, resume=resume).fit()
+        write_json(run_dir / "study_train_s.json", {"seconds": time.perf_counter() - t0, "resumed": resume})
         print(f"trained {run_dir.name} in {time.perf_counter() - t0:.0f} s", flush=True)
+    finally:
+        lock.unlink(missing_ok=True)
     return run_dir
 
 
