@@ -110,6 +110,12 @@ def load_run(run_dir: Path):
     return model.eval()
 
 
+def cache_path(run_dir: Path, source_dir: Path, eps_text: str, checks: bool, cfg: Any, check_cfg: Any, max_batches: int | None) -> Path:
+    """Where one evaluation's result lives: keyed by everything that changes it."""
+    key = json.dumps([eps_text, checks, repr(cfg), repr(check_cfg), source_dir.name, max_batches], sort_keys=True)
+    return run_dir / f"study_eval_{eps_text.replace('/', '-')}_{hashlib.sha1(key.encode()).hexdigest()[:10]}.json"
+
+
 def evaluate(run_dir: Path, source_dir: Path, regime: str, neuron: str, rho: float | None, seed: int, eps_text: str,
              checks: bool, cfg: Any, check_cfg: Any, extra: list[str], max_batches: int | None) -> dict[str, Any]:
     import torch
@@ -119,8 +125,7 @@ def evaluate(run_dir: Path, source_dir: Path, regime: str, neuron: str, rho: flo
     from efficient.data import build_data
     from efficient.io import read_json, write_json
 
-    key = json.dumps([eps_text, checks, repr(cfg), repr(check_cfg), source_dir.name, max_batches], sort_keys=True)
-    cache = run_dir / f"study_eval_{eps_text.replace('/', '-')}_{hashlib.sha1(key.encode()).hexdigest()[:10]}.json"
+    cache = cache_path(run_dir, source_dir, eps_text, checks, cfg, check_cfg, max_batches)
     if cache.exists():
         return read_json(cache)
     torch.set_num_threads(1)
@@ -257,10 +262,10 @@ def main() -> None:
                 ensure_trained(out, arm, seed, args.set)
                 ensure_trained(out, arm, seed + 1, args.set)
             for eps in args.eps:
-                if args.summary_only:
-                    found = sorted(run_dir.glob(f"study_eval_{eps.replace('/', '-')}_*.json")) if run_dir.exists() else []
-                    if found:
-                        results[(name, seed, eps)] = json.loads(found[-1].read_text())
+                if args.summary_only:  # only results of this exact suite, source and checks
+                    done = cache_path(run_dir, source_dir, eps, eps == args.checks_eps, cfg, check_cfg, args.max_batches)
+                    if done.exists():
+                        results[(name, seed, eps)] = json.loads(done.read_text())
                     continue
                 results[(name, seed, eps)] = evaluate(run_dir, source_dir, regime, neuron, rho, seed, eps, eps == args.checks_eps,
                                                       cfg, check_cfg, args.set, args.max_batches)

@@ -128,6 +128,20 @@ def test_spiking_models_get_the_other_surrogate_attacks_and_plain_ones_say_why_n
     assert [r.get("skipped") for r in rows if r["attack"].startswith("bptt")] == ["the model has no spiking neurons to give another surrogate"] * 2
 
 
+def test_pgd_best_breaks_whatever_the_same_plain_pgd_run_breaks(snn, digits):
+    from efficient.attack_suite import pgd_best
+    from efficient.attacks import pgd
+
+    x, y = digits[1]
+    alpha = EPS / 4
+    best = pgd_best(snn, x, y, EPS, 20, alpha, torch.Generator().manual_seed(5))
+    last = pgd(snn, x, y, EPS, 20, alpha, generator=torch.Generator().manual_seed(5))
+    assert (best - x).abs().max() <= EPS + 1e-6 and best.min() >= 0 and best.max() <= 1
+    with torch.no_grad():
+        ok_best, ok_last = snn(best).argmax(-1) == y, snn(last).argmax(-1) == y
+    assert not (ok_best & ~ok_last).any()  # same start, same steps: a superset of the breaks
+
+
 def test_eps_zero_gives_clean_accuracy(snn, cnn, digits):
     x, y = digits[1]
     cfg = SuiteConfig(apgd_steps=3, apgd_restarts=1, pgd_steps=3, pgd_restarts=2, transfer_steps=3, square_queries=10)
