@@ -37,7 +37,9 @@ with beta and V_th per neuron (fp32 [N], differentiable) and M[-1] given or 0.
 
 The backward uses a surrogate dS/dH = g(H - V_th): sigmoid `alpha*sig(alpha*u)*(1-sig(alpha*u))`,
 atan `(alpha/2) / (1 + (pi/2*alpha*u)^2)`, triangle `max(0, alpha - alpha^2*|u|)` (spikingjelly's
-PiecewiseQuadratic; the stable-SNN triangle of width w is alpha = 1/w). `alpha=None` takes the
+PiecewiseQuadratic; the stable-SNN triangle of width w is alpha = 1/w), or ste, the straight-through
+estimator `alpha` everywhere (1 by default; no spikingjelly counterpart, used by attacks that probe
+gradient masking, see efficient.attack_suite). `alpha=None` takes the
 surrogate's default in spikingjelly (`SURROGATE_ALPHA`: sigmoid 4, atan 2, triangle 1), so switching
 the name gives the function users know. `detach_reset` cuts the gradient through the reset's use of S.
 
@@ -87,11 +89,12 @@ __all__ = [
 
 COMPILE_MIN_NUMEL = 1 << 20
 # surrogate ids (the op's `surrogate` argument) and their names
-SURROGATE_SIGMOID, SURROGATE_ATAN, SURROGATE_TRIANGLE = 0, 1, 2
-SURROGATES = {"sigmoid": SURROGATE_SIGMOID, "atan": SURROGATE_ATAN, "triangle": SURROGATE_TRIANGLE}
+SURROGATE_SIGMOID, SURROGATE_ATAN, SURROGATE_TRIANGLE, SURROGATE_STE = 0, 1, 2, 3
+SURROGATES = {"sigmoid": SURROGATE_SIGMOID, "atan": SURROGATE_ATAN, "triangle": SURROGATE_TRIANGLE, "ste": SURROGATE_STE}
 # default alpha per surrogate: spikingjelly 2.0's defaults (surrogate.Sigmoid alpha=4.0,
-# surrogate.ATan alpha=2.0, surrogate.PiecewiseQuadratic alpha=1.0)
-SURROGATE_ALPHA = {"sigmoid": 4.0, "atan": 2.0, "triangle": 1.0}
+# surrogate.ATan alpha=2.0, surrogate.PiecewiseQuadratic alpha=1.0); the straight-through
+# estimator passes the gradient unchanged (alpha 1)
+SURROGATE_ALPHA = {"sigmoid": 4.0, "atan": 2.0, "triangle": 1.0, "ste": 1.0}
 # charge modes; the float constant `c` of the op is tau for the first two, lambda for LEAK
 CHARGE_DECAY_INPUT, CHARGE_NO_DECAY, CHARGE_LEAK = 0, 1, 2
 # snntorch `Leaky` reset mechanisms (the update order "snntorch", see `leaky`)
@@ -130,6 +133,8 @@ def surrogate_grad(u: Tensor, surrogate: int, alpha: float) -> Tensor:
         return a / (1 + z * z)
     if surrogate == SURROGATE_TRIANGLE:
         return (alpha - (alpha * alpha) * u.abs()).clamp_min(0.0)
+    if surrogate == SURROGATE_STE:
+        return torch.zeros_like(u) + alpha
     raise ValueError(f"unknown surrogate id {surrogate}; expected one of {SURROGATES}")
 
 
@@ -259,6 +264,7 @@ if HAS_TRITON:
     _TL_LEAK = tl.constexpr(CHARGE_LEAK)
     _TL_SIGMOID = tl.constexpr(SURROGATE_SIGMOID)
     _TL_ATAN = tl.constexpr(SURROGATE_ATAN)
+    _TL_STE = tl.constexpr(SURROGATE_STE)
 
     # divisions use div_rn (IEEE round-to-nearest, as torch on CPU): a plain `/` lowers to an
     # approximate division on NVIDIA GPUs, which could move H across the threshold
@@ -271,6 +277,8 @@ if HAS_TRITON:
             a = alpha * 0.5
             z = (3.141592653589793 * a) * u
             out = tl.math.div_rn(a, 1.0 + z * z)
+        elif SURROGATE == _TL_STE:
+            out = u * 0.0 + alpha
         else:  # triangle
             out = tl.maximum(alpha - (alpha * alpha) * tl.abs(u), 0.0)
         return out

@@ -7,15 +7,16 @@ spikes shaped like the input. `SpikingNeuron` is the common base class the profi
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
 
 from efficient.kernels.lif import BACKENDS, SURROGATES, check_input, default_alpha, lif
 
-__all__ = ["SpikingNeuron", "LIF", "PLIF", "DLIF"]
+__all__ = ["SpikingNeuron", "LIF", "PLIF", "DLIF", "override_surrogate"]
 
 
 def _check_choice(name: str, value: str, choices) -> None:
@@ -170,6 +171,9 @@ class DLIF(SpikingNeuron):
         _check_choice("backend", backend, BACKENDS)
         self.timesteps, self.leak, self.v_threshold = int(timesteps), float(leak), float(v_threshold)
         self.width, self.backend, self.store_membrane = float(width), backend, store_membrane
+        # the paper's triangle of half-width `width`; kept as attributes so `override_surrogate`
+        # can swap the backward at attack time (the forward never depends on them)
+        self.surrogate, self.alpha = "triangle", 1.0 / self.width
         self.gain = nn.Parameter(torch.ones(self.timesteps))
 
     def forward(self, x: torch.Tensor, return_membrane: bool = False):
@@ -182,12 +186,37 @@ class DLIF(SpikingNeuron):
         current = x * self.gain.view(-1, *([1] * (x.dim() - 1))).to(x.dtype)
         return self._run(
             current, return_membrane, v_threshold=self.v_threshold, v_reset=0.0, detach_reset=False,
-            surrogate="triangle", alpha=1.0 / self.width, leak=self.leak,
+            surrogate=self.surrogate, alpha=self.alpha, leak=self.leak,
         )
 
     def extra_repr(self) -> str:
         return (
             f"timesteps={self.timesteps}, leak={self.leak}, v_threshold={self.v_threshold}, "
             f"width={self.width}, gain=learnable[{self.timesteps}], reset=hard(0, not detached), "
-            f"surrogate=triangle, backend={self.backend}"
+            f"surrogate={self.surrogate}(alpha={self.alpha}), backend={self.backend}"
         )
+
+
+@contextlib.contextmanager
+def override_surrogate(model: nn.Module, surrogate: str, alpha: float | None = None) -> Iterator[int]:
+    """Give every `SpikingNeuron` in `model` another surrogate inside the block, then restore each one's own.
+
+    Spikes (the forward) are unchanged; only gradients differ. Attacks use it to differentiate a
+    trained SNN through a surrogate it was not trained with (gradient-masking checks). Yields the
+    number of neurons changed; raises ValueError for an unknown surrogate or a model without neurons.
+    """
+    _check_choice("surrogate", surrogate, SURROGATES)
+    value = default_alpha(surrogate, alpha)
+    found = [m for m in model.modules() if isinstance(m, SpikingNeuron)]
+    if not found:
+        raise ValueError(
+            f"{type(model).__name__} has no efficient spiking neurons (LIF, PLIF, DLIF), so it has no surrogate to override"
+        )
+    saved = [(m, m.surrogate, m.alpha) for m in found]
+    try:
+        for m in found:
+            m.surrogate, m.alpha = surrogate, value
+        yield len(found)
+    finally:
+        for m, sg, a in saved:
+            m.surrogate, m.alpha = sg, a

@@ -96,6 +96,7 @@ def main() -> int:
     for vr, det, dec, sg in itertools.product([0.0, None], [True, False], [True, False], ["sigmoid", "atan", "triangle"]):
         compare(f"lif-vr{vr}-detach{det}-decay{dec}-{sg}", base, tau=3.0, v_threshold=0.8, v_reset=vr,
                 detach_reset=det, decay_input=dec, surrogate=sg, alpha=2.0)
+    compare("lif-ste", base, tau=3.0, v_threshold=0.8, v_reset=0.0, detach_reset=False, surrogate="ste", alpha=1.5)
     compare("T1", _x((1, 4, 3), 3), tau=1.5, v_reset=0.0, detach_reset=False, surrogate="atan", alpha=2.0)
     nc = _x((35, 5), 4).t()  # [5, 35] with strides (1, 5): flattening keeps it a strided view
     assert not nc.detach().clone().reshape(5, -1).is_contiguous(), "the op must receive the strided tensor"

@@ -194,7 +194,7 @@ def test_reference_gradcheck_membrane(v_reset, decay_input):
     assert torch.autograd.gradcheck(lambda x: K.lif_reference(x, 3.0, leak=None, v_reset=v_reset)[1], (x,), eps=1e-7)
 
 
-@pytest.mark.parametrize("surrogate,alpha", [("sigmoid", 4.0), ("atan", 2.0), ("triangle", 1.5)])
+@pytest.mark.parametrize("surrogate,alpha", [("sigmoid", 4.0), ("atan", 2.0), ("triangle", 1.5), ("ste", 1.5)])
 def test_surrogate_is_derivative_of_its_primitive(surrogate, alpha):
     u = torch.linspace(-2, 2, 101, dtype=torch.float64).requires_grad_()
     primitive = {
@@ -203,13 +203,14 @@ def test_surrogate_is_derivative_of_its_primitive(surrogate, alpha):
         "triangle": lambda u: torch.where(
             u.abs() > 1 / alpha, (u > 0).double(),
             torch.where(u <= 0, (alpha * u + 1) ** 2 / 2, 1 - (alpha * u - 1) ** 2 / 2)),
+        "ste": lambda u: alpha * u,  # straight-through: the identity's slope, scaled
     }[surrogate]
     (grad,) = torch.autograd.grad(primitive(u).sum(), u)
     torch.testing.assert_close(K.surrogate_grad(u.detach(), K.SURROGATES[surrogate], alpha), grad)
 
 
 @needs_spikingjelly
-@pytest.mark.parametrize("surrogate", sorted(K.SURROGATES))
+@pytest.mark.parametrize("surrogate", sorted(SJ_SURROGATES))
 def test_default_alpha_is_spikingjellys_default(surrogate):
     """Without alpha, each surrogate is spikingjelly's class at its own default alpha."""
     sg_cls = getattr(sj_surrogate, SJ_SURROGATES[surrogate][0])
@@ -221,7 +222,7 @@ def test_default_alpha_is_spikingjellys_default(surrogate):
 
 
 @needs_spikingjelly
-@pytest.mark.parametrize("surrogate", sorted(K.SURROGATES))
+@pytest.mark.parametrize("surrogate", sorted(SJ_SURROGATES))
 def test_lif_without_alpha_matches_spikingjelly_default_surrogate(surrogate):
     sg_cls = getattr(sj_surrogate, SJ_SURROGATES[surrogate][0])
     x, g, gv = _input(seed=11), _input(seed=12), _input(seed=13)
@@ -232,6 +233,18 @@ def test_lif_without_alpha_matches_spikingjelly_default_surrogate(surrogate):
         s, v, gx = _run_ours(x, g, gv, 1.0, 0.0, False, fn=fn, surrogate=surrogate)
         assert torch.equal(s, s_sj), fn.__name__
         torch.testing.assert_close(gx, gx_sj, rtol=0, atol=1e-5)
+
+
+def test_straight_through_estimator_matches_reference_through_resets():
+    """The ste surrogate (no spikingjelly twin) gives the reference loop's gradients in the fused op,
+    and differs from the triangle's on an input that spikes."""
+    x, g, gv = _input(seed=21), _input(seed=22), _input(seed=23)
+    ref = _run_ours(x, g, gv, 1.0, 0.0, False, fn=_reference, surrogate="ste", leak=0.9)
+    op = _run_ours(x, g, gv, 1.0, 0.0, False, fn=_op_loop, surrogate="ste", leak=0.9)
+    tri = _run_ours(x, g, gv, 1.0, 0.0, False, fn=_op_loop, surrogate="triangle", leak=0.9)
+    assert ref[0].sum() > 0 and torch.equal(ref[0], op[0])
+    torch.testing.assert_close(op[2], ref[2], rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(op[2], tri[2])
 
 
 def test_explicit_alpha_still_wins():

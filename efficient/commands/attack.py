@@ -4,6 +4,9 @@ Runs white-box L-inf attacks (BPTT through the model's own surrogate) on the val
 [0, 1] pixel space and prints clean and robust accuracy (a table, or JSON with --format json).
 A run trained on normalised data is wrapped with its normalisation so the attack still sees pixels.
 Results on a run dir are also appended to RUN_DIR/attacks.jsonl, which `efficient report` shows.
+`--attack suite` reports the per-example worst case over the adaptive suite of
+`efficient.attack_suite` (with `--source RUN` for its transfer attack) and `--checks` adds the
+gradient-masking checks of `efficient.masking_checks`.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("target", metavar="RUN_OR_MODEL", help="a run dir, a .safetensors file, or a zoo name (fresh weights unless --pretrained)")
     p.add_argument("--pretrained", metavar="SOURCE", nargs="?", const=True,
                    help="zoo names: the shipped weights (no value; attacked on their validation data), a tag of them, a file or URL")
-    p.add_argument("--attack", action="append", help="fgsm, pgd, apgd-ce or apgd-dlr; repeat or comma-separate (default: fgsm,pgd)")
+    p.add_argument("--attack", action="append",
+                   help="fgsm, pgd, apgd-ce or apgd-dlr; repeat or comma-separate (default: fgsm,pgd); or suite alone, "
+                        "the worst case over APGD-CE/DLR, PGD restarts, other-surrogate BPTT, transfer and Square")
     p.add_argument("--eps", default="8/255", help="L-inf radius in [0, 1] pixel units, e.g. 8/255 (default)")
     p.add_argument("--steps", type=int, help="PGD/APGD iterations (default 10; FGSM is one step)")
     p.add_argument("--alpha", help="PGD step size, e.g. 2/255 (default: 2.55/255 for 7 steps at 8/255, else 2.5*eps/steps)")
@@ -33,6 +38,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:1, ...")
     p.add_argument("--seed", type=int, default=0, help="seed of the random starts")
     p.add_argument("--format", choices=["table", "json"], default="table")
+    g = p.add_argument_group("suite (--attack suite)")
+    g.add_argument("--source", metavar="RUN", help="an independently trained run dir (same data) for the transfer attack")
+    g.add_argument("--checks", action="store_true", help="also run the gradient-masking checks (pass/fail with numbers)")
+    g.add_argument("--apgd-steps", type=int, default=100, help="APGD-CE/DLR and other-surrogate steps (default 100)")
+    g.add_argument("--apgd-restarts", type=int, default=2, help="APGD restarts (default 2)")
+    g.add_argument("--pgd-steps", type=int, default=100, help="PGD steps per random start (default 100)")
+    g.add_argument("--pgd-restarts", type=int, default=3, help="PGD random starts (default 3)")
+    g.add_argument("--pgd-step", type=float, default=0.25, help="PGD step as a fraction of eps (default 0.25)")
+    g.add_argument("--transfer-steps", type=int, default=100, help="PGD steps on the --source model (default 100)")
+    g.add_argument("--square-queries", type=int, default=1000, help="Square attack queries (default 1000)")
+    g.add_argument("--surrogate", action="append", metavar="NAME[:ALPHA]",
+                   help="other surrogates to attack through (repeatable; default sigmoid:1 and ste:1)")
+    g.add_argument("--suite-attacks", help="comma-separated subset of the suite to run (default: all)")
+    g.add_argument("--check-tol", type=float, default=0.02, help="allowed violation in a check, as a fraction (default 0.02)")
+    g.add_argument("--check-steps", type=int, default=10, help="k of the checks' PGD-k and FGSM comparison (default 10)")
 
 
 def attack_specs(names: list[str] | None, eps: float, steps: int | None, alpha: float | None, random_start: bool) -> list[Any]:
@@ -93,50 +113,128 @@ def load_pixel_data(section: dict[str, Any]) -> tuple[Any, tuple[list[float], li
     return bundle, stats
 
 
-def evaluate(args: argparse.Namespace) -> dict[str, Any]:
-    import torch
-    from torch import nn
-    from torch.utils.data import DataLoader
-
+def load_model(target_arg: str, pretrained: Any, checkpoint: str, flag: str = "RUN_OR_MODEL") -> tuple[Any, dict[str, Any] | None]:
+    """The model of a run dir (with its `checkpoint`), a file or a zoo name, and the run's data section."""
     from efficient import zoo
-    from efficient.attacks import parse_eps, robust_accuracy
 
-    eps = parse_eps(args.eps)
-    alpha = parse_eps(args.alpha, "--alpha") if args.alpha is not None else None
-    specs = attack_specs(args.attack, eps, args.steps, alpha, not args.no_random_start)
-    target = Path(args.target)
-    run_data = None
+    target = Path(target_arg)
     if target.is_dir():
-        if args.pretrained is not None:
+        if pretrained is not None:
             raise ConfigError(f"--pretrained applies to zoo names; {target} brings its own weights (pick them with --checkpoint)")
         from efficient.config import load_yaml
 
         run_data = (load_yaml(target / "config.yaml") if (target / "config.yaml").exists() else {}).get("data")
         model = zoo.load(target)
-        weights = target / "checkpoint" / args.checkpoint / "model.safetensors"
+        weights = target / "checkpoint" / checkpoint / "model.safetensors"
         if weights.exists():
             zoo.load_weights(model, weights)
-        elif args.checkpoint != "best":
-            raise ConfigError(f"{target}: no {args.checkpoint} checkpoint ({weights} missing)")
-    else:
-        model = zoo.load(args.target, pretrained=args.pretrained)
-        run_data = getattr(model, "pretrained_cfg", {}).get("data")  # shipped weights know their dataset
+        elif checkpoint != "best":
+            raise ConfigError(f"{flag} {target}: no {checkpoint} checkpoint ({weights} missing)")
+        return model, run_data
+    model = zoo.load(target_arg, pretrained=pretrained)
+    return model, getattr(model, "pretrained_cfg", {}).get("data")  # shipped weights know their dataset
+
+
+def pixel_model(model: Any, stats: tuple[list[float], list[float]] | None, num_classes: int) -> Any:
+    """`model` behind its input normalisation (if its data were normalised), so attacks see [0, 1] pixels."""
+    from torch import nn
+
+    if stats is None:
+        return model
+    from efficient.models.stable_snn import Normalize
+
+    wrapped = nn.Sequential(Normalize(*stats), model)
+    wrapped.num_classes = num_classes  # type: ignore[assignment]
+    return wrapped
+
+
+def _load_source(args: argparse.Namespace, num_classes: int) -> Any:
+    """The --source run (same data section as the target) for the transfer attack."""
+    if not Path(args.source).is_dir():
+        raise ConfigError(f"--source {args.source}: not a run dir; give the run dir of an independently trained model")
+    source, source_data = load_model(args.source, None, args.checkpoint, "--source")
+    stats = None
+    if source_data is not None:
+        _, stats = load_pixel_data(dict(source_data))
+    if getattr(source, "num_classes", num_classes) != num_classes:
+        raise ConfigError(f"--source {args.source} has {source.num_classes} classes, the target {num_classes}: train it on the same data")
+    return pixel_model(source, stats, num_classes)
+
+
+def suite_config(args: argparse.Namespace) -> Any:
+    from efficient.attack_suite import SuiteConfig
+
+    surrogates = []
+    for item in args.surrogate or ["sigmoid:1", "ste:1"]:
+        name, _, alpha = item.partition(":")
+        try:
+            surrogates.append((name.strip(), float(alpha) if alpha else 1.0))
+        except ValueError:
+            raise ConfigError(f"--surrogate {item!r}: expected NAME or NAME:ALPHA such as sigmoid:1") from None
+    only = tuple(a.strip() for a in args.suite_attacks.split(",") if a.strip()) if args.suite_attacks else None
+    return SuiteConfig(
+        apgd_steps=args.apgd_steps, apgd_restarts=args.apgd_restarts, pgd_steps=args.pgd_steps,
+        pgd_restarts=args.pgd_restarts, pgd_step=args.pgd_step, surrogates=tuple(surrogates), transfer_steps=args.transfer_steps,
+        square_queries=args.square_queries, only=only,
+    )
+
+
+def _suite_requested(names: list[str] | None) -> bool:
+    flat = [n.strip() for item in (names or []) for n in item.split(",") if n.strip()]
+    if "suite" in flat and len(flat) > 1:
+        raise ConfigError("--attack suite runs alone (it already includes PGD and APGD); drop the other attack names")
+    return flat == ["suite"]
+
+
+def evaluate(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from torch.utils.data import DataLoader
+
+    from efficient.attacks import parse_eps, robust_accuracy
+
+    eps = parse_eps(args.eps)
+    suite = _suite_requested(args.attack)
+    if not suite:
+        for flag, value in (("--source", args.source), ("--checks", args.checks or None)):
+            if value is not None:
+                raise ConfigError(f"{flag} belongs to --attack suite; add --attack suite or drop {flag}")
+    elif args.steps is not None or args.alpha is not None:
+        raise ConfigError("--steps/--alpha set single attacks; the suite takes --pgd-steps, --apgd-steps, --square-queries, ...")
+    cfg = suite_config(args) if suite else None
+    if suite and args.checks:
+        from efficient.masking_checks import CheckConfig
+
+        check_cfg = CheckConfig(tol=args.check_tol, steps=args.check_steps)
+    alpha = parse_eps(args.alpha, "--alpha") if args.alpha is not None else None
+    specs = None if suite else attack_specs(args.attack, eps, args.steps, alpha, not args.no_random_start)
+    model, run_data = load_model(args.target, args.pretrained, args.checkpoint)
     name = getattr(model, "zoo_name", type(model).__name__)
     bundle, stats = load_pixel_data(_data_section(args, run_data))
     num_classes = getattr(model, "num_classes", bundle.num_classes)
-    if stats is not None:
-        from efficient.models.stable_snn import Normalize
-
-        model = nn.Sequential(Normalize(*stats), model)
-        model.num_classes = num_classes  # type: ignore[assignment]
+    model = pixel_model(model, stats, num_classes)
     from efficient.train.engine import resolve_device
 
     device = resolve_device(args.device, "--device")
     model.to(device).eval()
     loader = DataLoader(bundle.val, batch_size=args.batch_size, shuffle=False, collate_fn=bundle.collate_fn)
     torch.manual_seed(args.seed)
-    result = robust_accuracy(model, loader, specs, device=device, max_batches=args.max_batches, seed=args.seed)
-    return {"model": name, "target": str(args.target), "data": bundle_name(args, run_data), **result}
+    head = {"model": name, "target": str(args.target), "data": bundle_name(args, run_data)}
+    if not suite:
+        result = robust_accuracy(model, loader, specs, device=device, max_batches=args.max_batches, seed=args.seed)
+        return {**head, **result}
+    from efficient.attack_suite import worst_case
+
+    source = _load_source(args, num_classes).to(device).eval() if args.source else None
+    import itertools
+
+    batches = list(itertools.islice(loader, args.max_batches)) if args.max_batches else list(loader)
+    result = worst_case(model, batches, eps, cfg, source=source, device=device, max_batches=args.max_batches, seed=args.seed)
+    out = {**head, "source": args.source, "suite": result}
+    if args.checks:
+        from efficient.masking_checks import masking_checks
+
+        out["checks"] = masking_checks(model, batches, result, check_cfg, device=device, max_batches=args.max_batches, seed=args.seed)
+    return out
 
 
 def bundle_name(args: argparse.Namespace, run_data: dict[str, Any] | None) -> str:
@@ -156,8 +254,35 @@ def record_in_run(args: argparse.Namespace, res: dict[str, Any]) -> Path | None:
 
     entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "checkpoint": args.checkpoint, "seed": args.seed,
              "max_batches": args.max_batches, **res}
+    if "suite" in res:  # the report reads n / clean / attacks[]: the suite's attacks plus its worst case as rows
+        s = res["suite"]
+        rows = [{"attack": a["attack"], "eps": s["eps"], "steps": a.get("steps"), "acc": a["acc"]}
+                for a in s["attacks"] if not a.get("skipped")]
+        entry.update(n=s["n"], clean=s["clean"], attacks=rows + [{"attack": "worst case (suite)", "eps": s["eps"], "steps": None, "acc": s["worst_case"]}])
     append_jsonl(target / ATTACKS_FILE, entry)
     return target / ATTACKS_FILE
+def _print_suite(res: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    s = res["suite"]
+    table = Table(title=f"{res['model']} on {res['data']} (val, n={s['n']}), suite at eps {255 * s['eps']:.3g}/255")
+    for col, just in (("attack", "left"), ("setting", "left"), ("accuracy %", "right"), ("only it broke", "right"), ("seconds", "right")):
+        table.add_column(col, justify=just)  # type: ignore[arg-type]
+    table.add_row("clean", "-", f"{100 * s['clean']:.2f}", "-", "-")
+    for r in s["attacks"]:
+        setting = ", ".join(f"{k} {v}" for k, v in r.items() if k not in ("attack", "acc", "seconds", "unique_breaks", "skipped", "acc_first_restart"))
+        if r.get("skipped"):
+            table.add_row(r["attack"], setting, "skipped", "-", r["skipped"])
+        else:
+            table.add_row(r["attack"], setting, f"{100 * r['acc']:.2f}", str(r["unique_breaks"]), f"{r['seconds']:.1f}")
+    table.add_row("worst case", "every attack", f"{100 * s['worst_case']:.2f}", "-", f"{s['seconds']:.1f} ({s['seconds_per_image']:.3f}/image)")
+    console = Console()
+    console.print(table)
+    if "checks" in res:
+        for line in res["checks"]["lines"]:
+            console.print(line, markup=False)
+        console.print("masking checks: " + ("all passed" if res["checks"]["passed"] else "FAILED (robust accuracy not to be trusted)"), markup=False)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -165,6 +290,13 @@ def run(args: argparse.Namespace) -> int:
     saved = record_in_run(args, res)
     if args.format == "json":
         print(json.dumps(res, indent=2))
+        return 0
+    if "suite" in res:
+        _print_suite(res)
+        if saved is not None:
+            from rich.console import Console
+
+            Console().print(f"recorded in {saved} (shown by `efficient report {args.target}`)")
         return 0
     from rich.console import Console
     from rich.table import Table
