@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Literal, Sequence
 
 import torch
@@ -32,10 +33,13 @@ from efficient.kernels.exit_confidence import exit_confidence
 from efficient.profiler.exits import layer_macs
 
 if TYPE_CHECKING:
+    from efficient.decode_engine import DecodeEngine
     from efficient.models.ee_gpt import EEGPT
 
 Strategy = Literal["recompute", "copy", "speculative"]
 STRATEGIES = ("recompute", "copy", "speculative")
+Impl = Literal["engine", "modules"]
+IMPLS = ("engine", "modules")
 
 
 def exits_enabled(threshold: float) -> bool:
@@ -241,9 +245,19 @@ def generate(
     seed: int | None = None,
     num_draft: int = 8,
     max_pending: int | None = None,
+    impl: Impl = "engine",
+    engine: DecodeEngine | None = None,
 ) -> Generation:
-    """Decode `max_new_tokens` tokens after `prompt` with early exits (see the module docstring)."""
+    """Decode `max_new_tokens` tokens after `prompt` with early exits (see the module docstring).
+
+    `impl="engine"` runs the strategies on `efficient.decode_engine.DecodeEngine` (fused weights,
+    one call per segment between exits; pass a built `engine`, e.g. a compiled one, to reuse it);
+    `impl="modules"` runs them module by module, layer by layer. Both give the same tokens."""
     threshold = check_threshold(threshold)
+    if impl not in IMPLS:
+        raise ConfigError(f"generate: impl must be one of {', '.join(IMPLS)}, got {impl!r}")
+    if engine is not None and (impl != "engine" or engine.model is not model):
+        raise ConfigError("generate: `engine` must be a DecodeEngine built from this model, with impl='engine'")
     if strategy not in STRATEGIES:
         raise ConfigError(f"generate: strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     if max_new_tokens < 1:
@@ -267,13 +281,21 @@ def generate(
     was_training = model.training
     model.eval()
     try:
-        cache = new_cache(model, 1, total)
-        _prefill(model, ids[:-1], cache)
+        if impl == "engine":
+            from efficient.decode_engine import DecodeEngine, run_layerwise, run_speculative
+
+            engine = engine or DecodeEngine(model)
+            cache = engine.new_cache(total)
+            engine.bind(cache)
+            run = partial(run_speculative if strategy == "speculative" else run_layerwise, engine)
+        else:
+            cache = new_cache(model, 1, total)
+            run = partial(_speculative if strategy == "speculative" else _layerwise, model)
+        _prefill(model, ids[:-1], cache)  # the prompt's KV, untimed, the same for both
         if cuda:  # the untimed prefill's queued kernels must not land in the timed decode
             torch.cuda.synchronize(ids.device)
         t0, c0 = time.perf_counter(), time.thread_time()
-        run = _speculative if strategy == "speculative" else _layerwise
-        out = run(model, ids, max_new_tokens, threshold, sampler, cache, strategy=strategy, num_draft=num_draft, max_pending=max_pending)
+        out = run(ids, max_new_tokens, threshold, sampler, cache, strategy=strategy, num_draft=num_draft, max_pending=max_pending)
         if cuda:  # nor may the last step's kernels still be queued when the clock is read
             torch.cuda.synchronize(ids.device)
         out.seconds, out.cpu_seconds = time.perf_counter() - t0, time.thread_time() - c0
