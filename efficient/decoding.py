@@ -14,9 +14,12 @@ Exit rule (EE-LLM): visit exits shallow to deep, stop at the first with max-prob
 tau >= 1 disables exiting (exits are not evaluated); tau <= 0 always takes the first exit.
 Batch size 1.
 
-Steps over a model's layers with a cache: `new_cache`, `run_layers`, `fill_kv` (and the model's
-own `exit_hidden(layer, h, mid, cache, pos)` for exit blocks). On CUDA, `generate` synchronizes
-the device around the timed decode, so `Generation.seconds` is the decode time.
+Two implementations of the same strategies, giving the same tokens: `impl="engine"` (default)
+runs them on `efficient.decode_engine.DecodeEngine` (fused weights, one call per segment between
+exits, optionally compiled); `impl="modules"` steps through the model's modules layer by layer
+with `new_cache`, `run_layers`, `fill_kv` (and the model's own `exit_hidden(layer, h, mid, cache,
+pos)` for exit blocks) -- the readable reference. On CUDA, `generate` synchronizes the device
+around the timed decode, so `Generation.seconds` is the decode time.
 """
 
 from __future__ import annotations

@@ -332,3 +332,12 @@ def test_compiled_engine_equals_module_path():
             ref = generate(m, PROMPTS[1], N, threshold=tau, strategy=strategy, impl="modules")
             same_generation(generate(m, PROMPTS[1], N, threshold=tau, strategy=strategy, engine=engine), ref)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
+
+
+@pytest.mark.slow
+def test_generate_cli_compile(capsys):
+    from efficient.cli import main
+
+    rc = main(["generate", "ee-gpt-tiny", "--prompt", "ab", "--max-new-tokens", "3", "--exit-threshold", "none", "--compile", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["exit_layers"] == [4, 4, 4] and out["summary"]["tokens"] == 3 and out["summary"]["compile_warmup_s"] > 0
