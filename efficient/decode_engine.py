@@ -9,9 +9,10 @@ the weights change).
 A token's step is one call per segment between exits: the segment's layers, the exit head, and the
 exit confidence (max softmax probability and argmax) together. With `compile=True` that call is a
 `torch.compile(dynamic=False)` graph on static shapes: one token, its position a tensor, the KV
-cache a preallocated window per slot whose unwritten tail is masked out. Multi-token chunks (KV
-recomputation of pending tokens, speculative verification, the prompt) run eagerly. Python work per
-token is the exit rule between segments; nothing per layer.
+cache a preallocated window per slot whose unwritten tail is masked out. Eagerly, a token is a
+chunk of one that reads exactly its keys. Multi-token chunks (KV recomputation of pending tokens,
+speculative verification) always run eagerly. Python work per token is the exit rule between
+segments; nothing per layer beyond the eager path's own op calls.
 
 The strategies (`recompute`, `copy`, `speculative`; see `efficient.decoding`) are the same
 algorithms as the module-by-module path there, step for step, so greedy decoding gives the same
@@ -229,24 +230,37 @@ class DecodeEngine:
         return [(cache.k[s], cache.v[s]) for s in slots]
 
     def bind(self, cache: KVCache) -> None:
-        """Per-slot cache views for every segment, built once per generation (not per token)."""
+        """Per-slot cache views and the step's input tensors, built once per generation (not per token)."""
         self._cache = cache
         self._slot_kv = self._kv(cache, range(len(cache.k)))
+        dev = self.emb.device
+        self._tok = torch.zeros(1, 1, dtype=torch.long, device=dev)  # inputs of the compiled step,
+        self._pos = torch.zeros(1, dtype=torch.long, device=dev)  # refilled in place each token
 
     # ---------------------------------------------------------------- steps
 
-    def step(self, x: torch.Tensor, pos: torch.Tensor, start: int, stop: int, head: int | None) -> StepOut:
-        """One token (id [1, 1] when start == 0, else hidden [1, 1, C]) at `pos` through layers
-        start+1..stop, then the exit head after layer `head` (None: no head)."""
+    def step(self, x: int | torch.Tensor, pos: int, start: int, stop: int, head: int | None) -> StepOut:
+        """One token at position `pos` through layers start+1..stop, then the exit head after layer
+        `head` (None: no head). `x`: the token id when start == 0, else the hidden state [1, 1, C].
+        Compiled: one graph call on static shapes; eager: the chunk path with T = 1."""
+        if not self.compiled:
+            h = self.emb[x].view(1, 1, -1) if start == 0 else x
+            return self._chunk(h, pos, start, stop, head, False)
+        self._pos.fill_(pos)
+        if start == 0:
+            self._tok.fill_(x)
         hw = None if head is None else self.heads[head].weights
         head_kv = self._slot_kv[hw.slot] if hw is not None and hw.block is not None else None
-        return self._step(x, pos, self.cos, self.sin, self.emb if start == 0 else None, self.layers[start:stop], self._slot_kv[start:stop],
-                          hw, head_kv, self.n_head, self.eps)
+        return self._step(self._tok if start == 0 else x, self._pos, self.cos, self.sin, self.emb if start == 0 else None,
+                          self.layers[start:stop], self._slot_kv[start:stop], hw, head_kv, self.n_head, self.eps)
 
     def chunk(self, h: torch.Tensor, pos: int, start: int, stop: int, head: int | None, all_positions: bool = False) -> StepOut:
         """A chunk of hidden states [1, T, C] at positions pos.. through layers start+1..stop and the
         exit head after `head`: on the last position, or on all of them when `all_positions` (an exit
-        block always runs on the whole chunk: it writes its keys/values)."""
+        block always runs on the whole chunk: it writes its keys/values). Eager."""
+        return self._chunk(h, pos, start, stop, head, all_positions)
+
+    def _chunk(self, h: torch.Tensor, pos: int, start: int, stop: int, head: int | None, all_positions: bool) -> StepOut:
         T, cache = h.shape[1], self._cache
         cos, sin = self.cos[pos : pos + T], self.sin[pos : pos + T]
         mask = None if T == 1 else cache.causal[pos : pos + T, : pos + T]
@@ -270,11 +284,12 @@ class DecodeEngine:
             return StepOut(h, mid, hid[0] @ hw.proj.T, None, None)
         return StepOut(h, mid, *_confidence(hid[:, -1], hw.proj))
 
-    def fill(self, h: torch.Tensor, pos: torch.Tensor, exit_layer: int) -> None:
+    def fill(self, h: torch.Tensor, pos: int, exit_layer: int) -> None:
         """Keys/values of every layer (and exit block) deeper than `exit_layer` at `pos`, from the
         exited hidden state `h` [1, 1, C] (the copy strategy)."""
         hd = self.heads[exit_layer]
-        self._fill(h, pos, self.cos, self.sin, hd.fill_layers, [self._slot_kv[s] for s in hd.fill_slots], self.n_head, self.eps)
+        self._pos.fill_(pos)
+        self._fill(h, self._pos, self.cos, self.sin, hd.fill_layers, [self._slot_kv[s] for s in hd.fill_slots], self.n_head, self.eps)
 
     # ---------------------------------------------------------------- warm-up
 
@@ -285,9 +300,7 @@ class DecodeEngine:
         t0 = time.perf_counter()
         saved = getattr(self, "_cache", None)
         self.bind(self.new_cache(total))
-        dev = self.emb.device
-        tok, pos = torch.zeros(1, 1, dtype=torch.long, device=dev), torch.zeros(1, dtype=torch.long, device=dev)
-        L = self.num_layers
+        tok, pos, L = 0, 0, self.num_layers
         self.step(tok, pos, 0, L, L)  # full depth in one call (exits disabled)
         depth, h = 0, None
         for e in self.exit_layers:  # segment by segment, each with its exit head
@@ -317,23 +330,19 @@ def run_layerwise(eng: DecodeEngine, ids: torch.Tensor, max_new: int, threshold:
     c = len(seq) - 1  # positions < c have full-depth KV; positions c..n-1 are pending
     states = torch.empty(1, cache.max_len, model.n_embd, device=ids.device, dtype=eng.emb.dtype)  # pending positions' hidden states
     depth_at = [0] * cache.max_len  # ... and the depth they were computed to
-    tok_t = torch.zeros(1, 1, dtype=torch.long, device=ids.device)
-    pos_t = torch.zeros(1, dtype=torch.long, device=ids.device)
     exits = eng.exit_layers if exits_enabled(threshold) else [L]  # tau >= 1: one call for all layers
     tokens, exit_layers, expected = [], [], 0
     for _ in range(max_new):
         n = len(seq) - 1
         forced = max_pending is not None and n - c >= max_pending
-        tok_t.fill_(seq[n])
-        pos_t.fill_(n)
-        start, depth, h, spent_heads = n, 0, tok_t, 0
+        start, depth, h, spent_heads = n, 0, seq[n], 0
         for e in exits:
             j = start
             if strategy == "recompute" and depth > 0:  # pending positions computed to exactly `depth` sit right before the chunk
                 while j > c and depth_at[j - 1] == depth:
                     j -= 1
             if j == start == n:
-                out = eng.step(h, pos_t, depth, e, e)
+                out = eng.step(h, n, depth, e, e)
             else:
                 states[:, start : n + 1] = h
                 start = j
@@ -348,7 +357,7 @@ def run_layerwise(eng: DecodeEngine, ids: torch.Tensor, max_new: int, threshold:
             if should_exit(float(out.pmax), threshold) and not forced:
                 tok = int(out.arg) if sampler.greedy else sampler.pick(out.logits)
                 if strategy == "copy":
-                    eng.fill(h, pos_t, e)
+                    eng.fill(h, n, e)
                     costs.spent += 3 * model.n_embd**2 * (L - e)
                     c = n + 1
                 else:  # positions start..n now stand at depth e
@@ -372,8 +381,6 @@ def run_speculative(eng: DecodeEngine, ids: torch.Tensor, max_new: int, threshol
     seq = ids.tolist()
     c = len(seq) - 1
     states = torch.empty(1, cache.max_len, model.n_embd, device=ids.device, dtype=eng.emb.dtype)  # drafter's states of the fed tokens
-    tok_t = torch.zeros(1, 1, dtype=torch.long, device=ids.device)
-    pos_t = torch.zeros(1, dtype=torch.long, device=ids.device)
     tokens, exits, expected = [], [], 0
     drafted = accepted = rounds = 0
     while len(tokens) < max_new:
@@ -382,9 +389,7 @@ def run_speculative(eng: DecodeEngine, ids: torch.Tensor, max_new: int, threshol
         tok, pos, unsure = seq[c], c, False
         while True:  # feed tokens through layers 1..E; each fed token but the last yields a draft
             last = unsure or len(drafts) >= min(num_draft, budget - 1)
-            tok_t.fill_(tok)
-            pos_t.fill_(pos)
-            out = eng.step(tok_t, pos_t, 0, E, None if last else E)
+            out = eng.step(tok, pos, 0, E, None if last else E)
             costs.layers(1, E)
             states[:, pos] = out.h[:, 0]
             if last:
