@@ -172,7 +172,39 @@ def fill_one(h, pos, cos_t, sin_t, layers, kv, n_head: int, eps: float) -> None:
         vc.index_copy_(2, pos, v)
 
 
+def chunk_static(h, pos, last, cos_t, sin_t, layers, kv, head, head_kv, n_head: int, eps: float, all_positions: bool) -> StepOut:
+    """A chunk padded to a static length Tb at positions pos..pos+Tb-1 (`pos` a 1-element long
+    tensor): the compiled form of `DecodeEngine.chunk`. Padding rows come after the real ones, so
+    causality keeps them out of the real rows; their keys/values land on future positions, which
+    are rewritten before any query reads them. `last`: index of the last real row (1-element)."""
+    Tb = h.shape[1]
+    window = kv[0][0].shape[2]
+    idx = pos + torch.arange(Tb, device=pos.device)
+    cos, sin = cos_t.index_select(0, idx), sin_t.index_select(0, idx)
+    mask = torch.arange(window, device=pos.device).view(1, window) <= idx.view(Tb, 1)
+    mid = h
+    for w, (kc, vc) in zip(layers, kv):
+        h, mid = _layer_one(h, w, kc, vc, idx, cos, sin, mask, n_head, eps)
+    if head is None:
+        return StepOut(h, mid, None, None, None)
+    hid = h
+    if head.block is not None:
+        hid, _ = _layer_one(hid, head.block, head_kv[0], head_kv[1], idx, cos, sin, mask, n_head, eps)
+    elif head.mlp is not None:
+        m = mid if all_positions else mid.index_select(1, last)
+        hid = m + _swiglu(F.rms_norm(m, (m.shape[-1],), head.mlp.norm2, eps), head.mlp.w13, head.mlp.w2)
+    if not all_positions and head.mlp is None:
+        hid = hid.index_select(1, last)
+    if head.norm is not None:
+        hid = F.rms_norm(hid, (hid.shape[-1],), head.norm, eps)
+    if all_positions:
+        return StepOut(h, mid, hid[0] @ head.proj.T, None, None)
+    return StepOut(h, mid, *_confidence(hid[:, -1], head.proj))
+
+
 # ----------------------------------------------------------------------------- the engine
+
+CHUNK_BUCKETS = (2, 4, 8, 16)  # compiled chunk lengths; a chunk is padded to the next one (longer: eager)
 
 
 @dataclass
@@ -184,13 +216,16 @@ class _Head:
 
 class DecodeEngine:
     """Decode-time form of an `EEGPT` (see the module docstring). `compile=True` compiles the
-    one-token segment steps with `torch.compile(dynamic=False)` (a C++ compiler is needed on CPU);
+    one-token segment steps and the chunks of up to max(`chunk_lengths`) tokens (padded to the
+    next length) with `torch.compile(dynamic=False)` (a C++ compiler is needed on CPU);
     compilation happens on first use, or up front in `warm_up`."""
 
-    def __init__(self, model: EEGPT, compile: bool = False) -> None:
+    def __init__(self, model: EEGPT, compile: bool = False, chunk_lengths: tuple[int, ...] = CHUNK_BUCKETS) -> None:
         if compile and model.tok_emb.weight.device.type == "cpu" and not have_cxx_compiler():
             raise ConfigError("DecodeEngine(compile=True) needs a C++ compiler on CPU (inductor builds the step with it); install g++ or use compile=False")
-        self.model, self.compiled = model, compile
+        if not chunk_lengths or sorted(chunk_lengths) != list(chunk_lengths) or chunk_lengths[0] < 2:
+            raise ConfigError(f"DecodeEngine: chunk_lengths must be increasing lengths >= 2, got {chunk_lengths}")
+        self.model, self.compiled, self.chunk_lengths = model, compile, tuple(chunk_lengths)
         self.num_layers, self.exit_layers, self.n_head = model.num_layers, list(model.exit_layers), model.n_head
         self.eps = model.layers[0].norm1.eps if model.num_layers else 1e-5
         self.emb = model.tok_emb.weight.detach()
@@ -210,6 +245,7 @@ class DecodeEngine:
                                   list(range(e, L)) + [model.exits[str(x)].block.attn.slot for x in deeper])
         self._step = torch.compile(step_one, dynamic=False, fullgraph=True) if compile else step_one
         self._fill = torch.compile(fill_one, dynamic=False, fullgraph=True) if compile else fill_one
+        self._chunk_static = torch.compile(chunk_static, dynamic=False, fullgraph=True) if compile else None
         if compile:
             # one graph per (segment shape, head kind, window); allow more than dynamo's default 8
             import torch._dynamo.config as dynamo_config
@@ -236,6 +272,10 @@ class DecodeEngine:
         dev = self.emb.device
         self._tok = torch.zeros(1, 1, dtype=torch.long, device=dev)  # inputs of the compiled step,
         self._pos = torch.zeros(1, dtype=torch.long, device=dev)  # refilled in place each token
+        self._last = torch.zeros(1, dtype=torch.long, device=dev)
+        # compiled chunks: one padded input per length, zeros so padding rows stay finite
+        self._pad = {b: torch.zeros(1, b, self.emb.shape[1], device=dev, dtype=self.emb.dtype) for b in self.chunk_lengths} if self.compiled else {}
+        self._limit = min(cache.max_len, self.cos.shape[0])  # positions a padded chunk may reach
 
     # ---------------------------------------------------------------- steps
 
@@ -257,8 +297,22 @@ class DecodeEngine:
     def chunk(self, h: torch.Tensor, pos: int, start: int, stop: int, head: int | None, all_positions: bool = False) -> StepOut:
         """A chunk of hidden states [1, T, C] at positions pos.. through layers start+1..stop and the
         exit head after `head`: on the last position, or on all of them when `all_positions` (an exit
-        block always runs on the whole chunk: it writes its keys/values). Eager."""
-        return self._chunk(h, pos, start, stop, head, all_positions)
+        block always runs on the whole chunk: it writes its keys/values). Compiled: padded to the
+        next of `chunk_lengths` where that fits before the end of the cache; else eager."""
+        T = h.shape[1]
+        Tb = next((b for b in self.chunk_lengths if b >= T), None) if self.compiled and T > 1 else None
+        if Tb is None or pos + Tb > self._limit:
+            return self._chunk(h, pos, start, stop, head, all_positions)
+        pad = self._pad[Tb]
+        pad[:, :T] = h
+        self._pos.fill_(pos)
+        self._last.fill_(T - 1)
+        hw = None if head is None else self.heads[head].weights
+        head_kv = self._slot_kv[hw.slot] if hw is not None and hw.block is not None else None
+        out = self._chunk_static(pad, self._pos, self._last, self.cos, self.sin, self.layers[start:stop], self._slot_kv[start:stop],
+                                 hw, head_kv, self.n_head, self.eps, all_positions)
+        logits = out.logits[:T] if all_positions else out.logits
+        return StepOut(out.h[:, :T], out.mid[:, :T], logits, out.pmax, out.arg)
 
     def _chunk(self, h: torch.Tensor, pos: int, start: int, stop: int, head: int | None, all_positions: bool) -> StepOut:
         T, cache = h.shape[1], self._cache
@@ -310,6 +364,17 @@ class DecodeEngine:
                 self.fill(h, pos, e)
         if "speculative" in strategies and len(self.exit_layers) > 1:
             self.step(tok, pos, 0, self.exit_layers[0], None)  # the last fed token of a round: no draft
+        if self.compiled:  # padded chunks: recomputation between exits, speculative verification
+            C = self.emb.shape[1]
+            for b in self.chunk_lengths:
+                if b > self._limit:
+                    break
+                h = torch.zeros(1, b, C, device=self.emb.device, dtype=self.emb.dtype)
+                if "recompute" in strategies:
+                    for d, e in zip(self.exit_layers, self.exit_layers[1:]):
+                        self.chunk(h, 0, d, e, e)
+                if "speculative" in strategies and len(self.exit_layers) > 1:
+                    self.chunk(h, 0, self.exit_layers[0], L, L, all_positions=True)
         if saved is not None:
             self.bind(saved)
         return time.perf_counter() - t0

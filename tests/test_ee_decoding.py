@@ -316,22 +316,33 @@ def test_engine_errors(model):
         generate(model, [1], 2, engine=DecodeEngine(tiny()))
     with pytest.raises(ConfigError, match="built from this model"):
         generate(model, [1], 2, impl="modules", engine=DecodeEngine(model))
+    with pytest.raises(ConfigError, match="chunk_lengths"):
+        DecodeEngine(model, chunk_lengths=(8, 4))
 
 
 @pytest.mark.slow
 def test_compiled_engine_equals_module_path():
-    """torch.compile(dynamic=False) one-token steps: the same greedy tokens and exits; every step
-    is compiled by `warm_up`, so generating afterwards compiles nothing."""
+    """torch.compile(dynamic=False) one-token steps and padded chunks: the same greedy tokens and
+    exits; every step is compiled by `warm_up`, so generating afterwards compiles nothing. Chunks
+    of 2-4 tokens are padded to 4 and compiled, longer ones run eagerly: both paths occur."""
     m = tiny().float()
-    engine = DecodeEngine(m, compile=True)
+    engine = DecodeEngine(m, compile=True, chunk_lengths=(4,))
     total = len(PROMPTS[1]) + N
     assert engine.warm_up(total) > 0
     torch._dynamo.utils.counters.clear()
+    calls = {"padded": 0, "eager": 0}
+    padded, eager = engine._chunk_static, engine._chunk
+
+    def counted(kind, fn):
+        return lambda *a: (calls.__setitem__(kind, calls[kind] + 1), fn(*a))[1]
+
+    engine._chunk_static, engine._chunk = counted("padded", padded), counted("eager", eager)
     for strategy in ("recompute", "copy", "speculative"):
         for tau in (1.0, mixing_tau(m), FIRST):
             ref = generate(m, PROMPTS[1], N, threshold=tau, strategy=strategy, impl="modules")
             same_generation(generate(m, PROMPTS[1], N, threshold=tau, strategy=strategy, engine=engine), ref)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
+    assert calls["padded"] > 0 and calls["eager"] > 0
 
 
 @pytest.mark.slow
