@@ -39,7 +39,7 @@ Smoke run on a tiny model (seconds; nothing to conclude from its numbers):
 
     efficient train recipes/ee_gpt_text.yaml train.max_steps=30 profile.enabled=false --out runs/ee_tiny
     python bench/early_exit.py runs/ee_tiny --prompts 2 --new-tokens 16 --repeats 1 --val-batches 2 \
-        --sweep recompute=0.5,0.2 copy=0.5 speculative=0.5 --targets --plot /tmp/ee.png
+        --sweep recompute=0.5,0.2 copy=0.5 speculative=0.5 --targets --plot ee_smoke.png
 """
 
 from __future__ import annotations

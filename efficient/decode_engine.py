@@ -9,10 +9,12 @@ the weights change).
 A token's step is one call per segment between exits: the segment's layers, the exit head, and the
 exit confidence (max softmax probability and argmax) together. With `compile=True` that call is a
 `torch.compile(dynamic=False)` graph on static shapes: one token, its position a tensor, the KV
-cache a preallocated window per slot whose unwritten tail is masked out. Eagerly, a token is a
-chunk of one that reads exactly its keys. Multi-token chunks (KV recomputation of pending tokens,
-speculative verification) always run eagerly. Python work per token is the exit rule between
-segments; nothing per layer beyond the eager path's own op calls.
+cache a preallocated window per slot whose unwritten tail is masked out. Multi-token chunks (KV
+recomputation of pending tokens, speculative verification) are padded to the next of a few static
+lengths and compiled the same way; longer ones run eagerly. Eagerly (`compile=False`), a token is
+a chunk of one that reads exactly its keys. Python work per token is the exit rule between
+segments; nothing per layer beyond the eager path's own op calls. The prompt's KV is filled by
+the module path (untimed, the same for both).
 
 The strategies (`recompute`, `copy`, `speculative`; see `efficient.decoding`) are the same
 algorithms as the module-by-module path there, step for step, so greedy decoding gives the same
