@@ -21,7 +21,10 @@ One run, paired, on one torch thread (`BENCH_THREADS`):
    prompt (order alternating): tokens/s (wall and CPU), the realized speed-up (median of paired
    ratios on `--clock`), the MAC-ratio speed-up, the realized share of it (realized / MAC-ratio),
    the MACs actually spent (recomputed, copied and verified ones included), agreement with
-   full-depth greedy.
+   full-depth greedy; and for recompute and copy the decoded held-out loss: `--loss-windows`
+   validation windows fed token by token through the strategy (forced decoding), scored by the
+   head that decided each token (copy's approximate KV included; recompute's equals the
+   teacher-forced value), against full depth decoded the same way.
 
 `--targets`: realized speed-up >= 80 % of the MAC-ratio speed-up at every threshold; recompute
 >= 1.3x tokens/s at <= 1 % higher held-out loss; speculative exactly lossless (greedy tokens
@@ -254,6 +257,21 @@ def free_running(model, prompts, new_tokens, sweep, decode, clock, max_pending=N
     return rows, skipped
 
 
+def decoded_loss(model, windows: list[list[int]], prompt_len: int, strategy: str, threshold: float) -> float:
+    """Held-out loss of a strategy as it decodes: each window's tokens after the first `prompt_len`
+    fed one by one (forced decoding on the eager engine) under the exit rule, scored by the head
+    that decided each; mean nats per token. Copy's approximate KV is in it; recompute's equals the
+    teacher-forced value."""
+    from efficient.decode_engine import DecodeEngine
+    from efficient.decoding import generate
+
+    engine = DecodeEngine(model)
+    lp = []
+    for w in windows:
+        lp += generate(model, w[:prompt_len], len(w) - prompt_len, threshold, strategy, engine=engine, forced=w[prompt_len:]).logprobs
+    return -sum(lp) / len(lp)
+
+
 def parse_sweep(items: list[str] | None, strategies: list[str], thresholds: list[float]) -> list[tuple[str, list[float] | str]]:
     """`recompute=0.9,0.8 copy=auto` -> [(strategy, thresholds or "auto")]; default: every strategy x thresholds."""
     if not items:
@@ -345,8 +363,11 @@ def plot(path: str, gen: list[dict], full_ce: float, full_tps: float, tf_ce: dic
         rs = sorted((r for r in gen if r["strategy"] == strategy), key=lambda r: r["threshold"])
         if not rs:
             continue
-        ys = [full_ce if strategy == "speculative" else tf_ce[r["threshold"]] for r in rs]
-        label = {"copy": "copy (loss teacher-forced, approx.)", "speculative": "speculative (lossless)"}.get(strategy, strategy)
+        # copy's loss as it decodes (its KV is approximate) where measured, scaled to the
+        # teacher-forced full-depth loss; recompute's teacher-forced loss is its decoded loss exactly
+        decoded = strategy == "copy" and all("decoded_ce_increase" in r for r in rs)
+        ys = [full_ce if strategy == "speculative" else full_ce * (1 + r["decoded_ce_increase"]) if decoded else tf_ce[r["threshold"]] for r in rs]
+        label = {"copy": "copy (decoded loss)" if decoded else "copy (loss teacher-forced, approx.)", "speculative": "speculative (lossless)"}.get(strategy, strategy)
         ax.plot([r[key] for r in rs], ys, marker=marker, label=label)
         for r, y in zip(rs, ys):
             ax.annotate(f"{r['threshold']:g}", (r[key], y), textcoords="offset points", xytext=(4, 4), fontsize=7)
@@ -393,6 +414,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="timings per (configuration, prompt); the median ratio is reported")
     ap.add_argument("--unpaired", action="store_true", help="time the full-depth baseline once per prompt (x repeats) and reuse it for every configuration")
     ap.add_argument("--val-batches", type=int, default=8, help="teacher-forced batches of 16 x 128 tokens (capped at the validation split)")
+    ap.add_argument("--loss-windows", type=int, default=4,
+                    help="validation windows (128 tokens, first 16 as prompt) decoded token by token for each recompute/copy threshold's decoded held-out loss (0: skip)")
     ap.add_argument("--max-pending", type=int, default=None, help="recompute: force full depth after this many exited tokens")
     ap.add_argument("--targets", action="store_true", help="print the targets as PASS/FAIL (and the calibration when one fails)")
     ap.add_argument("--calibration", action="store_true", help="print the per-exit calibration tables")
@@ -478,9 +501,21 @@ def main() -> None:
     print(f"\ngeneration sweep {time.perf_counter() - t0:.1f} s")
     ce_at = {r["threshold"]: r["val_ce_increase"] for r in tf}
     tf_ce = {r["threshold"]: r["val_ce"] for r in tf}
+    decoded_full = None
+    if args.loss_windows > 0 and any(r["strategy"] != "speculative" for r in gen):
+        t0 = time.perf_counter()
+        step = max(len(val) // args.loss_windows, 1)
+        windows = [val[i * step][0].tolist() + [int(val[i * step][1][-1])] for i in range(min(args.loss_windows, len(val)))]
+        decoded_full = decoded_loss(model, windows, 16, "recompute", 1.0)
+        for r in gen:
+            if r["strategy"] != "speculative":
+                r["decoded_ce"] = decoded_loss(model, windows, 16, r["strategy"], r["threshold"])
+                r["decoded_ce_increase"] = r["decoded_ce"] / decoded_full - 1
+        print(f"decoded held-out loss ({len(windows)} windows x {len(windows[0]) - 16} tokens, forced decoding): full depth {decoded_full:.4f}, "
+              f"{time.perf_counter() - t0:.1f} s")
     print(f"| strategy | tau | exit dist | mean exit layer | tokens/s CPU | tokens/s wall | full-depth tokens/s CPU / wall | speed-up on {clock} (median of pairs, IQR) | "
-          "MAC-ratio speed-up | realized share | spent-MAC speed-up | held-out loss increase | agreement with full greedy | identical prompts |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "MAC-ratio speed-up | realized share | spent-MAC speed-up | held-out loss increase (teacher-forced) | decoded held-out loss increase | agreement with full greedy | identical prompts |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in gen:
         dist = ", ".join(f"{k}: {v:.2f}" for k, v in r["exit_dist"].items())
         extra = f" (draft acceptance {r['draft_acceptance']:.2f})" if "draft_acceptance" in r else ""
@@ -490,9 +525,10 @@ def main() -> None:
         elif r["strategy"] == "copy":
             inc += " (approx.)"
         lo, hi = r["speedup_iqr"]
+        dec = f"{100 * r['decoded_ce_increase']:+.2f} %" if "decoded_ce_increase" in r else ("0 (lossless)" if r["strategy"] == "speculative" else "-")
         print(f"| {r['strategy']}{extra} | {r['threshold']} | {dist} | {r['mean_exit_layer']:.2f} | {r['tokens_per_s_cpu']:.1f} | {r['tokens_per_s_wall']:.1f} | "
               f"{r['full_tokens_per_s_cpu']:.1f} / {r['full_tokens_per_s_wall']:.1f} | {r['speedup']:.2f}x ({lo:.2f}-{hi:.2f}) | {r['mac_speedup']:.2f}x | "
-              f"{100 * r['realized_share']:.0f} % | {r['spent_mac_speedup']:.2f}x | {inc} | {r['agree_full_greedy']:.3f} | {r['identical_prompts']}/{r['prompts']} |")
+              f"{100 * r['realized_share']:.0f} % | {r['spent_mac_speedup']:.2f}x | {inc} | {dec} | {r['agree_full_greedy']:.3f} | {r['identical_prompts']}/{r['prompts']} |")
     if skipped:
         print(f"time budget {args.budget_s:.0f} s reached: skipped " + ", ".join(f"{s} tau {t}" for s, t in skipped))
     verdict = print_targets(gen, ce_at) if args.targets else None
@@ -509,7 +545,7 @@ def main() -> None:
         with open(tmp, "w") as f:
             json.dump({"run": str(args.run), "device": args.device, "dtype": args.dtype, "clock": clock, "engine": args.engine, "unpaired": args.unpaired,
                        "repeats": args.repeats, "prompts": len(prompts), "new_tokens": args.new_tokens, "per_exit_val_ce": per_exit, "teacher_forced": tf,
-                       "calibration": calibration, "warmup_s": warmup, "before_after": ba, "generation": gen, "skipped": skipped, "targets": verdict}, f, indent=1)
+                       "calibration": calibration, "decoded_full_ce": decoded_full, "warmup_s": warmup, "before_after": ba, "generation": gen, "skipped": skipped, "targets": verdict}, f, indent=1)
         os.replace(tmp, args.json)
 
 

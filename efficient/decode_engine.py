@@ -389,8 +389,9 @@ class DecodeEngine:
 
 
 def run_layerwise(eng: DecodeEngine, ids: torch.Tensor, max_new: int, threshold: float, sampler: Sampler, cache: KVCache,
-                  strategy: str, max_pending: int | None, **_) -> Generation:
-    """`recompute` and `copy` on the engine: one new token per step, exits visited shallow to deep."""
+                  strategy: str, max_pending: int | None, feed: list[int] | None = None, **_) -> Generation:
+    """`recompute` and `copy` on the engine: one new token per step, exits visited shallow to deep.
+    `feed`: decode these tokens instead of choosing them, recording their log-probs."""
     model, L = eng.model, eng.num_layers
     costs = _Costs(model)
     seq = ids.tolist()
@@ -398,8 +399,8 @@ def run_layerwise(eng: DecodeEngine, ids: torch.Tensor, max_new: int, threshold:
     states = torch.empty(1, cache.max_len, model.n_embd, device=ids.device, dtype=eng.emb.dtype)  # pending positions' hidden states
     depth_at = [0] * cache.max_len  # ... and the depth they were computed to
     exits = eng.exit_layers if exits_enabled(threshold) else [L]  # tau >= 1: one call for all layers
-    tokens, exit_layers, expected = [], [], 0
-    for _ in range(max_new):
+    tokens, exit_layers, expected, logprobs = [], [], 0, []
+    for i in range(max_new):
         n = len(seq) - 1
         forced = max_pending is not None and n - c >= max_pending
         start, depth, h, spent_heads = n, 0, seq[n], 0
@@ -432,10 +433,16 @@ def run_layerwise(eng: DecodeEngine, ids: torch.Tensor, max_new: int, threshold:
                     states[:, start : n + 1] = h
                 break
         expected += costs.layer * e + spent_heads
+        if feed is not None:
+            tok = feed[i]
+            z = out.logits.to(torch.promote_types(out.logits.dtype, torch.float32))
+            logprobs.append(float(torch.log_softmax(z, dim=-1)[0, tok]))
         seq.append(tok)
         tokens.append(tok)
         exit_layers.append(e)
-    return Generation(ids.tolist(), tokens, exit_layers, L, 0.0, costs.spent, max_new * costs.full_token(), expected, c, cache)
+    g = Generation(ids.tolist(), tokens, exit_layers, L, 0.0, costs.spent, max_new * costs.full_token(), expected, c, cache)
+    g.logprobs = logprobs
+    return g
 
 
 def run_speculative(eng: DecodeEngine, ids: torch.Tensor, max_new: int, threshold: float, sampler: Sampler, cache: KVCache,

@@ -104,6 +104,7 @@ class Generation:
     cache: KVCache | None = None
     stats: dict[str, float] = field(default_factory=dict)
     cpu_seconds: float = 0.0  # CPU time of the decoding thread: robust to other jobs on a shared machine
+    logprobs: list[float] = field(default_factory=list)  # forced decoding: log-prob of each fed token under the head that decided it
 
     def summary(self) -> dict[str, float]:
         n = max(len(self.tokens), 1)
@@ -250,12 +251,18 @@ def generate(
     max_pending: int | None = None,
     impl: Impl = "engine",
     engine: DecodeEngine | None = None,
+    forced: Sequence[int] | None = None,
 ) -> Generation:
     """Decode `max_new_tokens` tokens after `prompt` with early exits (see the module docstring).
 
     `impl="engine"` runs the strategies on `efficient.decode_engine.DecodeEngine` (fused weights,
     one call per segment between exits; pass a built `engine`, e.g. a compiled one, to reuse it);
-    `impl="modules"` runs them module by module, layer by layer. Both give the same tokens."""
+    `impl="modules"` runs them module by module, layer by layer. Both give the same tokens.
+
+    `forced` (recompute and copy, on the engine): decode these tokens instead of choosing them,
+    under the same exit rule, and record each one's log-prob under the head that decided it in
+    `Generation.logprobs` -- a strategy's held-out loss as it decodes (copy's approximate KV
+    included)."""
     threshold = check_threshold(threshold)
     if impl not in IMPLS:
         raise ConfigError(f"generate: impl must be one of {', '.join(IMPLS)}, got {impl!r}")
@@ -271,6 +278,12 @@ def generate(
         raise ConfigError(f"generate: num_draft must be >= 1, got {num_draft}")
     if max_pending is not None and max_pending < 1:
         raise ConfigError(f"generate: max_pending must be >= 1 or unset, got {max_pending}")
+    if forced is not None:
+        if impl != "engine" or strategy == "speculative":
+            raise ConfigError("generate: forced decoding runs recompute or copy on the engine (speculative is lossless by construction)")
+        forced = _as_ids(model, forced).tolist()
+        if len(forced) != max_new_tokens:
+            raise ConfigError(f"generate: forced has {len(forced)} tokens, max_new_tokens is {max_new_tokens}; they must be equal")
     ids = _as_ids(model, prompt)
     total = len(ids) + max_new_tokens
     if total > model.seq_len:
@@ -290,7 +303,7 @@ def generate(
             engine = engine or DecodeEngine(model)
             cache = engine.new_cache(total)
             engine.bind(cache)
-            run = partial(run_speculative if strategy == "speculative" else run_layerwise, engine)
+            run = partial(run_speculative, engine) if strategy == "speculative" else partial(run_layerwise, engine, feed=forced)
         else:
             cache = new_cache(model, 1, total)
             run = partial(_speculative if strategy == "speculative" else _layerwise, model)

@@ -320,6 +320,31 @@ def test_engine_errors(model):
         DecodeEngine(model, chunk_lengths=(8, 4))
 
 
+@pytest.mark.parametrize("head", ["norm", "norm_block"])
+def test_forced_recompute_loss_is_the_teacher_forced_exit_loss(head):
+    """Forced decoding with recompute (exact KV) decides the same exits as one teacher-forced
+    forward under the exit rule, and scores each fed token with that exit's log-prob."""
+    m = tiny(exit_head=head)
+    tau = mixing_tau(m)
+    g = torch.Generator().manual_seed(7)
+    seq = PROMPTS[1] + torch.randint(0, 64, (N,), generator=g).tolist()
+    P = len(PROMPTS[1])
+    out = generate(m, seq[:P], N, threshold=tau, strategy="recompute", forced=seq[P:])
+    with torch.no_grad():
+        logp = {k: torch.log_softmax(v[0], -1) for k, v in m.all_logits(torch.tensor([seq])).items()}
+    exits, lp = [], []
+    for t in range(P - 1, len(seq) - 1):  # position t predicts token t + 1
+        k = next(k for k in m.exit_layers if k == m.num_layers or float(logp[k][t].exp().max()) >= tau)
+        exits.append(k)
+        lp.append(float(logp[k][t, seq[t + 1]]))
+    assert out.tokens == seq[P:] and out.exit_layers == exits and set(exits) != {m.num_layers}
+    torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(lp), atol=1e-9, rtol=0)
+    with pytest.raises(ConfigError, match="speculative is lossless"):
+        generate(m, seq[:P], N, threshold=tau, strategy="speculative", forced=seq[P:])
+    with pytest.raises(ConfigError, match="must be equal"):
+        generate(m, seq[:P], N - 1, threshold=tau, forced=seq[P:])
+
+
 @pytest.mark.slow
 def test_compiled_engine_equals_module_path():
     """torch.compile(dynamic=False) one-token steps and padded chunks: the same greedy tokens and
