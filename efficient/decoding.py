@@ -14,15 +14,19 @@ Exit rule (EE-LLM): visit exits shallow to deep, stop at the first with max-prob
 tau >= 1 disables exiting (exits are not evaluated); tau <= 0 always takes the first exit.
 Batch size 1.
 
-Steps over a model's layers with a cache: `new_cache`, `run_layers`, `fill_kv` (and the model's
-own `exit_hidden(layer, h, mid, cache, pos)` for exit blocks). On CUDA, `generate` synchronizes
-the device around the timed decode, so `Generation.seconds` is the decode time.
+Two implementations of the same strategies, giving the same tokens: `impl="engine"` (default)
+runs them on `efficient.decode_engine.DecodeEngine` (fused weights, one call per segment between
+exits, optionally compiled); `impl="modules"` steps through the model's modules layer by layer
+with `new_cache`, `run_layers`, `fill_kv` (and the model's own `exit_hidden(layer, h, mid, cache,
+pos)` for exit blocks) -- the readable reference. On CUDA, `generate` synchronizes the device
+around the timed decode, so `Generation.seconds` is the decode time.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Literal, Sequence
 
 import torch
@@ -32,10 +36,13 @@ from efficient.kernels.exit_confidence import exit_confidence
 from efficient.profiler.exits import layer_macs
 
 if TYPE_CHECKING:
+    from efficient.decode_engine import DecodeEngine
     from efficient.models.ee_gpt import EEGPT
 
 Strategy = Literal["recompute", "copy", "speculative"]
 STRATEGIES = ("recompute", "copy", "speculative")
+Impl = Literal["engine", "modules"]
+IMPLS = ("engine", "modules")
 
 
 def exits_enabled(threshold: float) -> bool:
@@ -97,6 +104,7 @@ class Generation:
     cache: KVCache | None = None
     stats: dict[str, float] = field(default_factory=dict)
     cpu_seconds: float = 0.0  # CPU time of the decoding thread: robust to other jobs on a shared machine
+    logprobs: list[float] = field(default_factory=list)  # forced decoding: log-prob of each fed token under the head that decided it
 
     def summary(self) -> dict[str, float]:
         n = max(len(self.tokens), 1)
@@ -241,9 +249,25 @@ def generate(
     seed: int | None = None,
     num_draft: int = 8,
     max_pending: int | None = None,
+    impl: Impl = "engine",
+    engine: DecodeEngine | None = None,
+    forced: Sequence[int] | None = None,
 ) -> Generation:
-    """Decode `max_new_tokens` tokens after `prompt` with early exits (see the module docstring)."""
+    """Decode `max_new_tokens` tokens after `prompt` with early exits (see the module docstring).
+
+    `impl="engine"` runs the strategies on `efficient.decode_engine.DecodeEngine` (fused weights,
+    one call per segment between exits; pass a built `engine`, e.g. a compiled one, to reuse it);
+    `impl="modules"` runs them module by module, layer by layer. Both give the same tokens.
+
+    `forced` (recompute and copy, on the engine): decode these tokens instead of choosing them,
+    under the same exit rule, and record each one's log-prob under the head that decided it in
+    `Generation.logprobs` -- a strategy's held-out loss as it decodes (copy's approximate KV
+    included)."""
     threshold = check_threshold(threshold)
+    if impl not in IMPLS:
+        raise ConfigError(f"generate: impl must be one of {', '.join(IMPLS)}, got {impl!r}")
+    if engine is not None and (impl != "engine" or engine.model is not model):
+        raise ConfigError("generate: `engine` must be a DecodeEngine built from this model, with impl='engine'")
     if strategy not in STRATEGIES:
         raise ConfigError(f"generate: strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     if max_new_tokens < 1:
@@ -254,6 +278,12 @@ def generate(
         raise ConfigError(f"generate: num_draft must be >= 1, got {num_draft}")
     if max_pending is not None and max_pending < 1:
         raise ConfigError(f"generate: max_pending must be >= 1 or unset, got {max_pending}")
+    if forced is not None:
+        if impl != "engine" or strategy == "speculative":
+            raise ConfigError("generate: forced decoding runs recompute or copy on the engine (speculative is lossless by construction)")
+        forced = _as_ids(model, forced).tolist()
+        if len(forced) != max_new_tokens:
+            raise ConfigError(f"generate: forced has {len(forced)} tokens, max_new_tokens is {max_new_tokens}; they must be equal")
     ids = _as_ids(model, prompt)
     total = len(ids) + max_new_tokens
     if total > model.seq_len:
@@ -267,13 +297,21 @@ def generate(
     was_training = model.training
     model.eval()
     try:
-        cache = new_cache(model, 1, total)
-        _prefill(model, ids[:-1], cache)
+        if impl == "engine":
+            from efficient.decode_engine import DecodeEngine, run_layerwise, run_speculative
+
+            engine = engine or DecodeEngine(model)
+            cache = engine.new_cache(total)
+            engine.bind(cache)
+            run = partial(run_speculative, engine) if strategy == "speculative" else partial(run_layerwise, engine, feed=forced)
+        else:
+            cache = new_cache(model, 1, total)
+            run = partial(_speculative if strategy == "speculative" else _layerwise, model)
+        _prefill(model, ids[:-1], cache)  # the prompt's KV, untimed, the same for both
         if cuda:  # the untimed prefill's queued kernels must not land in the timed decode
             torch.cuda.synchronize(ids.device)
         t0, c0 = time.perf_counter(), time.thread_time()
-        run = _speculative if strategy == "speculative" else _layerwise
-        out = run(model, ids, max_new_tokens, threshold, sampler, cache, strategy=strategy, num_draft=num_draft, max_pending=max_pending)
+        out = run(ids, max_new_tokens, threshold, sampler, cache, strategy=strategy, num_draft=num_draft, max_pending=max_pending)
         if cuda:  # nor may the last step's kernels still be queued when the clock is read
             torch.cuda.synchronize(ids.device)
         out.seconds, out.cpu_seconds = time.perf_counter() - t0, time.thread_time() - c0

@@ -11,8 +11,8 @@ vocab projection (tied to the final head, or its own). The final head is always 
 
 The model computes hidden states and exit logits only. Attention takes an optional KV cache
 (`efficient.decoding.KVCache`, one slot per attention layer); the cache, the decoding steps and
-the strategies live in `efficient.decoding`, exit statistics and MAC counts in
-`efficient.profiler.exits`.
+the strategies live in `efficient.decoding` (the fused decode form of these weights in
+`efficient.decode_engine`), exit statistics and MAC counts in `efficient.profiler.exits`.
 """
 
 from __future__ import annotations

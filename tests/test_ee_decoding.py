@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from efficient.decode_engine import DecodeEngine
 from efficient.decoding import Sampler, generate, generate_reference, new_cache, run_layers, should_exit, speculative_accept
 from efficient.errors import ConfigError
 from efficient.models.ee_gpt import EEGPT
@@ -103,15 +104,25 @@ def test_recompute_cache_equals_full_forward_cache(head):
         torch.testing.assert_close(g.cache.v[s][:, :, :c], ref.v[s][:, :, :c], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("impl", ["modules", "engine"])
 @pytest.mark.parametrize("head", ["norm", "norm_block"])
-def test_recompute_runs_each_layer_once_per_position(head):
+def test_recompute_runs_each_layer_once_per_position(head, impl, monkeypatch):
     """Pending tokens resume from their stored exit states: layer l processes each position once,
     at prefill or in the step that first needs it (no shallow layer is re-run)."""
     m = tiny(exit_head=head)
     prompt, seen, tau = PROMPTS[1], [0] * m.num_layers, mixing_tau(m)
     hooks = [layer.register_forward_hook(lambda mod, a, out, i=i: seen.__setitem__(i, seen[i] + a[0].shape[1])) for i, layer in enumerate(m.layers)]
+    # the engine runs fused weights, not the modules: count the layers of its segment calls
+    step, chunk = DecodeEngine.step, DecodeEngine.chunk
+
+    def count(start, stop, T):
+        for i in range(start, stop):
+            seen[i] += T
+
+    monkeypatch.setattr(DecodeEngine, "step", lambda self, x, pos, a, b, head: (count(a, b, 1), step(self, x, pos, a, b, head))[1])
+    monkeypatch.setattr(DecodeEngine, "chunk", lambda self, h, pos, a, b, *r, **k: (count(a, b, h.shape[1]), chunk(self, h, pos, a, b, *r, **k))[1])
     try:
-        g = generate(m, prompt, N, threshold=tau, strategy="recompute")
+        g = generate(m, prompt, N, threshold=tau, strategy="recompute", impl=impl)
     finally:
         for hk in hooks:
             hk.remove()
@@ -235,3 +246,134 @@ def test_generate_cli(capsys):
         with pytest.raises(SystemExit):
             main(["generate", "ee-gpt-tiny", "--prompt", "ab", "--exit-threshold", bad])
         assert "(0, 1]" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- the decode engine
+# The engine (fused weights, one call per segment between exits) runs the same strategies as the
+# module-by-module path: greedy tokens, exit layers and MAC counts must be identical.
+
+
+def same_generation(a, b) -> None:
+    assert a.tokens == b.tokens and a.exit_layers == b.exit_layers
+    assert (a.macs, a.expected_macs, a.committed, a.stats) == (b.macs, b.expected_macs, b.committed, b.stats)
+
+
+def taus(m: EEGPT) -> list[float]:
+    """Never exit, rarely, about half the tokens, and always at the first exit."""
+    return [1.0, 0.95, mixing_tau(m), FIRST]
+
+
+@pytest.mark.parametrize("strategy", ["recompute", "copy", "speculative"])
+@pytest.mark.parametrize("head,dtype", [("norm", torch.float32), ("norm", torch.float64), ("norm_mlp", torch.float64),
+                                        ("norm_block", torch.float64), ("minimal", torch.float32)])
+def test_engine_greedy_equals_module_path(strategy, head, dtype):
+    m = tiny(exit_head=head).to(dtype)
+    engine = DecodeEngine(m)
+    early = 0
+    for tau in taus(m):
+        for p in PROMPTS:
+            ref = generate(m, p, N, threshold=tau, strategy=strategy, impl="modules")
+            same_generation(generate(m, p, N, threshold=tau, strategy=strategy, engine=engine), ref)
+            early += sum(e < m.num_layers for e in ref.exit_layers)
+    # early exits (accepted drafts) happened, so the exit paths ran; a random exit block's drafts
+    # are all rejected, which runs the rejection path
+    assert early > 0 or (strategy, head) == ("speculative", "norm_block")
+
+
+@pytest.mark.parametrize("strategy", ["recompute", "speculative"])
+def test_engine_sampling_equals_module_path(model, strategy):
+    kw = dict(threshold=0.4, strategy=strategy, temperature=1.0, top_k=20, seed=3)
+    same_generation(generate(model, PROMPTS[1], N, impl="engine", **kw), generate(model, PROMPTS[1], N, impl="modules", **kw))
+
+
+@pytest.mark.parametrize("head", ["norm", "norm_block"])
+def test_engine_kv_cache_equals_module_path(head):
+    m = tiny(exit_head=head)
+    tau = mixing_tau(m)
+    a = generate(m, PROMPTS[1], N, threshold=tau, strategy="recompute", impl="engine")
+    b = generate(m, PROMPTS[1], N, threshold=tau, strategy="recompute", impl="modules")
+    c = b.committed
+    for s in range(len(b.cache.k)):
+        torch.testing.assert_close(a.cache.k[s][:, :, :c], b.cache.k[s][:, :, :c], atol=1e-12, rtol=0)
+        torch.testing.assert_close(a.cache.v[s][:, :, :c], b.cache.v[s][:, :, :c], atol=1e-12, rtol=0)
+
+
+def test_engine_leaves_the_model_alone(model):
+    """Fusion happens in the engine: the model's parameters and checkpoint keys are unchanged."""
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    engine = DecodeEngine(model)
+    assert model.state_dict().keys() == before.keys()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    mlp = model.layers[1].mlp
+    assert torch.equal(engine.layers[1].w13, torch.cat([mlp.w_gate.weight, mlp.w_up.weight]))
+    assert engine.layers[1].wqkv.data_ptr() == model.layers[1].attn.wqkv.weight.data_ptr()  # shared, not copied
+
+
+def test_engine_errors(model):
+    with pytest.raises(ConfigError, match="impl"):
+        generate(model, [1], 2, impl="fast")
+    with pytest.raises(ConfigError, match="built from this model"):
+        generate(model, [1], 2, engine=DecodeEngine(tiny()))
+    with pytest.raises(ConfigError, match="built from this model"):
+        generate(model, [1], 2, impl="modules", engine=DecodeEngine(model))
+    with pytest.raises(ConfigError, match="chunk_lengths"):
+        DecodeEngine(model, chunk_lengths=(8, 4))
+
+
+@pytest.mark.parametrize("head", ["norm", "norm_block"])
+def test_forced_recompute_loss_is_the_teacher_forced_exit_loss(head):
+    """Forced decoding with recompute (exact KV) decides the same exits as one teacher-forced
+    forward under the exit rule, and scores each fed token with that exit's log-prob."""
+    m = tiny(exit_head=head)
+    tau = mixing_tau(m)
+    g = torch.Generator().manual_seed(7)
+    seq = PROMPTS[1] + torch.randint(0, 64, (N,), generator=g).tolist()
+    P = len(PROMPTS[1])
+    out = generate(m, seq[:P], N, threshold=tau, strategy="recompute", forced=seq[P:])
+    with torch.no_grad():
+        logp = {k: torch.log_softmax(v[0], -1) for k, v in m.all_logits(torch.tensor([seq])).items()}
+    exits, lp = [], []
+    for t in range(P - 1, len(seq) - 1):  # position t predicts token t + 1
+        k = next(k for k in m.exit_layers if k == m.num_layers or float(logp[k][t].exp().max()) >= tau)
+        exits.append(k)
+        lp.append(float(logp[k][t, seq[t + 1]]))
+    assert out.tokens == seq[P:] and out.exit_layers == exits and set(exits) != {m.num_layers}
+    torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(lp), atol=1e-9, rtol=0)
+    with pytest.raises(ConfigError, match="speculative is lossless"):
+        generate(m, seq[:P], N, threshold=tau, strategy="speculative", forced=seq[P:])
+    with pytest.raises(ConfigError, match="must be equal"):
+        generate(m, seq[:P], N - 1, threshold=tau, forced=seq[P:])
+
+
+@pytest.mark.slow
+def test_compiled_engine_equals_module_path():
+    """torch.compile(dynamic=False) one-token steps and padded chunks: the same greedy tokens and
+    exits; every step is compiled by `warm_up`, so generating afterwards compiles nothing. Chunks
+    of 2-4 tokens are padded to 4 and compiled, longer ones run eagerly: both paths occur."""
+    m = tiny().float()
+    engine = DecodeEngine(m, compile=True, chunk_lengths=(4,))
+    total = len(PROMPTS[1]) + N
+    assert engine.warm_up(total) > 0
+    torch._dynamo.utils.counters.clear()
+    calls = {"padded": 0, "eager": 0}
+    padded, eager = engine._chunk_static, engine._chunk
+
+    def counted(kind, fn):
+        return lambda *a: (calls.__setitem__(kind, calls[kind] + 1), fn(*a))[1]
+
+    engine._chunk_static, engine._chunk = counted("padded", padded), counted("eager", eager)
+    for strategy in ("recompute", "copy", "speculative"):
+        for tau in (1.0, mixing_tau(m), FIRST):
+            ref = generate(m, PROMPTS[1], N, threshold=tau, strategy=strategy, impl="modules")
+            same_generation(generate(m, PROMPTS[1], N, threshold=tau, strategy=strategy, engine=engine), ref)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
+    assert calls["padded"] > 0 and calls["eager"] > 0
+
+
+@pytest.mark.slow
+def test_generate_cli_compile(capsys):
+    from efficient.cli import main
+
+    rc = main(["generate", "ee-gpt-tiny", "--prompt", "ab", "--max-new-tokens", "3", "--exit-threshold", "none", "--compile", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["exit_layers"] == [4, 4, 4] and out["summary"]["tokens"] == 3 and out["summary"]["compile_warmup_s"] > 0

@@ -4,7 +4,8 @@
     efficient generate runs/ee_gpt_text --prompt "The " --strategy speculative
 
 Prints the text, the exit layer of every generated token and a summary (tokens/s, mean exit
-depth, expected MAC saving). Byte-level models (vocab 256) only, since the zoo ships no tokenizer.
+depth, expected MAC saving). Decoding runs on the decode engine (`efficient.decode_engine`);
+`--compile` compiles its steps first. Byte-level models (vocab 256) only, since the zoo ships no tokenizer.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-draft", type=int, default=8, help="speculative: at most this many drafts per round (a draft below the threshold also ends it)")
     parser.add_argument("--max-pending", type=int, default=None, help="recompute: force a full-depth step after this many exited tokens")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile the decode engine's one-token steps (torch.compile; compilation runs before decoding and is reported apart)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
@@ -68,13 +71,21 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"generate: {args.model} has a {model.vocab_size}-token vocabulary; only byte-level (256) models have a tokenizer here")
     model.to(torch.device(args.device))
     ids = encode(args.prompt).long()
+    engine, warmup_s = None, None
+    if args.compile:
+        from efficient.decode_engine import DecodeEngine
+
+        engine = DecodeEngine(model.eval(), compile=True)
+        warmup_s = engine.warm_up(len(ids) + args.max_new_tokens, (args.strategy,))
     out = generate(
         model, ids, args.max_new_tokens, args.exit_threshold, args.strategy,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-        num_draft=args.num_draft, max_pending=args.max_pending,
+        num_draft=args.num_draft, max_pending=args.max_pending, engine=engine,
     )
     text = decode(out.tokens)
     summary = {k: round(v, 4) if isinstance(v, float) else v for k, v in out.summary().items()}
+    if warmup_s is not None:
+        summary["compile_warmup_s"] = round(warmup_s, 2)
     hist = {str(k): round(v, 4) for k, v in out.exit_histogram().items()}
     if args.json:
         print(json.dumps({"prompt": args.prompt, "text": text, "exit_layers": out.exit_layers, "exit_distribution": hist, "summary": summary}))
