@@ -248,3 +248,19 @@ def test_run_without_profile_says_how_to_add_one_and_the_report_then_shows_it(ti
     rates = {r[0]["text"]: r[2]["value"] for r in page.table("firing", "layer-firing")}
     assert rates == {x["name"]: x["output_firing_rate"] for x in prof["layers"] if x["neuron"]}
     assert page.sections["energy"]["svgs"] == 1
+
+
+def test_a_suite_attack_on_the_run_shows_each_attack_and_the_worst_case(stata_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(stata_run, run)
+    rc = main(["attack", str(run), "--attack", "suite", "--eps", "8/255", "--max-batches", "1", "--batch-size", "8",
+               "--device", "cpu", "--apgd-steps", "2", "--apgd-restarts", "1", "--pgd-steps", "2", "--pgd-restarts", "1",
+               "--square-queries", "5", "--suite-attacks", "apgd-ce,pgd,square"])
+    assert rc == 0
+    entry = json.loads((run / "attacks.jsonl").read_text().splitlines()[-1])
+    suite = entry["suite"]
+    names = [a["attack"] for a in entry["attacks"]]
+    assert names[-1] == "worst case (suite)" and len(names) >= 2
+    assert entry["attacks"][-1]["acc"] == suite["worst_case"] <= min(a["acc"] for a in entry["attacks"][:-1])
+    assert main(["report", str(run)]) == 0
+    assert "worst case (suite)" in (run / "report.html").read_text()
