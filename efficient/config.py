@@ -468,6 +468,8 @@ def check_parallel(recipe: Recipe, world_size: int | None = None) -> None:
         raise _err(src, "train.parallel", "fsdp: true and pipeline_stages > 1 cannot be combined; choose one")
     if recipe.train.compile:
         raise _err(src, "train.compile", "is not supported with train.parallel; set train.compile=false")
+    if recipe.train.measures:
+        raise _err(src, "train.measures", "needs the whole model in one process; not supported with train.parallel")
     bs = recipe.data["batch_size"]
     if par.pipeline_stages > 1:
         if recipe.objective["name"] != "exits":

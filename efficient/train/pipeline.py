@@ -248,7 +248,8 @@ class PipelineRunner:
     the copies of tied weights, averaged over data-parallel replicas."""
 
     def __init__(self, model: nn.Module, objective: ExitLoss, layout: PipelineLayout, schedule: str,
-                 n_microbatches: int, microbatch_size: int, device: torch.device, amp: bool = False) -> None:
+                 n_microbatches: int, microbatch_size: int, device: torch.device, amp: bool = False,
+                 seq_len: int | None = None) -> None:
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         if schedule not in SCHEDULES:
@@ -260,7 +261,7 @@ class PipelineRunner:
         # the duplicates of tied weights that the global gradient norm must not count twice
         owners = {name: min(stages) for name, stages in shared_names(model, ranges).items()}
         self.norm_skip = {n for n in owners if owners[n] not in layout.stage_ids()}
-        S, C = model.seq_len, model.n_embd
+        S, C = seq_len or model.seq_len, model.n_embd
         self.stages = []
         for s, mod in zip(layout.stage_ids(), self.stage_mods):
             # static shapes: the stage then skips a shape-inference forward (it would pop targets)
@@ -268,7 +269,7 @@ class PipelineRunner:
             ex_in = torch.empty(microbatch_size, S, dtype=torch.long, device=device) if mod.first else hidden
             self.stages.append(TimedStage.create(mod, s, layout.n_stages, device, input_args=ex_in, output_args=hidden,
                                                  group=layout.pp_group))
-        self.seq_len = S
+        self.seq_len, self.mb = S, microbatch_size
         loss_fn = self._timed(final_loss_fn(model, objective, amp))
         if schedule == "interleaved_1f1b":
             self.schedule = ScheduleInterleaved1F1B(self.stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
@@ -292,8 +293,8 @@ class PipelineRunner:
     def step(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
         """Forward and backward of one batch (this replica's); returns this rank's logs: the final
         CE (last stage), its exits' CEs, and `busy_s` / `step_s` for the bubble fraction."""
-        if x.shape[1] != self.seq_len:
-            raise ValueError(f"pipeline stages are built for sequences of {self.seq_len} tokens, got {x.shape[1]}")
+        if x.shape[1] != self.seq_len or x.shape[0] != self.mb * self.m:
+            raise ValueError(f"pipeline stages are built for batches of [{self.mb * self.m}, {self.seq_len}] tokens, got {list(x.shape)}")
         for mod in self.stage_mods:
             mod.set_targets(y, self.m)
         for st in self.stages:
