@@ -21,7 +21,7 @@ from efficient.train import distributed as dist_utils
 from efficient.train.engine import Trainer, TrainingError, build_model, seed_everything
 from efficient.train.optim import build_optimizer, build_scheduler
 
-STATE_KEYS = ("scheduler", "rng", "progress")  # trainer.pt; model and optimizer are in the DCP files
+STATE_KEYS = ("scheduler", "rng", "param_groups", "progress")  # trainer.pt; weights and optimizer moments are DCP files
 
 
 class ParallelTrainer(Trainer):
@@ -143,11 +143,13 @@ class ParallelTrainer(Trainer):
             self.eval_model.load_state_dict(sd, strict=True)
         self._synced_step = self.state.global_step
 
-    def _dcp_state(self) -> dict[str, Any]:
+    def _dcp_state(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The DCP part (weights and optimizer state by parameter name) and this rank's optimizer
+        param groups (hyper-parameters by name, kept in trainer.pt: DCP drops tuples like betas)."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(self.train_module, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd}
+        return {"model": model_sd, "optim": {"state": optim_sd["state"]}}, optim_sd["param_groups"]
 
     def save(self, which: str = "last") -> None:
         """Collective. `last`: every rank writes its model and optimizer shard (DCP) and rank 0 the
@@ -164,15 +166,18 @@ class ParallelTrainer(Trainer):
             dist_utils.barrier(self.dist)
             return
         rngs = dist_utils.gather_objects(ckpt.rng_state(), self.dist)
+        state, groups = self._dcp_state()
+        groups = dist_utils.gather_objects(groups, self.dist)
         tmp = ckpt.begin_checkpoint(directory) if self.dist.is_main else None
         tmp = type(directory)(dist_utils.broadcast_object(str(tmp), self.dist))
-        dcp.save(self._dcp_state(), checkpoint_id=str(tmp))
+        dcp.save(state, checkpoint_id=str(tmp))
         if self.dist.is_main:
             from efficient.zoo import save_model
 
             save_model(self.eval_model, tmp / ckpt.MODEL_FILE)
             progress = {"epoch": s.epoch, "step_in_epoch": s.step_in_epoch, "global_step": s.global_step, "best": s.best, "elapsed": s.elapsed}
-            torch.save({"scheduler": self.scheduler.state_dict(), "rng": rngs, "progress": progress}, tmp / ckpt.STATE_FILE)
+            torch.save({"scheduler": self.scheduler.state_dict(), "rng": rngs, "param_groups": groups, "progress": progress},
+                       tmp / ckpt.STATE_FILE)
             ckpt.commit_checkpoint(tmp, directory, meta)
         dist_utils.barrier(self.dist)
 
@@ -193,10 +198,11 @@ class ParallelTrainer(Trainer):
         if saved != self._layout_meta():
             raise ArtifactError(f"{d}: written by a run with layout {saved}, resumed as {self._layout_meta()}; "
                                 "resume with the same --nproc and train.parallel settings")
-        state = self._dcp_state()
-        dcp.load(state, checkpoint_id=str(d))
-        set_state_dict(self.train_module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         st = ckpt.load_trainer_state(d, STATE_KEYS)
+        state, _ = self._dcp_state()
+        dcp.load(state, checkpoint_id=str(d))
+        optim = {"state": state["optim"]["state"], "param_groups": st["param_groups"][self.dist.rank]}
+        set_state_dict(self.train_module, self.optimizer, model_state_dict=state["model"], optim_state_dict=optim)
         self.scheduler.load_state_dict(st["scheduler"])
         ckpt.set_rng_state(st["rng"][self.dist.rank])
         p = st["progress"]
