@@ -77,31 +77,47 @@ def generated(run: Path) -> str:
     return "\n".join(line for line in r.stdout.splitlines() if not line.startswith("summary:"))
 
 
+STEPS = ["train.max_steps=8", "train.checkpoint_every=2"]
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The single-process run every layout must reproduce."""
+    out = tmp_path_factory.mktemp("single") / "run"
+    r = efficient("train", RECIPE, *TINY, *STEPS, "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+def assert_same_weights(run: Path, reference: Path) -> None:
+    a, b = weights(run), weights(reference)
+    assert set(a) == set(b)
+    for k in b:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
 @pytest.mark.slow
-def test_pipelined_run_loads_and_generates_like_single_process(tmp_path: Path) -> None:
-    """Must-show: `efficient train RECIPE --nproc 2 train.parallel.pipeline_stages=2` runs to completion;
-    its run dir loads with `efficient.load`, holds the single-process run's weights and generates its text."""
+def test_pipelined_run_loads_and_generates_like_single_process(tmp_path: Path, single_run: Path) -> None:
+    """`efficient train RECIPE --nproc 2 train.parallel.pipeline_stages=2` runs to completion; its run
+    dir loads with `efficient.load`, holds the single-process run's weights and generates its text."""
     import efficient as package
 
-    steps = ["train.max_steps=4"]
-    pp, single = tmp_path / "pp", tmp_path / "single"
-    r = efficient("train", RECIPE, *TINY, *steps, "--nproc", "2", "train.parallel.pipeline_stages=2", "--out", str(pp))
+    pp = tmp_path / "pp"
+    r = efficient("train", RECIPE, *TINY, *STEPS, "--nproc", "2", "train.parallel.pipeline_stages=2", "--out", str(pp))
     assert r.returncode == 0, r.stderr[-3000:]
-    r = efficient("train", RECIPE, *TINY, *steps, "--out", str(single))
-    assert r.returncode == 0, r.stderr[-3000:]
-    a, b = weights(pp), weights(single)
-    assert set(a) == set(b)
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=k)
-    model = package.load(str(pp))
-    assert model.exit_layers == [1, 2, 4]
+    assert_same_weights(pp, single_run)
+    assert package.load(str(pp)).exit_layers == [1, 2, 4]
     rows = [json.loads(line) for line in (pp / "metrics.jsonl").read_text().splitlines()]
     train = [row for row in rows if "split" not in row]
-    assert [row["step"] for row in train] == [1, 2, 3, 4]
+    assert [row["step"] for row in train] == list(range(1, 9))
     assert {"loss_final", "loss_exit1", "loss_exit2", "bubble_stage0", "bubble_stage1", "bubble"} <= set(train[0])
     assert all(0 <= row["bubble"] < 1 for row in train)
-    assert json.loads((pp / "summary.json").read_text())["steps"] == 4
-    assert generated(pp) == generated(single)
+    single_rows = [json.loads(line) for line in (single_run / "metrics.jsonl").read_text().splitlines()]
+    for got, ref in zip(train, single_rows):
+        for k in ("loss", "loss_final", "loss_exit1", "loss_exit2"):
+            assert got[k] == pytest.approx(ref[k], rel=1e-5), (got["step"], k)
+    assert json.loads((pp / "summary.json").read_text())["steps"] == 8
+    assert generated(pp) == generated(single_run)
 
 
 def worker_pids(parent: int) -> list[int]:
@@ -120,12 +136,15 @@ def worker_pids(parent: int) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the worker processes through /proc")
-def test_kill_one_rank_then_resume_gives_the_uninterrupted_weights(tmp_path: Path) -> None:
-    run_args = [*TINY, "train.max_steps=8", "train.checkpoint_every=2", "--nproc", "2", "train.parallel.pipeline_stages=2",
-                "train.parallel.schedule=gpipe"]
-    full, killed = tmp_path / "full", tmp_path / "killed"
-    r = efficient("train", RECIPE, *run_args, "--out", str(full))
-    assert r.returncode == 0, r.stderr[-3000:]
+@pytest.mark.parametrize("layout", [["train.parallel.pipeline_stages=2", "train.parallel.schedule=gpipe"], ["train.parallel.fsdp=true"]],
+                         ids=["pipeline", "fsdp"])
+def test_kill_one_rank_then_resume_gives_the_uninterrupted_weights(tmp_path: Path, layout: list[str], single_run: Path) -> None:
+    """SIGKILL of one rank mid-run, then `--resume`: the weights of an uninterrupted run (which,
+    for either layout, are the single-process run's)."""
+    import efficient as package
+
+    run_args = [*TINY, *STEPS, "--nproc", "2", *layout]
+    killed = tmp_path / "killed"
 
     p = efficient("train", RECIPE, *run_args, "--out", str(killed), wait=False)
     meta = killed / "checkpoint" / "last" / "meta.json"
@@ -145,8 +164,7 @@ def test_kill_one_rank_then_resume_gives_the_uninterrupted_weights(tmp_path: Pat
 
     r = efficient("train", "--resume", str(killed), "--nproc", "2")
     assert r.returncode == 0, r.stderr[-3000:]
-    a, b = weights(full), weights(killed)
-    for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
+    assert_same_weights(killed, single_run)
+    assert package.load(str(killed)).exit_layers == [1, 2, 4]
     rows = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows if "split" not in row] == list(range(1, 9))

@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.pipelining import PipelineStage
 
 from efficient.objectives.exits import ExitLoss, token_ce
 
@@ -136,32 +137,25 @@ def shared_names(model: nn.Module, ranges: list[tuple[int, int]]) -> dict[str, l
     return {k: v for k, v in held.items() if len(v) > 1}
 
 
-class TimedStage:
-    """A `PipelineStage` whose compute time (forward, backward, loss) is summed in `busy`, so that
-    step time minus busy time is the stage's pipeline bubble."""
+class TimedStage(PipelineStage):
+    """A `PipelineStage` whose compute time (forward and backward chunks) is summed in `busy`, so
+    that step time minus busy time is the stage's pipeline bubble."""
 
-    @staticmethod
-    def create(*args: Any, **kwargs: Any) -> Any:
-        from torch.distributed.pipelining import PipelineStage
+    busy = 0.0
 
-        class _Timed(PipelineStage):
-            busy = 0.0
+    def forward_one_chunk(self, *a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return super().forward_one_chunk(*a, **k)
+        finally:
+            self.busy += _elapsed(t, self.device)
 
-            def forward_one_chunk(self, *a: Any, **k: Any) -> Any:
-                t = time.perf_counter()
-                try:
-                    return super().forward_one_chunk(*a, **k)
-                finally:
-                    self.busy += _elapsed(t, self.device)
-
-            def backward_one_chunk(self, *a: Any, **k: Any) -> Any:
-                t = time.perf_counter()
-                try:
-                    return super().backward_one_chunk(*a, **k)
-                finally:
-                    self.busy += _elapsed(t, self.device)
-
-        return _Timed(*args, **kwargs)
+    def backward_one_chunk(self, *a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return super().backward_one_chunk(*a, **k)
+        finally:
+            self.busy += _elapsed(t, self.device)
 
 
 def _elapsed(t0: float, device: torch.device) -> float:
@@ -267,8 +261,7 @@ class PipelineRunner:
             # static shapes: the stage then skips a shape-inference forward (it would pop targets)
             hidden = torch.empty(microbatch_size, S, C, device=device, requires_grad=True)  # activations carry grads
             ex_in = torch.empty(microbatch_size, S, dtype=torch.long, device=device) if mod.first else hidden
-            self.stages.append(TimedStage.create(mod, s, layout.n_stages, device, input_args=ex_in, output_args=hidden,
-                                                 group=layout.pp_group))
+            self.stages.append(TimedStage(mod, s, layout.n_stages, device, input_args=ex_in, output_args=hidden, group=layout.pp_group))
         self.seq_len, self.mb = S, microbatch_size
         loss_fn = self._timed(final_loss_fn(model, objective, amp))
         if schedule == "interleaved_1f1b":
