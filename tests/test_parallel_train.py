@@ -168,3 +168,31 @@ def test_kill_one_rank_then_resume_gives_the_uninterrupted_weights(tmp_path: Pat
     assert package.load(str(killed)).exit_layers == [1, 2, 4]
     rows = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows if "split" not in row] == list(range(1, 9))
+
+
+def test_resume_on_another_layout_fails_before_any_process_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    """Sharded trainer state belongs to the layout that wrote it: --resume with another --nproc is refused."""
+    from efficient import cli
+    from efficient.config import load_recipe
+    from efficient.train import checkpoint as ckpt
+    from efficient.train import distributed
+    from efficient.train.parallel import layout_meta
+
+    recipe = load_recipe(RECIPE, ["train.parallel.pipeline_stages=2"])
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(recipe.to_yaml())
+    last = run / "checkpoint" / "last"
+    tmp = ckpt.begin_checkpoint(last)
+    torch.save({"scheduler": {}, "rng": [], "param_groups": [], "progress": {}}, tmp / ckpt.STATE_FILE)
+    ckpt.commit_checkpoint(tmp, last, {"global_step": 2, "layout": layout_meta(recipe, 2)})
+
+    def no_launch(*a: object) -> int:
+        raise AssertionError("processes were launched")
+
+    monkeypatch.setattr(distributed, "launch", no_launch)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert cli.main(["train", "--resume", str(run), "--nproc", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "'world_size': 2" in err and "'world_size': 4" in err and "resume with the --nproc" in err

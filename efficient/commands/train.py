@@ -46,7 +46,13 @@ def run(args: argparse.Namespace) -> int:
         from efficient.config import check_parallel
 
         # the process layout fails here, before any process starts
-        check_parallel(recipe, int(os.environ.get("WORLD_SIZE", args.nproc)))
+        world = int(os.environ.get("WORLD_SIZE", args.nproc))
+        check_parallel(recipe, world)
+        if args.resume:
+            from efficient.train.checkpoint import find_resumable
+            from efficient.train.parallel import check_resume_layout
+
+            check_resume_layout(find_resumable(run_dir), recipe, world)
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         from efficient.train.distributed import launch
 

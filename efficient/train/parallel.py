@@ -9,6 +9,7 @@ dir as any other; rank 0 also evaluates, logs and profiles that consolidated mod
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -182,22 +183,16 @@ class ParallelTrainer(Trainer):
         dist_utils.barrier(self.dist)
 
     def _layout_meta(self) -> dict[str, Any]:
-        par = self.recipe.train.parallel
-        return {"world_size": self.dist.world_size, "pipeline_stages": par.pipeline_stages, "schedule": par.schedule, "fsdp": par.fsdp}
+        return layout_meta(self.recipe, self.dist.world_size)
 
     def restore(self) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        from efficient.errors import ArtifactError
-        from efficient.io import read_json
         from efficient.train.engine import Progress
 
         d = ckpt.find_resumable(self.run_dir)
-        saved = read_json(d / ckpt.META_FILE, "checkpoint meta.json").get("layout")
-        if saved != self._layout_meta():
-            raise ArtifactError(f"{d}: written by a run with layout {saved}, resumed as {self._layout_meta()}; "
-                                "resume with the same --nproc and train.parallel settings")
+        check_resume_layout(d, self.recipe, self.dist.world_size)
         st = ckpt.load_trainer_state(d, STATE_KEYS)
         state, _ = self._dcp_state()
         dcp.load(state, checkpoint_id=str(d))
@@ -230,3 +225,21 @@ class ParallelTrainer(Trainer):
         finally:
             self.model = model
 
+
+
+def layout_meta(recipe: Any, world_size: int) -> dict[str, Any]:
+    """The process layout a checkpoint's shards belong to (kept in its meta.json)."""
+    par = recipe.train.parallel
+    return {"world_size": world_size, "pipeline_stages": par.pipeline_stages, "schedule": par.schedule, "fsdp": par.fsdp}
+
+
+def check_resume_layout(directory: Path, recipe: Any, world_size: int) -> None:
+    """Sharded trainer state resumes only on the layout that wrote it."""
+    from efficient.errors import ConfigError
+    from efficient.io import read_json
+
+    saved = read_json(Path(directory) / ckpt.META_FILE, "checkpoint meta.json").get("layout")
+    want = layout_meta(recipe, world_size)
+    if saved != want:
+        raise ConfigError(f"{directory}: written by a run with layout {saved}, resumed as {want}; "
+                          "resume with the --nproc and train.parallel settings the run was started with")
