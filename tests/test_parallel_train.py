@@ -168,6 +168,9 @@ def test_kill_one_rank_then_resume_gives_the_uninterrupted_weights(tmp_path: Pat
     assert package.load(str(killed)).exit_layers == [1, 2, 4]
     rows = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows if "split" not in row] == list(range(1, 9))
+    val, ref = (next(json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"val"' in line)
+                for run in (killed, single_run))
+    assert val["loss"] == pytest.approx(ref["loss"], rel=1e-5) and val["loss_exit1"] == pytest.approx(ref["loss_exit1"], rel=1e-5)
 
 
 def test_resume_on_another_layout_fails_before_any_process_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

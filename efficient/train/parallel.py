@@ -62,9 +62,9 @@ class ParallelTrainer(Trainer):
         else:
             from efficient.train.sharding import shard_model
 
-            if self.dist.is_main:
+            if self.dist.is_main:  # host memory: the whole model never sits on one accelerator
                 with torch.random.fork_rng(devices=[]):
-                    self.eval_model = build_model(r, self.data).to(self.device)
+                    self.eval_model = build_model(r, self.data)
             self.train_module = shard_model(self.model, self.device, self.amp)
         self.optimizer = build_optimizer(self.train_module, r.optim)
         self.scheduler = build_scheduler(self.optimizer, self.total_steps, self.steps_per_epoch, r.optim.lr, r.schedule)
@@ -209,22 +209,39 @@ class ParallelTrainer(Trainer):
 
     # --------------------------------------------------------------- evaluate
     def evaluate(self, model: nn.Module | None = None) -> dict[str, float]:
-        """Validation metrics of the consolidated model on rank 0 (`validate` syncs it first); the
-        split model cannot run on one rank, so this is the model evaluated whatever `model` is."""
+        """Validation metrics of the split model: FSDP runs the sharded model on every rank (a
+        collective; each rank sees the same batches), a pipeline the consolidated model on rank 0."""
+        if self.runner is None:
+            return super().evaluate(self.model)
+        self._sync_eval_model()
         return super().evaluate(self.eval_model)
 
     def validate(self) -> dict[str, float]:
-        self._sync_eval_model()
-        return super().validate()
+        """As `Trainer.validate`, with the evaluation run where the split model can run it."""
+        from efficient.io import append_jsonl
+
+        s = self.state
+        if self.runner is None:
+            val = self.evaluate()
+        else:
+            self._sync_eval_model()
+            val = dist_utils.broadcast_object(self.evaluate() if self.dist.is_main else {}, self.dist)
+        if self.dist.is_main:
+            append_jsonl(self.metrics_file, {"step": s.global_step, "epoch": s.epoch, "split": "val", **val})
+        pm = val.get(self.objective.primary_metric)
+        if pm is not None and self._better(pm):
+            s.best = pm
+            self.save("best")
+        return val
 
     def finish(self, val: dict[str, float], train_time: float) -> dict[str, Any]:
         """summary.json and report.md of the consolidated model (rank 0)."""
-        model, self.model = self.model, self.eval_model
+        model, device = self.model, self.device
+        self.model, self.device = self.eval_model, next(self.eval_model.parameters()).device  # FSDP's is on the CPU
         try:
             return super().finish(val, train_time)
         finally:
-            self.model = model
-
+            self.model, self.device = model, device
 
 
 def layout_meta(recipe: Any, world_size: int) -> dict[str, Any]:
