@@ -104,7 +104,9 @@ class ParallelTrainer(Trainer):
         for i, n in enumerate(names):
             if n in local:
                 vals[0, i], vals[1, i] = local[n], 1.0
+        vals = vals.to(self.device)  # NCCL reduces device tensors only
         dist.all_reduce(vals)
+        vals = vals.cpu()
         out = {n: float(vals[0, i] / vals[1, i]) for i, n in enumerate(names) if vals[1, i] > 0}
         total = out["loss_final"]
         for k in obj.layers:
