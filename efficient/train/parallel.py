@@ -4,7 +4,8 @@ It is `Trainer` with the model split across processes: every rank builds the sam
 (one seed), keeps only its part, and steps it. Checkpoints hold the trainer state as a
 `torch.distributed.checkpoint` (every rank writes its shard) beside a consolidated
 `model.safetensors` that rank 0 writes, so `efficient.load`, `generate` and `eval` read the run
-dir as any other; rank 0 also evaluates, logs and profiles that consolidated model.
+dir as any other. Validation runs on all ranks together (through the sharded model, or stage by
+stage); rank 0 logs, and profiles the consolidated copy it keeps in host memory.
 """
 
 from __future__ import annotations
@@ -54,18 +55,17 @@ class ParallelTrainer(Trainer):
             self.runner = PipelineRunner(self.model, self.objective, lay, par.schedule, par.n_microbatches, mb, self.device, self.amp, seq_len)
             self.data_rank, self.data_world = lay.dp_rank, lay.dp
             self.train_module: nn.Module = self.runner.shard
-            if self.dist.is_main:
-                self.eval_model = self.model  # rank 0 keeps the whole model; it is refreshed from the stages
-            else:
-                ranges = split_points(self.model.num_layers, lay.n_stages)
-                self._drop_other_stages([ranges[s] for s in lay.stage_ids()])
+            ranges = split_points(self.model.num_layers, lay.n_stages)
+            self._drop_other_stages([ranges[s] for s in lay.stage_ids()])
         else:
             from efficient.train.sharding import shard_model
 
-            if self.dist.is_main:  # host memory: the whole model never sits on one accelerator
-                with torch.random.fork_rng(devices=[]):
-                    self.eval_model = build_model(r, self.data)
             self.train_module = shard_model(self.model, self.device, self.amp)
+        if self.dist.is_main:
+            # rank 0's consolidated copy for checkpoints and the cost report, in host memory: the
+            # whole model never sits on one accelerator
+            with torch.random.fork_rng(devices=[]):
+                self.eval_model = build_model(r, self.data)
         self.optimizer = build_optimizer(self.train_module, r.optim)
         self.scheduler = build_scheduler(self.optimizer, self.total_steps, self.steps_per_epoch, r.optim.lr, r.schedule)
         self.forward_model = self.model
@@ -211,23 +211,35 @@ class ParallelTrainer(Trainer):
 
     # --------------------------------------------------------------- evaluate
     def evaluate(self, model: nn.Module | None = None) -> dict[str, float]:
-        """Validation metrics of the split model: FSDP runs the sharded model on every rank (a
-        collective; each rank sees the same batches), a pipeline the consolidated model on rank 0."""
+        """Validation metrics of the split model, computed by every rank together (each sees the
+        same batches): FSDP through the sharded model, a pipeline stage by stage."""
         if self.runner is None:
             return super().evaluate(self.model)
-        self._sync_eval_model()
-        return super().evaluate(self.eval_model)
+        from efficient.train.engine import to_device, val_loader
+
+        obj, runner = self.objective, self.runner
+        names = [*(f"loss_exit{k}" for k in obj.layers), "loss"]
+        sums, n = torch.zeros(len(names), dtype=torch.float64), 0.0
+        runner.shard.eval()
+        try:
+            for i, (x, y) in enumerate(val_loader(self.recipe, self.data)):
+                if self.recipe.eval.max_batches and i >= self.recipe.eval.max_batches:
+                    break
+                part = runner.eval_sums(to_device(x, self.device), to_device(y, self.device))
+                sums += torch.tensor([part.get(k, 0.0) for k in names], dtype=torch.float64)
+                n += y.numel()
+        finally:
+            runner.shard.train()
+        sums = sums.to(self.device)
+        dist.all_reduce(sums, group=runner.layout.pp_group)  # each exit's sum lives on its stage's rank
+        return {k: float(v) / max(n, 1.0) for k, v in zip(names, sums.cpu())}
 
     def validate(self) -> dict[str, float]:
         """As `Trainer.validate`, with the evaluation run where the split model can run it."""
         from efficient.io import append_jsonl
 
         s = self.state
-        if self.runner is None:
-            val = self.evaluate()
-        else:
-            self._sync_eval_model()
-            val = dist_utils.broadcast_object(self.evaluate() if self.dist.is_main else {}, self.dist)
+        val = self.evaluate()
         if self.dist.is_main:
             append_jsonl(self.metrics_file, {"step": s.global_step, "epoch": s.epoch, "split": "val", **val})
         pm = val.get(self.objective.primary_metric)

@@ -349,6 +349,34 @@ class PipelineRunner:
             torch._foreach_mul_(all_grads, coef.to(all_grads[0].device))
         return float(total)
 
+    @torch.no_grad()
+    def eval_sums(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+        """Summed CE of the exits on this rank's stages (the final head's as `loss`), as the `exits`
+        objective's `evaluate` computes them: the stages run in order, each receiving the residual
+        stream from the previous stage's rank and sending its own to the next."""
+        m, lay = self.model, self.layout
+        ranks = [lay.dp_rank * lay.pp + p for p in range(lay.pp)]  # this replica's ranks, by pipeline position
+        out: dict[str, float] = {}
+        for s, mod in zip(lay.stage_ids(), self.stage_mods):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=mod.amp):
+                if mod.first:
+                    h = m.tok_emb(x)
+                else:
+                    h = torch.empty(*x.shape, m.n_embd, device=x.device)
+                    dist.recv(h, src=ranks[(s - 1) % lay.pp])
+                cos, sin = m._rope(0, x.shape[1])
+                for i in range(mod.start, mod.stop):
+                    h, mid = m.layers[i](h, cos, sin)
+                    k = i + 1
+                    if k in m.exit_layers:  # the final head is the last exit
+                        logits = m.exit_hidden(k, h, mid) @ m.head_weight(k).T
+                        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+                        ce = torch.nn.functional.cross_entropy(logits.flatten(0, -2), y.flatten(), reduction="sum")
+                        out["loss" if k == m.num_layers else f"loss_exit{k}"] = float(ce)
+                if not mod.last:
+                    dist.send(h.float().contiguous(), dst=ranks[(s + 1) % lay.pp])
+        return out
+
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model's weights on rank 0 (None elsewhere), merged from replica 0's stages."""
         own = {k: v.detach().cpu() for k, v in self.shard.state_dict().items()} if self.layout.dp_rank == 0 else {}
