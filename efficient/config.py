@@ -77,6 +77,35 @@ class ScheduleConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """Scale-out of one run over `--nproc` processes (efficient.train.parallel).
+
+    `pipeline_stages` > 1 splits the layers into that many pipeline stages (processes); the rest
+    of the processes are data-parallel replicas of the pipeline. `schedule` is one of
+    torch.distributed.pipelining's (interleaved_1f1b runs two model chunks per process), over
+    `microbatches` micro-batches of each replica's batch (default: twice the stages). `fsdp`
+    shards parameters per transformer block with FSDP2 instead (no pipeline)."""
+
+    pipeline_stages: int = _opt(_positive, default=1)
+    schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = "1f1b"
+    microbatches: int | None = _opt(_positive, default=None)
+    fsdp: bool = False
+
+    @property
+    def n_microbatches(self) -> int:
+        return self.microbatches or (2 * self.pipeline_stages if self.pipeline_stages > 1 else 1)
+
+    @property
+    def enabled(self) -> bool:
+        return self.pipeline_stages > 1 or self.fsdp
+
+    @property
+    def chunks_per_rank(self) -> int:
+        """Model chunks (pipeline stages) each process runs: 2 for the interleaved schedule."""
+        return 2 if self.schedule == "interleaved_1f1b" else 1
+
+
+@dataclass
 class TrainConfig:
     epochs: int = _opt(_positive, default=1)
     max_steps: int | None = _opt(_positive, default=None)
@@ -96,6 +125,7 @@ class TrainConfig:
     measure_every: int = _opt(_positive, default=50)
     # where metric records go: metrics.jsonl (always) and TensorBoard event files (efficient.report.loggers)
     loggers: list[Literal["jsonl", "tensorboard"]] = _opt(_loggers, default_factory=lambda: ["jsonl"])
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 @dataclass
@@ -362,7 +392,64 @@ def validate(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
         if not isinstance(raw, dict):
             raise _err(source, s, f"expected a mapping, got {raw!r}")
         fixed[s] = build_dataclass(cls, raw, source, s)
-    return Recipe(model=model, data=dataset, objective=objective, source=source, **fixed)
+    recipe = Recipe(model=model, data=dataset, objective=objective, source=source, **fixed)
+    check_parallel(recipe)
+    return recipe
+
+
+PARALLEL_FAMILIES = ("ee-gpt",)  # models whose layers split into pipeline stages / FSDP units
+
+
+def check_parallel(recipe: Recipe, world_size: int | None = None) -> None:
+    """`train.parallel` against the model, objective, batch and (when known) the process count.
+
+    Called when the recipe is loaded and again with `--nproc`, so that a layout that cannot run
+    fails before any process starts."""
+    from efficient.zoo import get_entry
+
+    par, src = recipe.train.parallel, recipe.source
+    if par.microbatches is not None and par.microbatches > 1 and par.pipeline_stages == 1:
+        raise _err(src, "train.parallel.microbatches", "only applies to pipeline training; set train.parallel.pipeline_stages >= 2")
+    if not par.enabled:
+        return
+    entry = get_entry(recipe.model["name"])
+    what = "fsdp" if par.fsdp else "pipeline_stages"
+    if entry.family not in PARALLEL_FAMILIES:
+        raise _err(src, f"train.parallel.{what}", f"model {recipe.model['name']!r} cannot be split into transformer blocks "
+                   f"(supported: the {', '.join(PARALLEL_FAMILIES)} models, e.g. ee-gpt-tiny); train it with DDP (--nproc N) instead")
+    if par.fsdp and par.pipeline_stages > 1:
+        raise _err(src, "train.parallel", "fsdp: true and pipeline_stages > 1 cannot be combined; choose one")
+    if recipe.train.compile:
+        raise _err(src, "train.compile", "is not supported with train.parallel; set train.compile=false")
+    if recipe.train.measures:
+        raise _err(src, "train.measures", "needs the whole model in one process; not supported with train.parallel")
+    bs = recipe.data["batch_size"]
+    if par.pipeline_stages > 1:
+        if recipe.objective["name"] != "exits":
+            raise _err(src, "train.parallel.pipeline_stages", f"pipeline stages compute the 'exits' objective; objective {recipe.objective['name']!r} is not supported")
+        layers = recipe.model.get("n_layer", entry.default_cfg.get("n_layer"))
+        n_stages = par.pipeline_stages * par.chunks_per_rank
+        if layers is not None and n_stages > layers:
+            chunks = f" ({par.pipeline_stages} x {par.chunks_per_rank} chunks for {par.schedule})" if par.chunks_per_rank > 1 else ""
+            raise _err(src, "train.parallel.pipeline_stages", f"{n_stages} pipeline stages{chunks} for a {layers}-layer model; use at most {layers // par.chunks_per_rank}")
+        if par.n_microbatches < par.pipeline_stages:
+            raise _err(src, "train.parallel.microbatches", f"{par.n_microbatches} micro-batches cannot fill {par.pipeline_stages} stages; use at least {par.pipeline_stages}")
+        if par.schedule == "interleaved_1f1b" and par.n_microbatches % par.pipeline_stages:
+            raise _err(src, "train.parallel.microbatches", f"the interleaved schedule needs a multiple of pipeline_stages={par.pipeline_stages}, got {par.n_microbatches}")
+    if world_size is None:
+        if bs % par.n_microbatches:
+            raise _err(src, "data.batch_size", f"{bs} does not split into {par.n_microbatches} micro-batches (train.parallel.microbatches)")
+        return
+    if world_size % par.pipeline_stages:
+        raise _err(src, "train.parallel.pipeline_stages", f"--nproc {world_size} is not a multiple of {par.pipeline_stages} stages")
+    if par.fsdp and world_size < 2:
+        raise _err(src, "train.parallel.fsdp", "sharding needs at least 2 processes; run with --nproc N (N >= 2)")
+    if par.pipeline_stages > 1 and world_size < par.pipeline_stages:
+        raise _err(src, "train.parallel.pipeline_stages", f"{par.pipeline_stages} stages need --nproc >= {par.pipeline_stages}")
+    replicas = world_size // par.pipeline_stages
+    if bs % (replicas * par.n_microbatches):
+        raise _err(src, "data.batch_size", f"{bs} (the global batch) does not split into {replicas} data-parallel replica(s) x "
+                   f"{par.n_microbatches} micro-batches; use a multiple of {replicas * par.n_microbatches}")
 
 
 def load_recipe(path: str | Path, overrides: typing.Sequence[str] = ()) -> Recipe:

@@ -14,7 +14,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="run directory (default: <train.out_dir>/<recipe name>-<time>)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run exactly where its last checkpoint stopped")
     p.add_argument("--nproc", type=int, default=1, metavar="N",
-                   help="train with N processes on this machine (DistributedDataParallel; data.batch_size is the global batch)")
+                   help="train with N processes on this machine (DistributedDataParallel, or the layout of train.parallel: "
+                        "pipeline stages x data-parallel replicas, or FSDP2; data.batch_size is the global batch)")
 
 
 def default_run_dir(out_dir: str, recipe_path: str) -> Path:
@@ -39,14 +40,30 @@ def run(args: argparse.Namespace) -> int:
         run_dir = Path(args.out) if args.out else default_run_dir(recipe.train.out_dir, args.recipe)
         if (run_dir / "checkpoint").exists():
             raise ConfigError(f"--out {run_dir} already holds a run; pick another directory or continue it with --resume {run_dir}")
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
+    if recipe.train.parallel.enabled:
+        from efficient.config import check_parallel
+
+        # the process layout fails here, before any process starts
+        world = int(os.environ.get("WORLD_SIZE", args.nproc))
+        check_parallel(recipe, world)
+        if args.resume:
+            from efficient.train.checkpoint import find_resumable
+            from efficient.train.parallel import check_resume_layout
+
+            check_resume_layout(find_resumable(run_dir), recipe, world)
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         from efficient.train.distributed import launch
 
         argv = ["train", "--resume", str(run_dir), *args.overrides] if args.resume else ["train", args.recipe, *args.overrides, "--out", str(run_dir)]
         return launch(args.nproc, argv)
-    if args.nproc < 1:
-        raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
-    trainer = Trainer(recipe, run_dir, resume=bool(args.resume))
+    if recipe.train.parallel.enabled:
+        from efficient.train.parallel import ParallelTrainer
+
+        trainer: Trainer = ParallelTrainer(recipe, run_dir, resume=bool(args.resume))
+    else:
+        trainer = Trainer(recipe, run_dir, resume=bool(args.resume))
     from efficient.train.distributed import cleanup
 
     try:

@@ -54,18 +54,30 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def save_checkpoint(directory: Path, model: nn.Module, trainer_state: dict[str, Any] | None, meta: dict[str, Any]) -> None:
     """Write `directory` (e.g. run/checkpoint/last) atomically: temp dir, checksums, rename swap."""
+    tmp = begin_checkpoint(directory)
+    save_model(model, tmp / MODEL_FILE)
+    if trainer_state is not None:
+        torch.save(trainer_state, tmp / STATE_FILE)
+    commit_checkpoint(tmp, directory, meta)
+
+
+def begin_checkpoint(directory: Path) -> Path:
+    """A fresh, empty temp directory beside `directory` for the files of its next version."""
     directory = Path(directory)
-    parent = directory.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = parent / f".{directory.name}.tmp"
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = directory.parent / f".{directory.name}.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    save_model(model, tmp / MODEL_FILE)
-    files = [MODEL_FILE]
-    if trainer_state is not None:
-        torch.save(trainer_state, tmp / STATE_FILE)
-        files.append(STATE_FILE)
+    return tmp
+
+
+def commit_checkpoint(tmp: Path, directory: Path, meta: dict[str, Any]) -> None:
+    """Checksum every file in `tmp` into meta.json, fsync, and swap `tmp` in for `directory`
+    (`last` keeps its predecessor as `previous`)."""
+    directory = Path(directory)
+    parent = directory.parent
+    files = sorted(f.name for f in tmp.iterdir() if f.is_file() and f.name != META_FILE)
     meta = {**meta, "sha256": {f: _sha256(tmp / f) for f in files}}
     write_json(tmp / META_FILE, meta)
     for f in tmp.iterdir():
@@ -107,11 +119,12 @@ def find_resumable(run_dir: Path) -> Path:
     raise ConfigError(f"{run_dir}: no intact checkpoint to resume from (looked in {ck}/last)")
 
 
-def load_trainer_state(directory: Path) -> dict[str, Any]:
-    """The optimizer/scheduler/RNG/progress dict of a checkpoint (tensors and plain data only)."""
+def load_trainer_state(directory: Path, keys: tuple[str, ...] = ("optimizer", "scheduler", "rng", "progress")) -> dict[str, Any]:
+    """The optimizer/scheduler/RNG/progress dict of a checkpoint (tensors and plain data only);
+    `keys` are the entries it must have."""
     f = Path(directory) / STATE_FILE
     st = read_torch(f)
-    missing = [k for k in ("optimizer", "scheduler", "rng", "progress") if not isinstance(st, dict) or k not in st]
+    missing = [k for k in keys if not isinstance(st, dict) or k not in st]
     if missing:
         raise ArtifactError(f"{f}: not a trainer state of efficient (missing {', '.join(missing)}); resume from a run dir written by `efficient train`, or start a fresh run")
     return st

@@ -206,6 +206,8 @@ class Trainer:
         self.device = resolve_device(t.device)
         self.dist = dist_utils.init_from_env(self.device.type)
         self.device = dist_utils.device_for(self.dist, self.device)
+        # this process's share of the data: every process is a data-parallel replica here
+        self.data_rank, self.data_world = self.dist.rank, self.dist.world_size
         self.run_dir = Path(dist_utils.broadcast_object(str(self.run_dir), self.dist))
         seed_everything(t.seed + self.dist.rank)  # DDP broadcasts rank 0's initial weights
 
@@ -238,12 +240,7 @@ class Trainer:
         bs = r.data["batch_size"]
         if bs % self.dist.world_size:
             raise ConfigError(f"{r.source}: data.batch_size={bs} (the global batch) must be divisible by the {self.dist.world_size} processes")
-        self.steps_per_epoch = len(self.data.train) // bs
-        if self.steps_per_epoch == 0:
-            raise ConfigError(f"{r.source}: data.batch_size={bs} is larger than the training set ({len(self.data.train)} samples)")
-        self.total_steps = t.epochs * self.steps_per_epoch
-        if t.max_steps:
-            self.total_steps = min(self.total_steps, t.max_steps)
+        self._setup_budget()
         self.optimizer = build_optimizer(self.model, r.optim)
         self.scheduler = build_scheduler(self.optimizer, self.total_steps, self.steps_per_epoch, r.optim.lr, r.schedule)
         self.amp = t.amp and self.device.type == "cuda"
@@ -251,12 +248,23 @@ class Trainer:
         if t.compile:
             self.forward_model = torch.compile(self.forward_model)
 
+    def _setup_budget(self) -> None:
+        """Steps per epoch and the total step budget."""
+        r, t = self.recipe, self.recipe.train
+        bs = r.data["batch_size"]
+        self.steps_per_epoch = len(self.data.train) // bs
+        if self.steps_per_epoch == 0:
+            raise ConfigError(f"{r.source}: data.batch_size={bs} is larger than the training set ({len(self.data.train)} samples)")
+        self.total_steps = t.epochs * self.steps_per_epoch
+        if t.max_steps:
+            self.total_steps = min(self.total_steps, t.max_steps)
+
     def train_loader(self, epoch: int, start_batch: int) -> DataLoader:
         """This rank's batches of `epoch`, from batch `start_batch` on (the resume point)."""
         bs = self.recipe.data["batch_size"]
-        w = self.dist.world_size
+        w = self.data_world
         sampler = EpochSampler(len(self.data.train), self.recipe.train.seed, epoch, start_batch * bs,
-                               rank=self.dist.rank, world_size=w, global_batch=bs)
+                               rank=self.data_rank, world_size=w, global_batch=bs)
         # An own generator keeps the loader's worker seeding off the global RNG, so resuming
         # mid-epoch leaves the global RNG (augmentation, dropout) exactly where it was.
         g = torch.Generator().manual_seed(self.recipe.train.seed * 1_000_003 + epoch)
@@ -403,7 +411,7 @@ class Trainer:
             self.optimizer_step(loss, logs)
             s.global_step += 1
             s.step_in_epoch += 1
-            seen += _batch_size(batch) * self.dist.world_size
+            seen += _batch_size(batch) * self.data_world
             for k, v in logs.items():
                 window.setdefault(k, []).append(v)
             if self.dist.is_main and (s.global_step % t.log_every == 0 or s.global_step == self.total_steps):
