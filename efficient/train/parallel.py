@@ -236,12 +236,9 @@ class ParallelTrainer(Trainer):
 
     def validate(self) -> dict[str, float]:
         """As `Trainer.validate`, with the evaluation run where the split model can run it."""
-        from efficient.io import append_jsonl
-
         s = self.state
         val = self.evaluate()
-        if self.dist.is_main:
-            append_jsonl(self.metrics_file, {"step": s.global_step, "epoch": s.epoch, "split": "val", **val})
+        self.loggers.log({"step": s.global_step, "epoch": s.epoch, "split": "val", **val})  # rank 0's loggers; others have none
         pm = val.get(self.objective.primary_metric)
         if pm is not None and self._better(pm):
             s.best = pm
