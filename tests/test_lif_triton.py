@@ -19,7 +19,7 @@ SCRIPT = Path(__file__).with_name("_lif_triton_cases.py")
 CASES = (
     [f"lif-vr{vr}-detach{d}-decay{dec}-{sg}" for vr in ("0.0", "None") for d in (True, False)
      for dec in (True, False) for sg in ("sigmoid", "atan", "triangle")]
-    + ["T1", "noncontiguous", "two-blocks"]
+    + ["lif-ste", "T1", "noncontiguous", "two-blocks"]
     + [f"plif-vr{vr}-decay{dec}" for vr in ("0.0", "None") for dec in (True, False)]
     + ["leak-dlif", "no-membrane-grad", "fp16"]
     + [f"state-vr{vr}-decay{dec}" for vr in ("0.0", "None") for dec in (True, False)]
