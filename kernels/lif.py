@@ -876,6 +876,10 @@ def leaky_forward_op(
     `m0`, `beta`, `threshold` are fp32 [N] (one value per neuron; broadcast before calling);
     `reset` is an id of `RESETS`; surrogate/alpha are used by the backward.
     """
+    return _leaky_forward_impl(x, m0, beta, threshold, reset, surrogate, alpha, spike_dtype, impl)
+
+
+def _leaky_forward_impl(x, m0, beta, threshold, reset, surrogate, alpha, spike_dtype, impl):
     _check_leaky_args(x, m0, beta, threshold, reset, surrogate, impl)
     return _run_leaky_forward(
         x.contiguous(), m0.contiguous() if m0 is not None else None, beta.contiguous(), threshold.contiguous(),
@@ -917,6 +921,10 @@ def leaky_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients of leaky_forward from the membrane alone: (grad x [T, N] x_dtype, grad m0 [N] (empty
     without m0), grad beta [N], grad threshold [N], all fp32 but grad x)."""
+    return _leaky_backward_impl(grad_spikes, grad_mem, mem, m0, beta, threshold, reset, surrogate, alpha, x_dtype, impl)
+
+
+def _leaky_backward_impl(grad_spikes, grad_mem, mem, m0, beta, threshold, reset, surrogate, alpha, x_dtype, impl):
     # the Triton kernels index dense [T, N]; the torch loops read any strides (a loss like
     # spikes.sum() hands back an expanded gradient, which would otherwise be copied in full)
     dense = (lambda t: t.contiguous()) if impl == "triton" else (lambda t: t)
@@ -943,18 +951,34 @@ def _leaky_setup_context(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
 
 
-def _leaky_backward(ctx, grad_spikes, grad_mem):
+def _leaky_backward(ctx, grad_spikes, grad_mem, backward_fn=leaky_backward_op):
     mem, m0, beta, threshold = ctx.saved_tensors
     if grad_spikes is None:
         grad_spikes = torch.zeros_like(mem)
-    gx, gm0, gbeta, gthr = leaky_backward_op(grad_spikes, grad_mem, mem, m0, beta, threshold, *ctx.params,
-                                             ctx.x_dtype, ctx.impl)
+    gx, gm0, gbeta, gthr = backward_fn(grad_spikes, grad_mem, mem, m0, beta, threshold, *ctx.params, ctx.x_dtype, ctx.impl)
     need = ctx.needs_input_grad
     return (gx, gm0 if m0 is not None and need[1] else None, gbeta if need[2] else None,
             gthr if need[3] else None, None, None, None, None, None)
 
 
 leaky_forward_op.register_autograd(_leaky_backward, setup_context=_leaky_setup_context)
+
+
+class _EagerLeaky(torch.autograd.Function):
+    """`efficient::leaky_forward` and its backward for eager CPU calls: the same checks and loops as
+    the custom op, called directly. The op's Python dispatch and autograd wrapper cost ~0.2 ms per
+    layer and step, as much as the fused loop itself on a conv layer's 64k neurons; under
+    torch.compile (and on CUDA) the op is used, so graphs still see one opaque node."""
+
+    @staticmethod
+    def forward(ctx, *inputs):  # type: ignore[override]
+        out = _leaky_forward_impl(*inputs)
+        _leaky_setup_context(ctx, inputs, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_spikes, grad_mem):  # type: ignore[override]
+        return _leaky_backward(ctx, grad_spikes, grad_mem, backward_fn=_leaky_backward_impl)
 
 
 def _elementwise_flops(numel: int, per_element: int) -> int:
@@ -1188,10 +1212,12 @@ def leaky(
         if impl == "inductor" and x.device.type == "cpu" and not _backend.have_cxx_compiler():
             raise RuntimeError("backend='compile' needs a C++ compiler on CPU (g++ or clang++); use backend='torch'")
         m0 = mem.reshape(-1).float() if mem is not None else None
-        s, m = torch.ops.efficient.leaky_forward(
-            x.reshape(x.shape[0], -1), m0, _per_neuron(beta, x, "beta"), _per_neuron(threshold, x, "threshold"),
-            rid, sid, alpha, spike_dtype, impl,
-        )
+        args = (x.reshape(x.shape[0], -1), m0, _per_neuron(beta, x, "beta"), _per_neuron(threshold, x, "threshold"),
+                rid, sid, alpha, spike_dtype, impl)
+        if x.device.type == "cpu" and not torch.compiler.is_compiling():
+            s, m = _EagerLeaky.apply(*args)  # same loops as the op, without its per-call dispatch cost
+        else:
+            s, m = torch.ops.efficient.leaky_forward(*args)
         s, m = s.view(x.shape), m.view(x.shape)
     return (s, m) if return_membrane else s
 

@@ -436,3 +436,25 @@ def test_lif_order_snntorch_is_leaky():
         K.leaky(x, 0.9, reset_mechanism="hard")
     with pytest.raises(ValueError, match="does not broadcast"):
         K.leaky(x, torch.ones(3), impl="loop")
+
+
+@pytest.mark.parametrize("impl", ["loop", "inductor"])
+@pytest.mark.parametrize("reset", ["subtract", "zero"])
+def test_leaky_eager_path_equals_the_custom_op(reset, impl):
+    """On CPU `leaky` skips the op's dispatch (K._EagerLeaky); it must give the op's spikes, membrane and
+    gradients bit for bit, per-neuron beta and an initial membrane included."""
+    torch.manual_seed(0)
+    T, N = 6, 40
+    x = (torch.randn(T, N) + 0.6).requires_grad_()
+    beta = torch.rand(N).mul(0.5).add(0.4).requires_grad_()
+    thr = torch.full((N,), 0.9).requires_grad_()
+    m0 = torch.rand(N)
+    args = (K.RESETS[reset], K._surrogate_id("atan"), 2.0, torch.float32, impl)
+    s1, m1 = K._EagerLeaky.apply(x, m0, beta, thr, *args)
+    g1 = torch.autograd.grad((s1 * torch.linspace(0, 1, N)).sum() + m1.pow(2).sum(), (x, beta, thr))
+    s2, m2 = torch.ops.efficient.leaky_forward(x, m0, beta, thr, *args)
+    g2 = torch.autograd.grad((s2 * torch.linspace(0, 1, N)).sum() + m2.pow(2).sum(), (x, beta, thr))
+    assert s1.sum() > 0 and (s1 == 0).any()
+    assert torch.equal(s1, s2) and torch.equal(m1, m2)
+    for a, b in zip(g1, g2):
+        assert torch.equal(a, b)
