@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from efficient.attacks import apgd, check_eps, eval_mode, pgd, project
+from efficient.attacks import apgd, check_eps, eval_mode, pgd, pixel_batch, project
 from efficient.errors import ConfigError
 
 # Suite members in the order they run (and are reported).
@@ -247,12 +247,7 @@ def worst_case(
         for i, (x, y) in enumerate(batches):
             if max_batches is not None and i >= max_batches:
                 break
-            x, y = x.to(device), y.to(device)
-            if x.min() < 0 or x.max() > 1:
-                raise ConfigError(
-                    f"attack inputs must be images in [0, 1], got values in [{x.min().item():.3g}, {x.max().item():.3g}]; "
-                    "load the data with normalize: false (the model normalises inside)"
-                )
+            x, y = pixel_batch(x, y, device)
             ok = _correct(model, x, y)
             clean_ok.append(ok)
             n += len(y)

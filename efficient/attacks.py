@@ -200,6 +200,17 @@ def _predict(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x).argmax(-1)
 
 
+def pixel_batch(x: torch.Tensor, y: torch.Tensor, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, y) on `device`, refusing inputs outside [0, 1]: the attacks' eps are in pixel units."""
+    x, y = x.to(device), y.to(device)
+    if x.min() < 0 or x.max() > 1:
+        raise ConfigError(
+            f"attack inputs must be images in [0, 1], got values in [{x.min().item():.3g}, {x.max().item():.3g}]; "
+            "load the data with normalize: false (the model normalises inside)"
+        )
+    return x, y
+
+
 def robust_accuracy(
     model: nn.Module,
     batches: Iterable[Any],
@@ -217,12 +228,7 @@ def robust_accuracy(
         for i, (x, y) in enumerate(batches):
             if max_batches is not None and i >= max_batches:
                 break
-            x, y = x.to(device), y.to(device)
-            if x.min() < 0 or x.max() > 1:
-                raise ConfigError(
-                    f"attack inputs must be images in [0, 1], got values in [{x.min().item():.3g}, {x.max().item():.3g}]; "
-                    "load the data with normalize: false (the model normalises inside)"
-                )
+            x, y = pixel_batch(x, y, device)
             ok = _predict(model, x) == y
             clean += int(ok.sum())
             n += len(y)

@@ -448,7 +448,7 @@ def run_layerwise(eng: DecodeEngine, ids: torch.Tensor, max_new: int, threshold:
 def run_speculative(eng: DecodeEngine, ids: torch.Tensor, max_new: int, threshold: float, sampler: Sampler, cache: KVCache,
                     num_draft: int, **_) -> Generation:
     """Self-speculation on the engine: draft with the first exit, verify with layers E+1..L."""
-    from efficient.decoding import speculative_accept
+    from efficient.decoding import verify_drafts
 
     model, L, E = eng.model, eng.num_layers, eng.exit_layers[0]
     costs = _Costs(model)
@@ -482,19 +482,7 @@ def run_speculative(eng: DecodeEngine, ids: torch.Tensor, max_new: int, threshol
         logits = eng.chunk(states[:, c : pos + 1], c, E, L, L, all_positions=True).logits  # [T, V]: full-model predictions
         costs.layers(T, L - E)
         costs.spent += T * model.n_embd * model.vocab_size
-        new = []
-        full_arg = logits.argmax(-1).tolist() if sampler.greedy else None
-        for j, d in enumerate(drafts):
-            if sampler.greedy:
-                ok, tok = full_arg[j] == d, full_arg[j]
-            else:
-                ok, tok = speculative_accept(sampler.probs(logits[j]), q[j], d, sampler)
-            new.append(tok)
-            if not ok:
-                break
-        else:
-            new.append(sampler.pick(logits[len(drafts)]))
-        a = min(len(new) - 1, len(drafts))
+        new, a = verify_drafts(logits, drafts, q, sampler)
         drafted, accepted, rounds = drafted + len(drafts), accepted + a, rounds + 1
         for j in range(len(new)):
             exits.append(E if j < a else L)

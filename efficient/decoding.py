@@ -399,6 +399,26 @@ def speculative_accept(p: torch.Tensor, q: torch.Tensor, draft: int, sampler: Sa
     return False, sampler.draw(resid / resid.sum())
 
 
+def verify_drafts(logits: torch.Tensor, drafts: Sequence[int], q: Sequence[torch.Tensor], sampler: Sampler) -> tuple[list[int], int]:
+    """Check drafts against the full model's predictions `logits` [len(drafts) + 1, V]: the tokens
+    to commit (accepted drafts, then the correction or the bonus token) and how many drafts were
+    accepted. Greedy: a draft stands if it is the full model's argmax; sampling: speculative
+    acceptance against the drafter's distributions `q`."""
+    new: list[int] = []
+    full_arg = logits.argmax(-1).tolist() if sampler.greedy else None  # one op for the whole chunk
+    for j, d in enumerate(drafts):
+        if sampler.greedy:
+            ok, tok = full_arg[j] == d, full_arg[j]
+        else:
+            ok, tok = speculative_accept(sampler.probs(logits[j]), q[j], d, sampler)
+        new.append(tok)
+        if not ok:
+            break
+    else:
+        new.append(sampler.pick(logits[len(drafts)]))
+    return new, min(len(new) - 1, len(drafts))
+
+
 def _speculative(model, ids, max_new, threshold, sampler, cache, num_draft, **_) -> Generation:
     """Draft with the first exit, verify with layers E+1..L over the drafter's hidden states."""
     L, E, costs = model.num_layers, model.exit_layers[0], _Costs(model)
@@ -434,19 +454,7 @@ def _speculative(model, ids, max_new, threshold, sampler, cache, num_draft, **_)
         costs.layers(H.shape[1], L - E)
         logits = model.exit_hidden(L, h, None)[0] @ wL.T  # [m+1, V]: full-model predictions
         costs.spent += H.shape[1] * model.n_embd * model.vocab_size
-        new = []
-        full_arg = logits.argmax(-1).tolist() if sampler.greedy else None  # one op for the whole chunk
-        for j, d in enumerate(drafts):
-            if sampler.greedy:
-                ok, tok = full_arg[j] == d, full_arg[j]
-            else:
-                ok, tok = speculative_accept(sampler.probs(logits[j]), q[j], d, sampler)
-            new.append(tok)
-            if not ok:
-                break
-        else:
-            new.append(sampler.pick(logits[len(drafts)]))
-        a = min(len(new) - 1, len(drafts))  # accepted drafts
+        new, a = verify_drafts(logits, drafts, q, sampler)
         drafted, accepted, rounds = drafted + len(drafts), accepted + a, rounds + 1
         for j, t in enumerate(new):
             exits.append(E if j < a else L)
