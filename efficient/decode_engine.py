@@ -448,7 +448,7 @@ def run_layerwise(eng: DecodeEngine, ids: torch.Tensor, max_new: int, threshold:
 def run_speculative(eng: DecodeEngine, ids: torch.Tensor, max_new: int, threshold: float, sampler: Sampler, cache: KVCache,
                     num_draft: int, **_) -> Generation:
     """Self-speculation on the engine: draft with the first exit, verify with layers E+1..L."""
-    from efficient.decoding import verify_drafts
+    from efficient.decoding import round_exits, verify_drafts
 
     model, L, E = eng.model, eng.num_layers, eng.exit_layers[0]
     costs = _Costs(model)
@@ -484,9 +484,7 @@ def run_speculative(eng: DecodeEngine, ids: torch.Tensor, max_new: int, threshol
         costs.spent += T * model.n_embd * model.vocab_size
         new, a = verify_drafts(logits, drafts, q, sampler)
         drafted, accepted, rounds = drafted + len(drafts), accepted + a, rounds + 1
-        for j in range(len(new)):
-            exits.append(E if j < a else L)
-            expected += (costs.layer * E + costs.head[E]) if j < a else costs.full_token()
+        expected += round_exits(exits, len(new), a, E, L, costs)
         seq += new
         tokens += new
         c += len(new)

@@ -419,6 +419,14 @@ def verify_drafts(logits: torch.Tensor, drafts: Sequence[int], q: Sequence[torch
     return new, min(len(new) - 1, len(drafts))
 
 
+def round_exits(exits: list[int], n_new: int, a: int, E: int, L: int, costs: _Costs) -> int:
+    """Record a speculation round's exit layers (accepted drafts at the drafting exit E, the rest at
+    L) in `exits`; return the round's expected MACs under the exit rule."""
+    for j in range(n_new):
+        exits.append(E if j < a else L)
+    return a * (costs.layer * E + costs.head[E]) + (n_new - a) * costs.full_token()
+
+
 def _speculative(model, ids, max_new, threshold, sampler, cache, num_draft, **_) -> Generation:
     """Draft with the first exit, verify with layers E+1..L over the drafter's hidden states."""
     L, E, costs = model.num_layers, model.exit_layers[0], _Costs(model)
@@ -456,9 +464,7 @@ def _speculative(model, ids, max_new, threshold, sampler, cache, num_draft, **_)
         costs.spent += H.shape[1] * model.n_embd * model.vocab_size
         new, a = verify_drafts(logits, drafts, q, sampler)
         drafted, accepted, rounds = drafted + len(drafts), accepted + a, rounds + 1
-        for j, t in enumerate(new):
-            exits.append(E if j < a else L)
-            expected += (costs.layer * E + costs.head[E]) if j < a else costs.full_token()
+        expected += round_exits(exits, len(new), a, E, L, costs)
         seq += new
         tokens += new
         c += len(new)
