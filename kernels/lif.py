@@ -535,6 +535,7 @@ def _triton_backward(gs, gm, h, rate, c, v_th, v_reset, charge, surrogate, alpha
 def _triton_leaky_forward(x, m0, beta, thr, reset, spike_dtype):
     _triton_ready(x)
     T, N = x.shape
+    beta, thr = beta.expand(N).contiguous(), thr.expand(N).contiguous()  # the kernel reads one value per neuron
     s = torch.empty((T, N), dtype=spike_dtype, device=x.device)
     m = torch.empty((T, N), dtype=torch.float32, device=x.device)
     _leaky_fwd_kernel[(triton.cdiv(N, _BLOCK),)](
@@ -547,6 +548,8 @@ def _triton_leaky_forward(x, m0, beta, thr, reset, spike_dtype):
 def _triton_leaky_backward(gs, gm, m, m0, beta, thr, reset, surrogate, alpha, x_dtype):
     _triton_ready(m)
     T, N = m.shape
+    shared = (beta.shape[0] != N, thr.shape[0] != N)
+    beta, thr = beta.expand(N).contiguous(), thr.expand(N).contiguous()
     gx = torch.empty((T, N), dtype=x_dtype, device=m.device)
     gm0 = torch.empty(N if m0 is not None else 0, dtype=torch.float32, device=m.device)
     gbeta = torch.empty(N, dtype=torch.float32, device=m.device)
@@ -558,6 +561,8 @@ def _triton_leaky_backward(gs, gm, m, m0, beta, thr, reset, surrogate, alpha, x_
         RESET=reset, HAS_M0=m0 is not None, HAS_GM=gm is not None, SURROGATE=surrogate,
         BLOCK=_BLOCK, num_warps=_NUM_WARPS,
     )
+    gbeta = gbeta.sum(0, keepdim=True) if shared[0] else gbeta
+    gthr = gthr.sum(0, keepdim=True) if shared[1] else gthr
     return gx, gm0, gbeta, gthr
 
 
@@ -624,7 +629,8 @@ def _loop_backward(
 
 
 def _leaky_loop_forward(x, m0, beta, thr, *, reset: int, spike_dtype: torch.dtype):
-    """snntorch order, x [T, N] -> (spikes [T, N], membrane [T, N] fp32); beta, thr, m0 are [N] fp32."""
+    """snntorch order, x [T, N] -> (spikes [T, N], membrane [T, N] fp32); m0 is [N], beta and thr [N]
+    or [1] (one value for all neurons), all fp32."""
     m = torch.zeros_like(x[0], dtype=torch.float32) if m0 is None else m0
     ms, ss = [], []
     for t in range(x.shape[0]):
@@ -667,6 +673,11 @@ def _leaky_loop_backward(gs, gm, m, m0, beta, thr, alpha, *, reset: int, surroga
             carry = gh * beta
             gt = gt - (gsg + torch.where(r, gh, 0.0)) if reset == RESET_SUBTRACT else gt - gsg
     gm0 = carry if m0 is not None else m.new_empty(0)
+    # a beta / threshold shared by all neurons arrives as [1]: its gradient is the sum over neurons
+    if beta.shape[0] != m.shape[1]:
+        gb = gb.sum(0, keepdim=True)
+    if thr.shape[0] != m.shape[1]:
+        gt = gt.sum(0, keepdim=True)
     return torch.stack(gxs), gm0, gb, gt
 
 
@@ -873,7 +884,7 @@ def leaky_forward_op(
 ) -> tuple[Tensor, Tensor]:
     """snntorch order: x [T, N] -> (spikes [T, N] spike_dtype, membrane [T, N] fp32), both contiguous.
 
-    `m0`, `beta`, `threshold` are fp32 [N] (one value per neuron; broadcast before calling);
+    `m0` is fp32 [N]; `beta`, `threshold` fp32 [N] (per neuron) or [1] (shared by all neurons);
     `reset` is an id of `RESETS`; surrogate/alpha are used by the backward.
     """
     return _leaky_forward_impl(x, m0, beta, threshold, reset, surrogate, alpha, spike_dtype, impl)
@@ -889,11 +900,13 @@ def _leaky_forward_impl(x, m0, beta, threshold, reset, surrogate, alpha, spike_d
 
 def _check_leaky_args(x, m0, beta, threshold, reset, surrogate, impl) -> None:
     _check_op_args(x, CHARGE_LEAK, surrogate, impl)
-    for name, t in (("m0", m0), ("beta", beta), ("threshold", threshold)):
-        if t is not None and (t.dim() != 1 or t.shape[0] != x.shape[1] or t.dtype != torch.float32):
+    for name, t, sizes in (("m0", m0, (x.shape[1],)), ("beta", beta, (x.shape[1], 1)),
+                           ("threshold", threshold, (x.shape[1], 1))):
+        if t is not None and (t.dim() != 1 or t.shape[0] not in sizes or t.dtype != torch.float32):
+            shapes = " or ".join(f"[{n}]" for n in sizes)
             raise ValueError(
-                f"efficient::leaky_forward: {name} must be fp32 [N={x.shape[1]}], got {tuple(t.shape)} {t.dtype}; "
-                "call efficient.kernels.lif.leaky, which broadcasts it"
+                f"efficient::leaky_forward: {name} must be fp32 {shapes} (N={x.shape[1]}), got {tuple(t.shape)} "
+                f"{t.dtype}; call efficient.kernels.lif.leaky, which broadcasts it"
             )
     if reset not in RESETS.values():
         raise ValueError(f"efficient::leaky_forward: unknown reset id {reset}; expected one of {RESETS}")
@@ -920,7 +933,7 @@ def leaky_backward_op(
     impl: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients of leaky_forward from the membrane alone: (grad x [T, N] x_dtype, grad m0 [N] (empty
-    without m0), grad beta [N], grad threshold [N], all fp32 but grad x)."""
+    without m0), grad beta and grad threshold shaped like beta and threshold, all fp32 but grad x)."""
     return _leaky_backward_impl(grad_spikes, grad_mem, mem, m0, beta, threshold, reset, surrogate, alpha, x_dtype, impl)
 
 
@@ -940,7 +953,7 @@ def _leaky_backward_impl(grad_spikes, grad_mem, mem, m0, beta, threshold, reset,
 def _(grad_spikes, grad_mem, mem, m0, beta, threshold, reset, surrogate, alpha, x_dtype, impl):
     n = mem.shape[1]
     return (mem.new_empty(mem.shape, dtype=x_dtype), mem.new_empty(n if m0 is not None else 0),
-            mem.new_empty(n), mem.new_empty(n))
+            mem.new_empty(beta.shape[0]), mem.new_empty(threshold.shape[0]))
 
 
 def _leaky_setup_context(ctx, inputs, output) -> None:
@@ -1159,8 +1172,12 @@ def lif(
 
 
 def _per_neuron(value: float | Tensor, x: Tensor, name: str) -> Tensor:
-    """`value` (a number, or a tensor broadcastable to one step of x) as fp32 [N], differentiable."""
+    """`value` (a number, or a tensor broadcastable to one step of x) as fp32 [N], or [1] when it holds
+    one value (the kernels broadcast it; expanding to [N] would cost a copy forward and a reduction
+    backward per call), differentiable."""
     t = value if isinstance(value, Tensor) else torch.tensor(float(value), device=x.device)
+    if t.numel() == 1 and t.dim() <= x.dim() - 1:
+        return t.float().reshape(1)
     try:
         return t.float().expand(x.shape[1:]).reshape(-1)
     except RuntimeError:

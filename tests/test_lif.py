@@ -395,11 +395,13 @@ def test_v_init_matches_two_calls_of_the_reference(impl, kw):
     torch.testing.assert_close(gx, gx_ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("beta_shape", ["per_neuron", "shared"])
 @pytest.mark.parametrize("reset", ["subtract", "zero", "none"])
 @pytest.mark.parametrize("impl", ["loop", "inductor"])
-def test_leaky_matches_snntorch(reset, impl):
+def test_leaky_matches_snntorch(reset, impl, beta_shape):
     """The snntorch order against snntorch's own Leaky stepped in Python: equal spikes and membrane,
-    gradients of input, initial membrane, per-neuron beta and threshold within 1e-5."""
+    gradients of input, initial membrane, beta (per neuron, or one value the kernel broadcasts and
+    whose gradient it sums) and threshold (one value) within 1e-5."""
     snn = pytest.importorskip("snntorch")
     if impl == "inductor" and not _backend.have_cxx_compiler():
         pytest.skip("no C++ compiler")
@@ -407,7 +409,8 @@ def test_leaky_matches_snntorch(reset, impl):
     T, B, F = 6, 3, 10
     x = (torch.randn(T, B, F) * 1.2 + 0.5).requires_grad_()
     mem0 = (torch.randn(B, F) * 0.5).requires_grad_()
-    n = snn.Leaky(beta=torch.rand(F), threshold=torch.tensor(0.8), learn_beta=True, learn_threshold=True,
+    beta = torch.rand(F) if beta_shape == "per_neuron" else torch.tensor(0.7)
+    n = snn.Leaky(beta=beta, threshold=torch.tensor(0.8), learn_beta=True, learn_threshold=True,
                   reset_mechanism=reset)
     mem, spk, mems = mem0, [], []
     for t in range(T):
