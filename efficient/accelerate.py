@@ -213,13 +213,12 @@ def _snn_check(m: Any) -> tuple[str, Optional[float], str]:
 
 def _snn_leaky_multi_step(self: Any, x_seq: Tensor, mem: Optional[Tensor] = None) -> Any:
     """All T steps of snntorch `Leaky` at once: returns what T calls return, stacked over time."""
-    if mem is not None:
-        self.mem = mem
-    if self.mem.shape != x_seq.shape[1:]:
-        self.mem = torch.zeros_like(x_seq[0], device=self.mem.device)
+    mem = self.mem if mem is None else mem  # buffers are read once: each read is a Module.__getattr__
+    if mem.shape != x_seq.shape[1:]:
+        mem = torch.zeros_like(x_seq[0], device=mem.device)
     spikes, mems = leaky(
         x_seq, self.beta.clamp(0, 1), self.threshold, self.reset_mechanism, self._efficient_surrogate,
-        self._efficient_alpha, mem=self.mem, spike_dtype=x_seq.dtype, return_membrane=True,
+        self._efficient_alpha, mem=mem, spike_dtype=x_seq.dtype, return_membrane=True,
         backend=_backend_for(self, x_seq),
     )
     mems = mems.to(x_seq.dtype)

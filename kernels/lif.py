@@ -725,7 +725,15 @@ def _unviewed(args: tuple) -> tuple:
 
 
 def _scalars(device, *values):
-    return [torch.tensor(float(v), dtype=torch.float32, device=device) for v in values]
+    return [_scalar(device, float(v), slot) for slot, v in enumerate(values)]
+
+
+@functools.lru_cache(maxsize=256)
+def _scalar(device: torch.device, value: float, slot: int) -> Tensor:
+    """A 0-d fp32 tensor per (device, value, argument slot), made once: the loops only read it (new
+    values stay runtime inputs, so no recompile), and a fresh tensor per call is an allocation and a
+    fill. Per slot, so two equal arguments are never one aliased tensor (dynamo guards on aliasing)."""
+    return torch.tensor(value, dtype=torch.float32, device=device)
 
 
 def _run_forward(x, rate, c, v_th, v_reset, charge, spike_dtype, impl, v0=None):
