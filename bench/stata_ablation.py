@@ -22,7 +22,7 @@ tokens survive the last pruning block and how many of the digit's tokens they ho
 whatever runs are finished: OUT/ablation.json, OUT/ablation.md (accuracy mean +- std, the paired
 difference to STATA with a 95 % t-interval and a verdict, SOPs and energy per sample from the
 profiler, training step time), OUT/frontier.png (accuracy vs energy, with the dense point),
-OUT/kept_tokens.png (kept tokens on a few validation canvases, STATA and random).
+OUT/kept_tokens.png (kept tokens on a few validation canvases: STATA, no anchor, no alignment, random).
 
     python bench/stata_ablation.py --seeds 0-4                    # everything, 5 seeds
     python bench/stata_ablation.py --arms stata,random --seeds 0-4 --jobs 2
@@ -327,8 +327,8 @@ def plot_frontier(table: dict[str, Any], path: Path) -> None:
 
 
 def plot_kept(out: Path, path: Path, n: int = 6) -> bool:
-    """Kept tokens after the last pruning block on the first `n` validation canvases: STATA's
-    lowest seed, and random selection's if it ran. Digit box in red."""
+    """Kept tokens after the last pruning block on the first `n` validation canvases: the lowest
+    seed of STATA and of each selection arm that ran (no anchor, no alignment, random). Digit box in red."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -339,7 +339,7 @@ def plot_kept(out: Path, path: Path, n: int = 6) -> bool:
     from efficient.data import build_data
 
     rows = []
-    for name in ("stata", "random"):
+    for name in ("stata", "no_anchor", "no_align", "random"):
         runs = sorted((out / name).glob("s*/kept.json"), key=lambda p: int(p.parent.name[1:]))
         if runs:
             rows.append((name, runs[0].parent, json.loads(runs[0].read_text())))
