@@ -14,6 +14,9 @@ data, so arm and STATA differ in one switch and are paired by seed):
     inter_only     inter-timestep alignment only                  (lambda_intra = 0)
     random         uniformly random kept set, same keep ratio     (model.score=random)
     sweep          stata and random at keep ratios 0.3, 0.7, 0.9 (0.5 is the recipe's: the arms above)
+    stata_early    the variant where selection has more to do: prune in blocks 1 and 2, after one
+    random_early   attention instead of two (same rho), so kept tokens have been mixed once less
+                   and the MLPs and later blocks see only them; random_early is its floor
 
 Each run is `efficient train` in its own process, in OUT/<arm>/s<seed>; a run with a summary is
 skipped, an interrupted one is resumed, so the study can be run in pieces (--arms, --seeds) and
@@ -57,6 +60,7 @@ class Arm:
     removes: str  # what the arm takes away from STATA, for the verdict
     family: str = ""  # "stata" / "random" for the keep-ratio sweep
     rho: float | None = None
+    variant: bool = False  # a changed method (not an ablation): its verdict is plain "vs STATA"
 
 
 def arms(recipe_rho: float = 0.5) -> dict[str, Arm]:
@@ -77,7 +81,17 @@ def arms(recipe_rho: float = 0.5) -> dict[str, Arm]:
             continue
         out.append(Arm(f"stata_rho{rho}", STATA, (f"model.keep_ratio={rho}",), "", "stata", rho))
         out.append(Arm(f"random_rho{rho}", STATA, ("model.score=random", f"model.keep_ratio={rho}"), "", "random", rho))
+    early = ("model.prune_blocks=[1,2]",)
+    out.append(Arm("stata_early", STATA, early, "", variant=True))
+    out.append(Arm("random_early", STATA, (*early, "model.score=random"), "", variant=True))
     return {a.name: a for a in out}
+
+
+def criterion_pairs(recipe_rho: float = 0.5) -> list[tuple[str, str, str]]:
+    """(STATA arm, random arm with the same keep schedule, label): where the criterion is tested."""
+    pairs = [(f"stata_rho{r}", f"random_rho{r}", f"rho {r:g}, blocks 2-3") for r in SWEEP if r != recipe_rho]
+    pairs.insert(sum(r < recipe_rho for r in SWEEP), ("stata", "random", f"rho {recipe_rho:g}, blocks 2-3 (recipe)"))
+    return [*pairs, ("stata_early", "random_early", f"rho {recipe_rho:g}, blocks 1-2 (early)")]
 
 
 MAIN = ("dense", "stata", "raw", "no_anchor", "shared_anchor", "no_align", "intra_only", "inter_only", "random")
@@ -207,6 +221,8 @@ def verdict(arm: Arm, lo: float, hi: float) -> str:
     if arm.name == "random":
         return three("STATA's criterion beats random selection", "random selection is better",
                      "no detectable difference from random selection")
+    if arm.variant:
+        return three("less accurate than STATA", "more accurate than STATA", "no detectable difference from STATA")
     if not arm.removes:  # a point of the keep-ratio sweep
         return three("less accurate than rho 0.5", "more accurate than rho 0.5", "no detectable difference from rho 0.5")
     if hi < 0:
@@ -266,6 +282,39 @@ def summarise(res: dict[str, Any], known: dict[str, Arm]) -> dict[str, Any]:
     return table
 
 
+def criterion(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """STATA minus random selection at the same keep schedule, paired by seed: does the criterion
+    matter, and where (the sweep's rho, early pruning)?"""
+    rows = []
+    for a, b, label in criterion_pairs():
+        if a not in res or b not in res:
+            continue
+        seeds = sorted(set(res[a]) & set(res[b]), key=lambda k: int(k[1:]))
+        if not seeds:
+            continue
+        d = [res[a][s]["acc"] - res[b][s]["acc"] for s in seeds]
+        m, lo, hi = t_interval(d)
+        rec = [res[x][s].get("digit_recall", math.nan) for x in (a, b) for s in seeds]
+        v = ("too few seeds for an interval" if math.isnan(lo) else "STATA's criterion beats random selection" if lo > 0
+             else "random selection is better" if hi < 0 else "no detectable difference")
+        rows.append({"stata": a, "random": b, "label": label, "seeds": [int(s[1:]) for s in seeds], "diffs": d, "diff": m,
+                     "diff_lo": lo, "diff_hi": hi, "verdict": v,
+                     "stata_recall": statistics.fmean(rec[:len(seeds)]), "random_recall": statistics.fmean(rec[len(seeds):])})
+    return rows
+
+
+def criterion_markdown(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return ""
+    lines = ["| keep schedule | seeds | STATA - random, points [95 % CI] | per seed | verdict | digit tokens kept: STATA / random |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['label']} | {len(r['seeds'])} | {r['diff']:+.2f} [{fmt(r['diff_lo'])}, {fmt(r['diff_hi'])}] | "
+                     f"{', '.join(f'{x:+.1f}' for x in r['diffs'])} | {r['verdict']} | "
+                     f"{100 * r['stata_recall']:.1f} % / {100 * r['random_recall']:.1f} % |")
+    return "\n".join(lines) + "\n"
+
+
 def fmt(v: float, nd: int = 2) -> str:
     return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{nd}f}"
 
@@ -304,6 +353,11 @@ def plot_frontier(table: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4.2))
+    for name, style in (("stata_early", "^"), ("random_early", "v")):
+        if name in table:
+            r = table[name]
+            ax.errorbar([r["energy_uj"]], [r["acc_mean"]], yerr=[0 if math.isnan(r["acc_std"]) else r["acc_std"]], fmt=style,
+                        capsize=3, label=f"{name.replace('_', ' ')} (blocks 1-2, rho 0.5)")
     for fam, style in (("stata", "o-"), ("random", "s--")):
         pts = sorted((r["rho"], r["energy_uj"], r["acc_mean"], r["acc_std"]) for r in table.values() if r["family"] == fam)
         if not pts:
@@ -339,7 +393,7 @@ def plot_kept(out: Path, path: Path, n: int = 6) -> bool:
     from efficient.data import build_data
 
     rows = []
-    for name in ("stata", "no_anchor", "no_align", "random"):
+    for name in ("stata", "no_anchor", "no_align", "random", "stata_rho0.3", "random_rho0.3", "stata_early", "random_early"):
         runs = sorted((out / name).glob("s*/kept.json"), key=lambda p: int(p.parent.name[1:]))
         if runs:
             rows.append((name, runs[0].parent, json.loads(runs[0].read_text())))
@@ -419,8 +473,11 @@ def main() -> None:
 
     res = collect(out, known)
     table = summarise(res, known)
-    write_json(out / "ablation.json", {"runs": res, "arms": table, "extra": args.extra})
+    crit = criterion(res)
+    write_json(out / "ablation.json", {"runs": res, "arms": table, "criterion": crit, "extra": args.extra})
     md = markdown(table, known)
+    if crit:
+        md += "\nThe criterion at each keep schedule (paired by seed):\n\n" + criterion_markdown(crit)
     write_text(out / "ablation.md", md)
     print(md)
     pngs = []

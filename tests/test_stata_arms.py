@@ -188,3 +188,46 @@ def test_anchor_off_reads_as_the_string_in_recipes_and_overrides():
     over = apply_overrides({"model": {"name": "spikformer-tiny-stata"}, "data": {"name": "digits"}}, ["model.anchor=off", "train.amp=false"])
     assert over["model"]["anchor"] == "off" and over["train"]["amp"] is False
     assert parse_yaml("a: yes\nb: No\nc: FALSE\n") == {"a": "yes", "b": "No", "c": False}
+
+
+# ------------------------------------------------------------------ the ablation study's pairing
+
+
+def _ablation():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("stata_ablation", Path(__file__).resolve().parents[1] / "bench" / "stata_ablation.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("stata_ablation", mod)  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_criterion_pairs_stata_with_random_at_the_same_schedule_by_seed():
+    ab = _ablation()
+    run = lambda acc, rec: {"acc": acc, "digit_recall": rec}  # noqa: E731
+    res = {"stata": {"s0": run(97.0, 0.6), "s1": run(96.0, 0.7), "s2": run(95.0, 0.5)},
+           "random": {"s0": run(95.0, 0.25), "s1": run(95.5, 0.25), "s3": run(10.0, 0.25)},  # s3 has no pair: left out
+           "stata_early": {"s0": run(90.0, 0.5)}}  # no random_early: no row
+    rows = ab.criterion(res)
+    assert [r["label"] for r in rows] == ["rho 0.5, blocks 2-3 (recipe)"]
+    r = rows[0]
+    assert r["seeds"] == [0, 1] and r["diffs"] == [2.0, 0.5]
+    m, lo, hi = ab.t_interval([2.0, 0.5])
+    assert (r["diff"], r["diff_lo"], r["diff_hi"]) == (m, lo, hi) and r["diff"] == pytest.approx(1.25)
+    assert hi - m == pytest.approx(12.706 * (1.5 / 2**0.5) / 2**0.5, rel=1e-3)  # t_{0.975,1} * sample sd / sqrt(n)
+    assert r["verdict"] == "no detectable difference" and r["stata_recall"] == pytest.approx(0.65)
+    assert "| rho 0.5, blocks 2-3 (recipe) | 2 | +1.25" in ab.criterion_markdown(rows)
+
+
+def test_every_arm_overrides_a_valid_recipe():
+    from efficient.config import apply_overrides, load_yaml
+
+    ab = _ablation()
+    for arm in ab.arms().values():
+        cfg = validate(apply_overrides(load_yaml(arm.recipe), list(arm.overrides)), arm.recipe)
+        if arm.name.endswith("_early"):
+            assert cfg.model["prune_blocks"] == [1, 2]
+    assert [p[2] for p in ab.criterion_pairs()][-1].endswith("(early)")
