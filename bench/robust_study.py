@@ -217,7 +217,16 @@ def summarise(results: dict, arm_list: list, seeds: list[int], eps_list: list[st
                     if "checks" in r:
                         bad = [c["check"] for c in r["checks"]["checks"] if c["passed"] is False]
                         lines.append(f"- {r['run']}: " + ("all passed" if not bad else "FAIL " + "; ".join(bad)))
-        summary["eps"][eps] = {"arms": table, "differences": diffs}
+        all_runs = [r for rs in rows.values() for r in rs]
+        spi = [r["suite"]["seconds_per_image"] for r in all_runs]
+        share = {a: statistics.median(next(x["seconds"] for x in r["suite"]["attacks"] if x["attack"] == a) / r["suite"]["seconds"]
+                                      for r in all_runs) for a in attack_names}
+        lines += ["", f"suite time at {eps}: median {statistics.median(spi):.2f} s per image (range {min(spi):.2f}-{max(spi):.2f}, "
+                  f"{len(spi)} models; attacks run on the clean-correct images only, masking checks not included); "
+                  "median share per attack: " + ", ".join(f"{a} {100 * v:.0f} %" for a, v in share.items())]
+        summary["eps"][eps] = {"arms": table, "differences": diffs,
+                               "seconds_per_image": {"median": statistics.median(spi), "min": min(spi), "max": max(spi)},
+                               "time_share": share}
         lines.append("")
     return summary, "\n".join(lines)
 
