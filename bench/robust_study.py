@@ -224,9 +224,13 @@ def summarise(results: dict, arm_list: list, seeds: list[int], eps_list: list[st
         lines += ["", f"suite time at {eps}: median {statistics.median(spi):.2f} s per image (range {min(spi):.2f}-{max(spi):.2f}, "
                   f"{len(spi)} models; attacks run on the clean-correct images only, masking checks not included); "
                   "median share per attack: " + ", ".join(f"{a} {100 * v:.0f} %" for a, v in share.items())]
+        unique = {a: sum(next(x.get("unique_breaks", 0) for x in r["suite"]["attacks"] if x["attack"] == a) for r in all_runs)
+                  for a in attack_names}
+        lines += ["", f"examples only one attack broke at {eps} (summed over the {len(all_runs)} models of "
+                  f"{sum(r['suite']['n'] for r in all_runs)} images): " + ", ".join(f"{a} {v}" for a, v in unique.items())]
         summary["eps"][eps] = {"arms": table, "differences": diffs,
                                "seconds_per_image": {"median": statistics.median(spi), "min": min(spi), "max": max(spi)},
-                               "time_share": share}
+                               "time_share": share, "unique_breaks": unique}
         lines.append("")
     return summary, "\n".join(lines)
 
