@@ -210,11 +210,18 @@ def t_interval(diffs: list[float]) -> tuple[float, float, float]:
     return m, m - h, m + h
 
 
+def by_interval(lo: float, hi: float, below: str, above: str, neither: str) -> str:
+    """The words for a paired difference's 95 % interval: below 0, above 0, or across it."""
+    if math.isnan(lo):
+        return "too few seeds for an interval"
+    return below if hi < 0 else (above if lo > 0 else neither)
+
+
 def verdict(arm: Arm, lo: float, hi: float) -> str:
     if math.isnan(lo):
         return "too few seeds for an interval"
-    def three(below: str, above: str, neither: str) -> str:  # arm minus STATA: CI below 0, above 0, across it
-        return below if hi < 0 else (above if lo > 0 else neither)
+    def three(below: str, above: str, neither: str) -> str:  # arm minus STATA
+        return by_interval(lo, hi, below, above, neither)
 
     if arm.name == "dense":
         return three("STATA more accurate", "dense more accurate: pruning costs accuracy", "no detectable accuracy difference")
@@ -295,8 +302,7 @@ def criterion(res: dict[str, Any]) -> list[dict[str, Any]]:
         d = [res[a][s]["acc"] - res[b][s]["acc"] for s in seeds]
         m, lo, hi = t_interval(d)
         rec = [res[x][s].get("digit_recall", math.nan) for x in (a, b) for s in seeds]
-        v = ("too few seeds for an interval" if math.isnan(lo) else "STATA's criterion beats random selection" if lo > 0
-             else "random selection is better" if hi < 0 else "no detectable difference")
+        v = by_interval(lo, hi, "random selection is better", "STATA's criterion beats random selection", "no detectable difference")
         rows.append({"stata": a, "random": b, "label": label, "seeds": [int(s[1:]) for s in seeds], "diffs": d, "diff": m,
                      "diff_lo": lo, "diff_hi": hi, "verdict": v,
                      "stata_recall": statistics.fmean(rec[:len(seeds)]), "random_recall": statistics.fmean(rec[len(seeds):])})
