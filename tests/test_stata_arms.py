@@ -231,3 +231,20 @@ def test_every_arm_overrides_a_valid_recipe():
         if arm.name.endswith("_early"):
             assert cfg.model["prune_blocks"] == [1, 2]
     assert [p[2] for p in ab.criterion_pairs()][-1].endswith("(early)")
+
+
+def test_criterion_pools_the_schedules_per_seed_when_there_are_several():
+    ab = _ablation()
+    run = lambda acc: {"acc": acc, "digit_recall": 0.5}  # noqa: E731
+    res = {"stata": {"s0": run(97.0), "s1": run(96.0), "s2": run(95.0)},
+           "random": {"s0": run(95.0), "s1": run(95.5), "s2": run(95.0)},
+           "stata_early": {"s0": run(90.0), "s1": run(92.0)},  # s2 missing here: the pooled row uses s0, s1
+           "random_early": {"s0": run(91.0), "s1": run(90.0)}}
+    rows = ab.criterion(res)
+    assert len(rows) == 3
+    last = rows[-1]
+    assert last["label"] == "mean over the 2 schedules above" and last["seeds"] == [0, 1]
+    assert last["diffs"] == [pytest.approx((2.0 - 1.0) / 2), pytest.approx((0.5 + 2.0) / 2)]
+    assert last["diff"] == pytest.approx(0.875)
+    assert (last["diff_lo"], last["diff_hi"]) == pytest.approx(ab.t_interval(last["diffs"])[1:])
+    assert ab.criterion({"stata": res["stata"], "random": res["random"]})[-1]["label"] != last["label"]  # one schedule: no pooled row
