@@ -218,8 +218,6 @@ def by_interval(lo: float, hi: float, below: str, above: str, neither: str) -> s
 
 
 def verdict(arm: Arm, lo: float, hi: float) -> str:
-    if math.isnan(lo):
-        return "too few seeds for an interval"
     def three(below: str, above: str, neither: str) -> str:  # arm minus STATA
         return by_interval(lo, hi, below, above, neither)
 
@@ -232,11 +230,8 @@ def verdict(arm: Arm, lo: float, hi: float) -> str:
         return three("less accurate than STATA", "more accurate than STATA", "no detectable difference from STATA")
     if not arm.removes:  # a point of the keep-ratio sweep
         return three("less accurate than rho 0.5", "more accurate than rho 0.5", "no detectable difference from rho 0.5")
-    if hi < 0:
-        return f"helps: without {arm.removes}, accuracy drops"
-    if lo > 0:
-        return f"hurts: without {arm.removes}, accuracy rises"
-    return "no detectable effect at this scale"
+    return three(f"helps: without {arm.removes}, accuracy drops", f"hurts: without {arm.removes}, accuracy rises",
+                 "no detectable effect at this scale")
 
 
 def collect(out: Path, known: dict[str, Arm]) -> dict[str, Any]:
@@ -289,6 +284,10 @@ def summarise(res: dict[str, Any], known: dict[str, Arm]) -> dict[str, Any]:
     return table
 
 
+# STATA minus random: interval below 0, above 0, across it
+CRITERION_WORDS = ("random selection is better", "STATA's criterion beats random selection", "no detectable difference")
+
+
 def criterion(res: dict[str, Any]) -> list[dict[str, Any]]:
     """STATA minus random selection at the same keep schedule, paired by seed: does the criterion
     matter, and where (the sweep's rho, early pruning)?"""
@@ -302,7 +301,7 @@ def criterion(res: dict[str, Any]) -> list[dict[str, Any]]:
         d = [res[a][s]["acc"] - res[b][s]["acc"] for s in seeds]
         m, lo, hi = t_interval(d)
         rec = [res[x][s].get("digit_recall", math.nan) for x in (a, b) for s in seeds]
-        v = by_interval(lo, hi, "random selection is better", "STATA's criterion beats random selection", "no detectable difference")
+        v = by_interval(lo, hi, *CRITERION_WORDS)
         rows.append({"stata": a, "random": b, "label": label, "seeds": [int(s[1:]) for s in seeds], "diffs": d, "diff": m,
                      "diff_lo": lo, "diff_hi": hi, "verdict": v,
                      "stata_recall": statistics.fmean(rec[:len(seeds)]), "random_recall": statistics.fmean(rec[len(seeds):])})
@@ -319,7 +318,7 @@ def pooled(rows: list[dict[str, Any]]) -> dict[str, Any]:
     seeds = sorted(set.intersection(*(set(r["seeds"]) for r in rows)))
     d = [statistics.fmean(r["diffs"][r["seeds"].index(s)] for r in rows) for s in seeds]
     m, lo, hi = t_interval(d) if seeds else (math.nan, math.nan, math.nan)
-    v = by_interval(lo, hi, "random selection is better", "STATA's criterion beats random selection", "no detectable difference")
+    v = by_interval(lo, hi, *CRITERION_WORDS)
     return {"stata": "all", "random": "all", "label": f"mean over the {len(rows)} schedules above", "seeds": seeds, "diffs": d,
             "diff": m, "diff_lo": lo, "diff_hi": hi, "verdict": v,
             "stata_recall": statistics.fmean(r["stata_recall"] for r in rows),
