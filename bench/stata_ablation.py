@@ -386,8 +386,10 @@ def plot_frontier(table: dict[str, Any], path: Path) -> None:
             continue
         ax.errorbar([p[1] for p in pts], [p[2] for p in pts], yerr=[0 if math.isnan(p[3]) else p[3] for p in pts],
                     fmt=style, capsize=3, label=f"{'STATA' if fam == 'stata' else 'random selection'}")
+        # STATA's labels above its points, random's below: the two families share each rho's energy.
         for rho, e, a, _ in pts:
-            ax.annotate(f"rho {rho:g}", (e, a), textcoords="offset points", xytext=(4, -10), fontsize=7)
+            ax.annotate(f"rho {rho:g}", (e, a), textcoords="offset points", xytext=(4, 5 if fam == "stata" else -11),
+                        fontsize=7)
     if "dense" in table:
         d = table["dense"]
         ax.errorbar([d["energy_uj"]], [d["acc_mean"]], yerr=[0 if math.isnan(d["acc_std"]) else d["acc_std"]], fmt="k*",
@@ -396,7 +398,7 @@ def plot_frontier(table: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("validation accuracy (%)")
     ax.set_title("cluttered digits: accuracy vs energy (mean +- std over seeds)")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
