@@ -50,8 +50,8 @@ fi
 # run out, so the final accuracy is wherever the learning rate ends; dense and STATA as shipped, 20 epochs.
 if [ "$PART" = long ]; then
   for s in ${SEEDS:-0 1 2 3 4 5 6 7 8 9}; do
-    run denselong_s$s recipes/spikformer_digits.yaml train.seed=$s
-    run statalong_s$s recipes/stata_digits.yaml train.seed=$s
+    run denselong_s$s recipes/spikformer_digits.yaml train.epochs=20 train.seed=$s
+    run statalong_s$s recipes/stata_digits.yaml train.epochs=20 train.seed=$s
   done
 fi
 if [ "$PART" = all ] || [ "$PART" = energy ]; then

@@ -1,9 +1,8 @@
-"""Seed stability of the digits STATA recipe: the table of `bench/stata_digits_runs.sh seeds`.
+"""Seed stability of the digits STATA recipe: the table of `bench/stata_digits_runs.sh seeds` and `... long`.
 
 Per variant (dense and STATA at 8 epochs, the STATA recipe with one change each, and both as shipped
-at 20 epochs): final
-validation accuracy over seeds (mean +- std, worst seed), and the paired difference to dense and
-to the shipped recipe with a 95 % t-interval.
+at 20 epochs): final validation accuracy over seeds (mean +- std, worst seed), the paired difference
+to dense and to STATA at 8 epochs with a 95 % t-interval, and STATA minus dense at 20 epochs.
 
     python bench/stata_digits_seeds.py runs/stata          # reads <dir>/<variant>_s<seed>/summary.json
 """
