@@ -7,6 +7,7 @@ STATA models run their lean inference path (pruned tokens' queries and the last 
 never computed; bitwise the same logits); `--no-lean` computes every row, as training does.
 
     python bench/stata_energy.py runs/stata/dense_s0 runs/stata/stata_s0 ...   # run dirs
+    python bench/stata_energy.py --base denselong runs/stata_seeds/{denselong,statalong}_s{0..9}
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None, help="validation images (default: all)")
     ap.add_argument("--no-lean", action="store_true", help="compute every row (as training does), not the lean inference path")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--base", default="dense", help="run-name prefix (before _s<seed>) of the dense runs (default dense)")
     args = ap.parse_args()
     rows = [measure(r, args.limit, lean=not args.no_lean) for r in args.runs]
     print("| run | lean | val acc | tokens in per block | energy / image (uJ) | encoder energy (uJ) | encoder MACs (k) | encoder SOPs (k) |")
@@ -71,8 +73,8 @@ def main() -> None:
     groups: dict[str, list[dict]] = {}
     for r in rows:
         groups.setdefault(Path(r["run"]).name.rsplit("_s", 1)[0], []).append(r)
-    if "dense" in groups:
-        base = groups["dense"]
+    if args.base in groups:
+        base = groups[args.base]
         e0 = statistics.mean(r["energy_uj"] for r in base)
         n0 = statistics.mean(r["encoder_uj"] for r in base)
         for g, rs in groups.items():
