@@ -1,10 +1,11 @@
-"""Accuracy and energy of trained saccade_digits runs, dense vs STATA, from their run dirs.
+"""Accuracy and energy of trained runs, dense vs STATA, from their run dirs (any dataset).
 
 Reads each run's `summary.json`: final validation accuracy and the trainer's cost report
 (`efficient.profile` on the first `profile.samples` validation samples; 45 nm: 4.6 pJ/MAC,
-0.9 pJ/SOP). Prints a markdown table, mean +- std over seeds and the STATA / dense ratios.
+0.9 pJ/SOP). Prints a markdown table, mean +- std over seeds, the STATA / dense energy ratio and
+the accuracy difference paired by seed (`train.seed` of each run's config.yaml) with its 95 % t-interval.
 
-    python bench/saccade_digits.py --dense runs/sd/dense_s0 ... --stata runs/sd/stata_s0 ...
+    python bench/stata_vs_dense.py --dense runs/sd/dense_s0 ... --stata runs/sd/stata_s0 ...
 """
 
 from __future__ import annotations
@@ -12,11 +13,30 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from stata_ablation import fmt, t_interval  # noqa: E402
 
 
 def load(runs: list[str]) -> list[dict]:
-    return [json.loads((Path(r) / "summary.json").read_text()) for r in runs]
+    """Each run's summary, with its seed (from config.yaml) under "seed"."""
+    out = []
+    for r in runs:
+        s = json.loads((Path(r) / "summary.json").read_text())
+        s["seed"] = yaml.safe_load((Path(r) / "config.yaml").read_text())["train"]["seed"]
+        out.append(s)
+    return out
+
+
+def paired_by_seed(stata: list[dict], dense: list[dict]) -> list[float]:
+    """STATA minus dense accuracy (points) for every seed both sides have, in seed order."""
+    d = {s["seed"]: 100 * s["val"]["acc"] for s in dense}
+    return [100 * s["val"]["acc"] - d[s["seed"]] for s in sorted(stata, key=lambda s: s["seed"]) if s["seed"] in d]
 
 
 def mean_std(xs: list[float]) -> str:
@@ -40,12 +60,17 @@ def main() -> None:
         per = [[f(s) for s in runs] for _, f in keys]
         print(f"| {runs[0]['model']} | {len(runs)} | " + " | ".join(mean_std(v) for v in per) + " |")
     for name, runs in rows.items():
-        print(f"{name} per seed acc %: " + ", ".join(f"{100 * s['val']['acc']:.2f}" for s in runs))
+        runs = sorted(runs, key=lambda s: s["seed"])
+        print(f"{name} per seed acc % (seeds {', '.join(str(s['seed']) for s in runs)}): "
+              + ", ".join(f"{100 * s['val']['acc']:.2f}" for s in runs))
     e = {n: statistics.mean(s["cost"]["energy_pj_per_sample"] for s in r) for n, r in rows.items()}
-    acc = {n: [100 * s["val"]["acc"] for s in r] for n, r in rows.items()}
-    diffs = [s - d for s, d in zip(acc["stata"], acc["dense"])]
+    diffs = paired_by_seed(rows["stata"], rows["dense"])
+    if not diffs:
+        raise SystemExit("no seed is in both --dense and --stata: nothing to pair")
+    m, lo, hi = t_interval(diffs)
     print(f"energy STATA / dense: {e['stata'] / e['dense']:.3f} ({100 * (1 - e['stata'] / e['dense']):.1f} % less)")
-    print(f"accuracy STATA - dense, paired by seed: {mean_std(diffs)} points")
+    print(f"accuracy STATA - dense, paired by seed: {mean_std(diffs)} points; "
+          f"{m:+.2f} [{fmt(lo)}, {fmt(hi)}] 95 % CI, n={len(diffs)}")
 
 
 if __name__ == "__main__":
