@@ -1,4 +1,5 @@
-"""The digits seed study (bench/stata_digits_seeds.py) and the pairing of the two digits recipes."""
+"""The STATA study scripts (bench/stata_digits_seeds.py, bench/stata_vs_dense.py) and the pairing of
+the two digits recipes."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ from efficient.config import load_yaml
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _seeds_module():
-    sys.path.insert(0, str(ROOT / "bench"))  # it imports stata_ablation from beside it
-    spec = importlib.util.spec_from_file_location("stata_digits_seeds", ROOT / "bench" / "stata_digits_seeds.py")
+def _bench(name: str):
+    sys.path.insert(0, str(ROOT / "bench"))  # the scripts import stata_ablation from beside them
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -37,7 +38,7 @@ def test_digits_twins_share_data_optimizer_schedule_and_budget():
 
 
 def test_seed_table_pairs_by_seed_and_reports_stata_minus_dense_at_20_epochs(tmp_path, capsys, monkeypatch):
-    mod = _seeds_module()
+    mod = _bench("stata_digits_seeds")
     for s, (d8, s8, d20, s20) in enumerate([(0.94, 0.92, 0.97, 0.96), (0.93, 0.90, 0.96, 0.97), (0.95, 0.93, 0.98, 0.97)]):
         _summary(tmp_path, f"dense_s{s}", d8, 4.5e6)
         _summary(tmp_path, f"stata_s{s}", s8)
@@ -56,3 +57,29 @@ def test_seed_table_pairs_by_seed_and_reports_stata_minus_dense_at_20_epochs(tmp
     assert "| statalong: recipes/stata_digits.yaml as shipped (20 epochs) | 4 |" in out
     assert out.rstrip().endswith(f"At 20 epochs, STATA minus dense [95 % CI]: {m:+.2f} [{lo:.2f}, {hi:.2f}] (n=3)")
     assert "| 4.500 |" in out  # the dense rows' energy, uJ
+
+
+def _run(root: Path, name: str, seed: int, acc: float, model: str) -> str:
+    d = root / name
+    d.mkdir()
+    (d / "config.yaml").write_text(f"train:\n  seed: {seed}\n")
+    cost = {"energy_pj_per_sample": 2.0e6 if "stata" in model else 4.0e6, "macs": 64, "sops": 32, "dense_macs": 128,
+            "batch_size": 32}
+    (d / "summary.json").write_text(json.dumps({"model": model, "val": {"acc": acc}, "cost": cost, "train_time_s": 1.0}))
+    return str(d)
+
+
+def test_stata_vs_dense_pairs_runs_by_their_seed_not_their_order(tmp_path, capsys, monkeypatch):
+    mod = _bench("stata_vs_dense")
+    dense = [_run(tmp_path, f"d{s}", s, a, "spikformer-tiny") for s, a in [(0, 0.90), (1, 0.80), (2, 0.70)]]
+    stata = [_run(tmp_path, f"s{s}", s, a, "spikformer-tiny-stata") for s, a in [(2, 0.72), (0, 0.91), (5, 0.10)]]
+    monkeypatch.setattr(sys, "argv", ["stata_vs_dense.py", "--dense", *dense, "--stata", *stata])
+    mod.main()
+    out = capsys.readouterr().out
+    m, lo, hi = mod.t_interval([1.0, 2.0])  # seeds 0 and 2; seed 5 has no dense run
+    assert f"{m:+.2f} [{lo:.2f}, {hi:.2f}] 95 % CI, n=2" in out and m == pytest.approx(1.5)
+    assert "stata per seed acc % (seeds 0, 2, 5): 91.00, 72.00, 10.00" in out
+    assert "energy STATA / dense: 0.500 (50.0 % less)" in out
+    monkeypatch.setattr(sys, "argv", ["stata_vs_dense.py", "--dense", dense[1], "--stata", stata[2]])
+    with pytest.raises(SystemExit, match="no seed is in both"):
+        mod.main()
