@@ -199,6 +199,11 @@ def analyse(d: Path) -> dict[str, Any]:
     return out
 
 
+def paired_diffs(a: dict[int, float], b: dict[int, float]) -> list[float]:
+    """a minus b for every seed both have, in seed order."""
+    return [a[s] - b[s] for s in sorted(a) if s in b]
+
+
 def t_interval(diffs: list[float]) -> tuple[float, float, float]:
     """Mean and 95 % t-interval of paired differences (nan-wide with fewer than 2 pairs)."""
     from scipy import stats

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from stata_ablation import fmt, t_interval  # noqa: E402
+from stata_ablation import fmt, paired_diffs, t_interval  # noqa: E402
 
 VARIANTS = {
     "dense": "recipes/spikformer_digits.yaml at 8 epochs",
@@ -47,7 +47,7 @@ def load(root: Path) -> tuple[dict[str, dict[int, float]], dict[str, list[float]
 
 
 def paired(a: dict[int, float], b: dict[int, float]) -> str:
-    diffs = [a[s] - b[s] for s in sorted(a) if s in b]
+    diffs = paired_diffs(a, b)
     if not diffs:
         return "n/a"
     m, lo, hi = t_interval(diffs)

@@ -16,27 +16,25 @@ import statistics
 import sys
 from pathlib import Path
 
-import yaml
+from efficient.config import load_yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from stata_ablation import fmt, t_interval  # noqa: E402
+from stata_ablation import fmt, paired_diffs, t_interval  # noqa: E402
 
 
 def load(runs: list[str]) -> list[dict]:
-    """Each run's summary, with its seed (from config.yaml) under "seed"."""
+    """Each run's summary, with its seed (from config.yaml) under "seed", in seed order."""
     out = []
     for r in runs:
         s = json.loads((Path(r) / "summary.json").read_text())
-        s["seed"] = yaml.safe_load((Path(r) / "config.yaml").read_text())["train"]["seed"]
+        s["seed"] = load_yaml(Path(r) / "config.yaml")["train"]["seed"]
         out.append(s)
-    return out
+    return sorted(out, key=lambda s: s["seed"])
 
 
-def paired_by_seed(stata: list[dict], dense: list[dict]) -> list[float]:
-    """STATA minus dense accuracy (points) for every seed both sides have, in seed order."""
-    d = {s["seed"]: 100 * s["val"]["acc"] for s in dense}
-    return [100 * s["val"]["acc"] - d[s["seed"]] for s in sorted(stata, key=lambda s: s["seed"]) if s["seed"] in d]
+def accuracy_by_seed(runs: list[dict]) -> dict[int, float]:
+    return {s["seed"]: 100 * s["val"]["acc"] for s in runs}
 
 
 def mean_std(xs: list[float]) -> str:
@@ -60,11 +58,10 @@ def main() -> None:
         per = [[f(s) for s in runs] for _, f in keys]
         print(f"| {runs[0]['model']} | {len(runs)} | " + " | ".join(mean_std(v) for v in per) + " |")
     for name, runs in rows.items():
-        runs = sorted(runs, key=lambda s: s["seed"])
         print(f"{name} per seed acc % (seeds {', '.join(str(s['seed']) for s in runs)}): "
               + ", ".join(f"{100 * s['val']['acc']:.2f}" for s in runs))
     e = {n: statistics.mean(s["cost"]["energy_pj_per_sample"] for s in r) for n, r in rows.items()}
-    diffs = paired_by_seed(rows["stata"], rows["dense"])
+    diffs = paired_diffs(accuracy_by_seed(rows["stata"]), accuracy_by_seed(rows["dense"]))
     if not diffs:
         raise SystemExit("no seed is in both --dense and --stata: nothing to pair")
     m, lo, hi = t_interval(diffs)

@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bench(name: str):
-    sys.path.insert(0, str(ROOT / "bench"))  # the scripts import stata_ablation from beside them
+    if str(ROOT / "bench") not in sys.path:  # the scripts import stata_ablation from beside them
+        sys.path.insert(0, str(ROOT / "bench"))
     spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
