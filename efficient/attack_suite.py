@@ -229,13 +229,17 @@ def worst_case(
     device: torch.device | str = "cpu",
     max_batches: int | None = None,
     seed: int = 0,
+    per_example: bool = False,
 ) -> dict[str, Any]:
     """Per-example worst case of the suite over `batches` of (images in [0, 1], labels).
 
     Returns {"n", "eps", "clean", "worst_case", "attacks": [{attack, acc, seconds, unique_breaks,
     ...params} or {attack, skipped}], "seconds", "seconds_per_image", "config"}; accuracies are
     fractions of all n examples. `unique_breaks` counts examples only that attack broke.
-    `source` (optional) is an independently trained model for the transfer attack.
+    `source` (optional) is an independently trained model for the transfer attack. With
+    `per_example`, the result also holds {"per_example": {"clean": [bool] * n, "survived": {attack:
+    [bool] * n}}}: which examples were classified correctly, and which of those each attack left
+    correct (the masks the worst case and `unique_breaks` are computed from).
     """
     check_eps(eps)
     cfg = config or SuiteConfig()
@@ -295,10 +299,13 @@ def worst_case(
             row["acc_first_restart"] = torch.cat(m.first_restart).float().mean().item()
         rows.append(row)
     seconds = sum(m.seconds for m in ran)
-    return {
+    out = {
         "n": n, "eps": eps, "clean": clean.float().mean().item(), "worst_case": robust.float().mean().item(),
         "attacks": rows, "seconds": seconds, "seconds_per_image": seconds / n, "config": asdict(cfg),
     }
+    if per_example:
+        out["per_example"] = {"clean": clean.tolist(), "survived": {k: v.tolist() for k, v in masks.items()}}
+    return out
 
 
 __all__ = ["OWN_GRADIENT", "SUITE_ATTACKS", "SuiteConfig", "has_spiking_neurons", "pgd_accuracy", "pgd_best", "worst_case"]

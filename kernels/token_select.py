@@ -46,8 +46,9 @@ def resolve_backend(backend: str, t: Tensor, kernel: str = "token_select") -> st
 
 
 def standardized_scores(scores: Tensor, eps: float = 1e-6, standardize: bool = True) -> Tensor:
-    """mean_t z_t over `[T, B, N]` scores -> `[B, N]` fp32 (raw mean_t s_t if not `standardize`)."""
-    s = scores.detach().float()
+    """mean_t z_t over `[T, B, N]` scores -> `[B, N]` in fp32, or float64 for float64 scores (raw
+    mean_t s_t if not `standardize`)."""
+    s = scores.detach().to(torch.promote_types(scores.dtype, torch.float32))
     if standardize:
         mu = s.mean(-1, keepdim=True)
         sd = s.std(-1, correction=0, keepdim=True)

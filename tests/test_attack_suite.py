@@ -105,14 +105,35 @@ def check(res: dict, name: str) -> bool | None:
 def test_worst_case_is_never_above_any_attack(cnn, cnn_source, snn, digits):
     x, y = digits[1]
     for model, source in ((cnn, cnn_source), (snn, cnn)):
-        res = worst_case(model, [(x[:60], y[:60]), (x[60:], y[60:])], EPS, SMALL, source=source)
+        res = worst_case(model, [(x[:60], y[:60]), (x[60:], y[60:])], EPS, SMALL, source=source, per_example=True)
         ran = [r for r in res["attacks"] if r["acc"] is not None]
         assert {r["attack"] for r in ran} >= {"apgd-ce", "apgd-dlr", "pgd", "transfer", "square"}
         assert res["n"] == 120 and res["clean"] > 0.7
         for r in ran:
             assert res["worst_case"] <= r["acc"] <= res["clean"], r
-        # the worst case is the fraction that survives every attack, so more than one attack counts
-        assert res["worst_case"] < min(r["acc"] for r in ran) or sum(r["unique_breaks"] for r in ran) == 0
+        # the per-example masks agree with the summary numbers
+        clean = torch.tensor(res["per_example"]["clean"])
+        survived = {k: torch.tensor(v) for k, v in res["per_example"]["survived"].items()}
+        assert set(survived) == {r["attack"] for r in ran} and len(clean) == 120
+        assert res["clean"] == pytest.approx(clean.float().mean().item())
+        robust = clean.clone()
+        for k, s in survived.items():
+            assert not (s & ~clean).any(), f"{k} left an example correct that was wrong without attack"
+            robust &= s
+        # the worst case is exactly the fraction that no attack broke ...
+        assert res["worst_case"] == pytest.approx(robust.float().mean().item())
+        for r in ran:
+            assert r["acc"] == pytest.approx(survived[r["attack"]].float().mean().item())
+            others = clean.clone()
+            for k, s in survived.items():
+                if k != r["attack"]:
+                    others &= s
+            assert r["unique_breaks"] == int((others & ~survived[r["attack"]]).sum())
+        # ... so it is strictly below the strongest single attack exactly when some example survived
+        # that attack but fell to another one (ties for strongest give the same answer)
+        strongest = min(ran, key=lambda r: r["acc"])
+        fell_elsewhere = bool((survived[strongest["attack"]] & ~robust).any())
+        assert (res["worst_case"] < strongest["acc"]) == fell_elsewhere
         assert res["seconds"] > 0 and res["seconds_per_image"] == pytest.approx(res["seconds"] / 120)
 
 

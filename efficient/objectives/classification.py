@@ -42,9 +42,10 @@ class Classification(Objective):
         return self.mixup_fn is not None and (self.mixup_off_epoch is None or self.epoch < self.mixup_off_epoch)
 
     def classification_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # half -> fp32; float64 kept
         if target.dim() == 2:  # soft targets from mixup
-            return torch.sum(-target * F.log_softmax(logits.float(), dim=-1), dim=-1).mean()
-        return F.cross_entropy(logits.float(), target, label_smoothing=self.label_smoothing)
+            return torch.sum(-target * F.log_softmax(logits, dim=-1), dim=-1).mean()
+        return F.cross_entropy(logits, target, label_smoothing=self.label_smoothing)
 
     def prepare(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = batch
