@@ -400,6 +400,13 @@ def validate(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
 PARALLEL_FAMILIES = ("ee-gpt",)  # models whose layers split into pipeline stages / FSDP units
 
 
+def check_global_batch(recipe: Recipe, world_size: int) -> None:
+    """The global batch `data.batch_size` must split evenly over `world_size` processes."""
+    bs = recipe.data["batch_size"]
+    if world_size > 1 and bs % world_size:
+        raise ConfigError(f"{recipe.source}: data.batch_size={bs} (the global batch) must be divisible by the {world_size} processes")
+
+
 def check_parallel(recipe: Recipe, world_size: int | None = None) -> None:
     """`train.parallel` against the model, objective, batch and (when known) the process count.
 

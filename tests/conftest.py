@@ -1,13 +1,42 @@
-"""Shared fixtures: tiny recipes that train in seconds on 2 CPU cores."""
+"""Shared fixtures: tiny recipes that train in seconds on 2 CPU cores, and the settings that make
+the suite behave the same on every machine (see tests/README.md)."""
 
 from __future__ import annotations
 
+import os
 import pickle
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Inductor's compiled-kernel cache is keyed without ATEN_CPU_CAPABILITY, yet the C++ it caches was
+# generated for one SIMD level: a cache filled natively then read under ATEN_CPU_CAPABILITY=default
+# fails to compile ("'at::vec' has not been declared"). Runs under a forced capability get a cache
+# of their own (set before torch is imported; subprocesses inherit it).
+_CAPABILITY = "-".join(os.environ.get(k, "") for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")).strip("-")
+if _CAPABILITY and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"torchinductor-efficient-{_CAPABILITY.lower()}")
+# rich wraps tables to the terminal: a narrow COLUMNS would split the cells tests read
+os.environ["COLUMNS"] = "200"
+
+import torch  # noqa: E402
+
+from efficient.kernels._backend import have_cxx_compiler  # noqa: E402
+
+# Tests that compile with inductor on CPU need a C++ compiler; without one they skip, saying so.
+needs_cxx = pytest.mark.skipif(not have_cxx_compiler(), reason="no C++ compiler (g++/clang++): inductor cannot compile on CPU")
+
+try:  # property tests draw the same examples on every machine and keep no local database
+    from hypothesis import settings
+
+    settings.register_profile("portable", derandomize=True, database=None)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "portable"))
+except ImportError:  # pragma: no cover - hypothesis is a dev dependency
+    pass
 
 TINY_RECIPE = """
 model:
@@ -52,6 +81,19 @@ def tiny_recipe(tmp_path: Path) -> Path:
 def _seed() -> None:
     torch.manual_seed(0)
     np.random.seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_globals():
+    """Undo what a test (or the trainer it runs in-process) sets globally: the thread count and
+    deterministic-algorithm mode, so no test depends on which tests ran before it."""
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    dtype = torch.get_default_dtype()
+    yield
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+    torch.set_default_dtype(dtype)
 
 
 def write_fake_cifar(root: Path, n_train: int = 20, n_test: int = 10, classes: int = 10, name: str = "cifar10") -> Path:

@@ -42,6 +42,10 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--out {run_dir} already holds a run; pick another directory or continue it with --resume {run_dir}")
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
+    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        from efficient.config import check_global_batch
+
+        check_global_batch(recipe, args.nproc)  # before any process starts
     if recipe.train.parallel.enabled:
         from efficient.config import check_parallel
 

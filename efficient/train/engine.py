@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Sampler
 
 from efficient import zoo
-from efficient.config import Recipe
+from efficient.config import Recipe, check_global_batch
 from efficient.data import DataBundle, build_data
 from efficient.errors import ArtifactError, ConfigError
 from efficient.io import write_json, write_text
@@ -237,9 +237,7 @@ class Trainer:
     def _setup_optimizer(self) -> None:
         """Step budget, optimizer, LR schedule, then the model as the steps call it (DDP, compile, AMP)."""
         r, t = self.recipe, self.recipe.train
-        bs = r.data["batch_size"]
-        if bs % self.dist.world_size:
-            raise ConfigError(f"{r.source}: data.batch_size={bs} (the global batch) must be divisible by the {self.dist.world_size} processes")
+        check_global_batch(r, self.dist.world_size)
         self._setup_budget()
         self.optimizer = build_optimizer(self.model, r.optim)
         self.scheduler = build_scheduler(self.optimizer, self.total_steps, self.steps_per_epoch, r.optim.lr, r.schedule)
