@@ -25,6 +25,11 @@ os.environ["COLUMNS"] = "200"
 
 import torch  # noqa: E402
 
+# Under pytest-xdist every worker is a process of its own: share the cores between them instead of
+# each starting a thread per core (oversubscribed threads make every op slower).
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 from efficient.kernels._backend import have_cxx_compiler  # noqa: E402
 
 # Tests that compile with inductor on CPU need a C++ compiler; without one they skip, saying so.

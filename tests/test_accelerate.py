@@ -1,5 +1,8 @@
 """efficient.accelerate: spikingjelly and snntorch models before vs after, equal spikes, outputs,
-gradients (within 1e-5) and profiler counts, over several time steps and two consecutive calls."""
+gradients (within 1e-5) and profiler counts, over several time steps and two consecutive calls.
+spikingjelly runs the same layers on the same shapes before and after, so spikes and outputs are
+compared exactly; snntorch's per-step GEMMs against multi_step's one over T*B rows within the
+tolerances stated beside TIE."""
 
 from __future__ import annotations
 
@@ -190,15 +193,95 @@ def _snn_multi(net: AcceleratedSequential, x: torch.Tensor):
     return net.multi_step(x)
 
 
+class _HiddenTrace:
+    """Records, for every hidden (non-output) Leaky of a stack, the spikes it passes on (the input of
+    the step-wise layer after it: its hook fires per step and inside multi_step alike) and, when
+    snntorch's per-step forward runs, the membrane each step fired from. `take()` returns
+    {index: (spikes [T*B, ...], membrane [T*B, ...] or None, threshold)} and starts afresh."""
+
+    def __init__(self, net: nn.Sequential):
+        kids = list(net)
+        self.leaky = {i: k for i, k in enumerate(kids) if isinstance(k, snn.Leaky) and not k.output}
+        self.spk: dict = {i: [] for i in self.leaky}
+        self.mem: dict = {i: [] for i in self.leaky}
+        self.handles = []
+        for i, k in self.leaky.items():
+            self.handles.append(kids[i + 1].register_forward_pre_hook(
+                lambda m, inp, i=i: self.spk[i].append(inp[0].detach().clone())))
+            self.handles.append(k.register_forward_hook(
+                lambda m, inp, out, i=i: self.mem[i].append(m.mem.detach().clone())))
+
+    def take(self) -> dict:
+        out = {i: (torch.cat(self.spk[i]), torch.cat(self.mem[i]) if self.mem[i] else None,
+                   k.threshold.detach().clone()) for i, k in self.leaky.items()}
+        for i in self.leaky:
+            self.spk[i].clear()
+            self.mem[i].clear()
+        return out
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
 def _run_snn(net, x, fn):
     out = []
-    for _ in range(2):  # two consecutive calls (training steps)
-        net.zero_grad()
-        xi = x.clone().requires_grad_()
-        spk, mem = fn(net, xi)
-        ((spk * 0.7 + mem * torch.linspace(-1, 1, mem.numel()).view_as(mem)).sum()).backward()
-        out.append((spk.detach(), mem.detach(), _grads(net, xi)))
+    trace = _HiddenTrace(net)
+    try:
+        for _ in range(2):  # two consecutive calls (training steps)
+            net.zero_grad()
+            xi = x.clone().requires_grad_()
+            spk, mem = fn(net, xi)
+            ((spk * 0.7 + mem * torch.linspace(-1, 1, mem.numel()).view_as(mem)).sum()).backward()
+            out.append((spk.detach(), mem.detach(), _grads(net, xi), trace.take()))
+    finally:
+        trace.remove()
     return out
+
+
+# snntorch steps one [B, in] GEMM per time step, multi_step one [T*B, in] GEMM: the BLAS may block
+# the two row counts differently, so pre-activations (and membranes) can differ in the last bits and
+# a membrane within an ulp of threshold can fire in one run and not the other. Spikes must agree
+# wherever the reference membrane is further than TIE from threshold (ulp-level differences stay
+# many orders below it); a batch sample with a spike flipped at a tie leaves the membrane and
+# gradient comparison, since a flip changes everything downstream of it.
+TIE = 1e-4
+# membranes: a few fp32 ulps of pre-activation, carried through T steps of leak, stay far below this;
+# a wrong leak, threshold or reset moves them by orders of magnitude more
+MEM_TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _tie_flips(s_ref, s_got, mem_ref, thr, T_: int, B_: int) -> torch.Tensor:
+    """[B] mask of samples with a spike flipped at a threshold tie; fails on a flip away from one."""
+    s_ref, s_got, mem_ref = (t.reshape(T_, B_, -1) for t in (s_ref, s_got, mem_ref))
+    diff = s_ref != s_got
+    away = (mem_ref - thr).abs() > TIE
+    assert not (diff & away).any(), f"{int((diff & away).sum())} spike(s) differ away from threshold"
+    return diff.any(0).any(-1)
+
+
+def _assert_snn_agree(net, ref: tuple, got: tuple) -> None:
+    """ref: snntorch's per-step run, got: multi_step; each (spikes, membrane, grads or None, hidden
+    trace). Hidden and output spikes agree away from threshold ties; membranes of samples without a
+    tie flip agree within MEM_TOL; gradients (summed over the batch) within 1e-5 when nothing flipped.
+    Still catches a wrong leak / threshold / reset / surrogate (spikes away from ties, membranes or
+    gradients), a GEMM on the wrong rows, or state lost between steps or calls."""
+    sb, mb, gb, hb = ref
+    sa, ma, ga, ha = got
+    assert sb.shape == sa.shape and mb.shape == ma.shape and hb.keys() == ha.keys()
+    T_, B_ = mb.shape[:2]
+    flipped = torch.zeros(B_, dtype=torch.bool)
+    for i, (s_ref, m_ref, thr) in hb.items():
+        assert ha[i][0].shape == s_ref.shape and m_ref is not None
+        flipped |= _tie_flips(s_ref, ha[i][0], m_ref, thr, T_, B_)
+    flipped |= _tie_flips(sb, sa, mb, net[-1].threshold.detach(), T_, B_)
+    keep = ~flipped
+    assert keep.any(), "every sample had a spike flipped at a threshold tie: nothing left to compare"
+    torch.testing.assert_close(ma[:, keep], mb[:, keep], **MEM_TOL)
+    if gb is not None and not flipped.any():
+        assert gb.keys() == ga.keys()
+        for k in gb:
+            torch.testing.assert_close(ga[k], gb[k], rtol=1e-5, atol=1e-5, msg=k)
 
 
 @pytest.mark.parametrize("reset", ["subtract", "zero", "none"])
@@ -211,11 +294,9 @@ def test_snntorch_net_is_unchanged(build, reset, per_neuron, backend=BACKEND):
     assert isinstance(after, AcceleratedSequential) and isinstance(after[-1], snn.Leaky)
     x = torch.rand(T, 2, 2, 8, 8) * 1.5
     rb, ra = _run_snn(before, x, _snn_loop), _run_snn(after, x, _snn_multi)
-    for (sb, mb, gb), (sa, ma, ga) in zip(rb, ra):
-        assert torch.equal(sb, sa) and torch.equal(mb, ma)
-        for k in gb:
-            torch.testing.assert_close(ga[k], gb[k], rtol=1e-5, atol=1e-5, msg=k)
-    # per-step calls stay snntorch's step and agree too
+    for ref, got in zip(rb, ra):
+        _assert_snn_agree(before, ref, got)
+    # per-step calls stay snntorch's step, the same computation on the same shapes: equal bits
     s1, m1 = _snn_loop(before, x)
     s2, m2 = _snn_loop(after, x)
     assert torch.equal(s1, s2) and torch.equal(m1, m2)
@@ -230,11 +311,15 @@ def test_snntorch_state_continues_across_multi_step_calls():
     net = _snn_mlp("subtract", True)
     after, _ = efficient.accelerate(copy.deepcopy(net), backend=BACKEND)
     x = torch.rand(6, 2, 2, 8, 8) * 1.5
+    ref_trace, got_trace = _HiddenTrace(net), _HiddenTrace(after)
     s_all, m_all = _snn_loop(net, x)
     snn_utils.reset(after)
     s1, m1 = after.multi_step(x[:3])
     s2, m2 = after.multi_step(x[3:])
-    assert torch.equal(torch.cat([s1, s2]), s_all) and torch.equal(torch.cat([m1, m2]), m_all)
+    ref = (s_all, m_all, None, ref_trace.take())
+    got = (torch.cat([s1, s2]), torch.cat([m1, m2]), None, got_trace.take())
+    # a state dropped between the calls would reset the membrane at step 3: far beyond the tolerance
+    _assert_snn_agree(net, ref, got)
 
 
 def test_snntorch_parameters_keep_names():
@@ -291,4 +376,8 @@ def test_profiler_counts_are_unchanged():
     snet = _snn_conv("subtract", False)
     before = _counts(_Loop(snet, False), x)
     efficient.accelerate(snet, backend=BACKEND)
-    assert _counts(_Loop(snet, True), x) == before and before["sops"] > 0
+    after = _counts(_Loop(snet, True), x)
+    assert {k: v for k, v in after.items() if k != "sops"} == {k: v for k, v in before.items() if k != "sops"}
+    # sops count spikes: a spike flipped at a threshold tie (per-step vs [T*B]-row GEMMs, see TIE)
+    # moves them by its fan-out (<= 72 here, ~1 %); counting a layer twice or missing one moves them by far more
+    assert before["sops"] > 0 and abs(after["sops"] - before["sops"]) <= 0.02 * before["sops"]

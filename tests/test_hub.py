@@ -3,8 +3,10 @@ refused when their checksum does not match; hf-hub sources fail clearly without 
 
 from __future__ import annotations
 
+import hashlib
 import http.server
 import json
+import platform
 import sys
 import threading
 from collections.abc import Iterator
@@ -21,6 +23,29 @@ ROOT = Path(__file__).resolve().parents[1]
 RECORDS = [rec for tags in hub._manifest().values() for rec in tags.values()]
 TOL_ACC = 0.006  # two digits images in 360
 TOL_LOSS = 0.01  # relative
+# The `text` dataset without `files` reads CPython's pydoc topics (efficient/data/text.py), which
+# change with every Python release: a metric recorded on one corpus says nothing about another.
+# Per record on that corpus: the Python it was measured on and the SHA-256 of the corpus, from
+#   python -c "import hashlib; from efficient.data.text import default_corpus as c; print(hashlib.sha256(c().encode()).hexdigest())"
+# run with that Python (refresh both when bench/zoo_weights.py re-measures the record).
+MEASURED_ON_PYDOC = {
+    ("ee-gpt-tiny", "text"): ("3.11.7", "71f2ff5d99bdc1f9c48c5c2353ad138201c5ca1c377e0226857ef8fa89b8bcee"),
+}
+
+
+def _other_corpus(rec: hub.ShippedWeights) -> str:
+    """Why `rec`'s recorded metrics cannot be checked on this Python ('' when they can)."""
+    if rec.dataset != "text" or rec.data.get("files"):
+        return ""
+    from efficient.data.text import default_corpus
+
+    assert (rec.name, rec.tag) in MEASURED_ON_PYDOC, f"{rec.name}:{rec.tag}: record the corpus it was measured on"
+    version, recorded = MEASURED_ON_PYDOC[rec.name, rec.tag]
+    here = hashlib.sha256(default_corpus().encode("utf-8")).hexdigest()
+    if here == recorded:
+        return ""
+    return (f"the recorded metric was measured on another corpus: pydoc topics of Python {version} "
+            f"(sha256 {recorded[:12]}), here Python {platform.python_version()} (sha256 {here[:12]})")
 
 
 def test_the_recipes_that_train_here_have_shipped_weights() -> None:
@@ -35,6 +60,8 @@ def test_the_recipes_that_train_here_have_shipped_weights() -> None:
 
 @pytest.mark.parametrize("rec", RECORDS, ids=[f"{r.name}:{r.tag}" for r in RECORDS])
 def test_shipped_weights_reach_their_recorded_validation_metrics(rec: hub.ShippedWeights) -> None:
+    if why := _other_corpus(rec):
+        pytest.skip(why)
     model = efficient.load(rec.name, pretrained=rec.tag)
     cfg = model.pretrained_cfg
     assert cfg["source"] == "package" and cfg["sha256"] == rec.sha256 and cfg["recipe"] == rec.recipe

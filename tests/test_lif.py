@@ -9,8 +9,8 @@ import math
 
 import pytest
 import torch
+from conftest import needs_cxx
 
-from efficient.kernels import _backend
 from efficient.kernels import lif as K
 
 try:  # the parity oracle; only the tests marked needs_spikingjelly use it
@@ -111,6 +111,7 @@ def test_plif_matches_spikingjelly(v_reset, detach_reset, decay_input, surrogate
         torch.testing.assert_close(w.grad, node.w.grad, rtol=1e-5, atol=1e-5)
 
 
+@needs_cxx
 def test_compiled_cpu_path_matches_reference():
     """The `auto` CPU path (inductor-compiled fused loop inside the custom op), Spikformer's config."""
     x, g, gm = _input((4, 2, 5, 7), seed=5), _input((4, 2, 5, 7), seed=6), _input((4, 2, 5, 7), seed=7)
@@ -121,7 +122,8 @@ def test_compiled_cpu_path_matches_reference():
         ((s * g).sum() + (h * gm).sum()).backward()
         outs.append((s.detach(), h.detach(), xs.grad))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
-    torch.testing.assert_close(outs[1][2], outs[0][2], rtol=0, atol=1e-6)
+    # inductor may contract the surrogate's arithmetic into FMAs or vectorize it otherwise: an ulp
+    torch.testing.assert_close(outs[1][2], outs[0][2], rtol=1e-6, atol=1e-6)
     cpu = torch.device("cpu")
     assert K.resolve_backend("auto", cpu) == "compile" == K.resolve_backend("auto", cpu, K.COMPILE_MIN_NUMEL)
     assert K.resolve_backend("auto", cpu, K.COMPILE_MIN_NUMEL - 1) == "loop"  # small: no compile wait
@@ -148,7 +150,11 @@ def test_half_inputs_compute_in_fp32(dtype):
     s_ref, h_ref = K.lif_reference(xr, detach_reset=False)
     s_ref.sum().backward()
     assert torch.equal(s.float(), s_ref) and torch.equal(h, h_ref)
-    torch.testing.assert_close(xo.grad.float(), xr.grad.to(dtype).float(), rtol=0, atol=0)
+    # both are fp32 gradients rounded to `dtype`; the fused loop's and the reference's fp32 sums may
+    # differ in the last bit and round to neighbouring half values: 1 ulp of `dtype` (eps relative,
+    # and the subnormal step near zero)
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(xo.grad.float(), xr.grad.to(dtype).float(), rtol=eps, atol=torch.finfo(dtype).tiny * eps)
 
 
 def test_spike_dtype_option():
@@ -397,14 +403,12 @@ def test_v_init_matches_two_calls_of_the_reference(impl, kw):
 
 @pytest.mark.parametrize("beta_shape", ["per_neuron", "shared"])
 @pytest.mark.parametrize("reset", ["subtract", "zero", "none"])
-@pytest.mark.parametrize("impl", ["loop", "inductor"])
+@pytest.mark.parametrize("impl", ["loop", pytest.param("inductor", marks=needs_cxx)])
 def test_leaky_matches_snntorch(reset, impl, beta_shape):
     """The snntorch order against snntorch's own Leaky stepped in Python: equal spikes and membrane,
     gradients of input, initial membrane, beta (per neuron, or one value the kernel broadcasts and
     whose gradient it sums) and threshold (one value) within 1e-5."""
     snn = pytest.importorskip("snntorch")
-    if impl == "inductor" and not _backend.have_cxx_compiler():
-        pytest.skip("no C++ compiler")
     torch.manual_seed(0)
     T, B, F = 6, 3, 10
     x = (torch.randn(T, B, F) * 1.2 + 0.5).requires_grad_()
@@ -441,7 +445,7 @@ def test_lif_order_snntorch_is_leaky():
         K.leaky(x, torch.ones(3), impl="loop")
 
 
-@pytest.mark.parametrize("impl", ["loop", "inductor"])
+@pytest.mark.parametrize("impl", ["loop", pytest.param("inductor", marks=needs_cxx)])
 @pytest.mark.parametrize("reset", ["subtract", "zero"])
 def test_leaky_eager_path_equals_the_custom_op(reset, impl):
     """On CPU `leaky` skips the op's dispatch (K._EagerLeaky); it must give the op's spikes, membrane and

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from conftest import needs_cxx
 from torch import nn
 
 from efficient.kernels import lif as K
@@ -203,6 +204,7 @@ def test_bad_input_through_module():
 
 
 @pytest.mark.slow
+@needs_cxx
 def test_model_compiles_without_graph_breaks():
     """fullgraph=True fails on any graph break: the custom op's fake impl makes LIF traceable."""
     net = nn.Sequential(nn.Linear(6, 6), LIF(), PLIF(), DLIF(3, leak=0.9))
@@ -210,4 +212,7 @@ def test_model_compiles_without_graph_breaks():
     eager = net(x)
     compiled = torch.compile(net, fullgraph=True)(x)
     compiled.sum().backward()
-    assert torch.equal(eager, compiled) and x.grad is not None
+    # inductor may fuse the neurons' arithmetic into FMAs: a membrane within an ulp of threshold can
+    # fire in one and not the other, so at most 2 of the 36 output spikes may differ (a broken
+    # trace, e.g. a neuron dropped or run per step with a fresh state, changes far more)
+    assert eager.shape == compiled.shape and int((eager != compiled).sum()) <= 2 and x.grad is not None

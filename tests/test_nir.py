@@ -1,4 +1,5 @@
-"""NIR export/import: round trips give identical spikes and logits; graphs cross to and from
+"""NIR export/import: round trips give identical spikes and logits (but for spikes at threshold ties
+where batch norm is folded or GEMMs are split otherwise, see TIE); graphs cross to and from
 spikingjelly 2.0 and snntorch 1.0 with the same outputs; the dt convention; clear errors."""
 
 from __future__ import annotations
@@ -26,6 +27,45 @@ def _spike_recorder(model: nn.Module) -> list[torch.Tensor]:
         if isinstance(m, SpikingNeuron):
             m.register_forward_hook(lambda _m, _i, o: out.append(o.detach()))
     return out
+
+
+# Spikes of two implementations whose pre-activations may differ in the last bits (BN folded into
+# the conv in float64 against conv-then-BN in fp32, or one GEMM per step against one over T*B rows)
+# agree except where a membrane lies within an ulp of threshold. `_compared_steps` allows a flip only
+# where the reference membrane is within TIE of threshold (ulp-level differences stay orders below
+# it); a wrong tau, threshold, weight or reset flips spikes far from threshold and still fails.
+TIE = 1e-4
+
+
+def _reference_recorder(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+    """(spikes, pre-reset membrane, threshold) of every neuron of our `model`, in call order."""
+    out: list = []
+    for m in model.modules():
+        if isinstance(m, SpikingNeuron):
+            m.store_membrane = True
+            m.register_forward_hook(
+                lambda m_, _i, o: out.append((o.detach(), m_.membrane.detach(), float(m_.v_threshold))))
+    return out
+
+
+def _compared_steps(ref: list, got: list[torch.Tensor]) -> torch.Tensor:
+    """[T, B] mask of the steps before any spike flipped at a threshold tie (in this sample, at any
+    layer so far); fails on a spike that differs away from threshold before such a flip. After a
+    flip the sample's later spikes and outputs legitimately differ, so they leave the comparison."""
+    assert len(ref) == len(got) > 0
+    T, B = ref[0][0].shape[:2]
+    t_idx = torch.arange(T)[:, None]
+    first = torch.full((B,), T)  # per sample: the first step with a flip at a tie
+    for i, ((s, h, thr), g) in enumerate(zip(ref, got)):
+        assert g.shape == s.shape, f"layer {i}: {tuple(g.shape)} vs {tuple(s.shape)}"
+        diff = (s != g.to(s.dtype)).reshape(T, B, -1) & (t_idx < first)[..., None]
+        t_diff = torch.where(diff.any(-1), t_idx, T).min(0).values  # [B]: this layer's first difference
+        away = ((h - thr).abs() > TIE).reshape(T, B, -1)
+        assert not (diff & (t_idx == t_diff)[..., None] & away).any(), f"layer {i}: spikes differ away from threshold"
+        first = torch.minimum(first, t_diff)
+    steps = t_idx < first
+    assert steps.any(), "every sample had a spike flipped at a threshold tie at step 0: nothing left to compare"
+    return steps
 
 
 def _lif_mlp(decay_input: bool = True) -> nn.Sequential:
@@ -75,15 +115,18 @@ def test_stable_snn_vgg5_round_trip_spikes_and_logits(tmp_path: Path, neuron: st
     img = torch.rand(2, 3, 8, 8)
     write_nir(to_nir(model, img), tmp_path / "vgg5.nir")
     net = efficient.load(tmp_path / "vgg5.nir")
-    ours, theirs = _spike_recorder(model), _spike_recorder(net)
-    logits_t = model.forward_time(img)
-    out = net(img.unsqueeze(0).expand(4, *img.shape))  # direct encoding: the image at every step
-    assert torch.equal(out, logits_t)
+    ours, theirs = _reference_recorder(model), _spike_recorder(net)
+    with torch.no_grad():
+        logits_t = model.forward_time(img)
+        out = net(img.unsqueeze(0).expand(4, *img.shape))  # direct encoding: the image at every step
     assert len(ours) == len(theirs) == 5
-    assert torch.equal(out.mean(0), model(img))
-    for a, b in zip(ours, theirs):
-        assert torch.equal(a, b)
-        assert 0.01 < a.float().mean() < 0.99
+    assert all(0.01 < s.float().mean() < 0.99 for s, _, _ in ours)
+    # the graph folds batch norm into the convs in float64 (see TIE): spikes agree but for ties, and
+    # the logits of the steps before any such flip come from the same spikes through the same head
+    steps = _compared_steps(ours, theirs)
+    torch.testing.assert_close(out[steps], logits_t[steps], rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        assert torch.equal(logits_t.mean(0), model(img))  # the same model, the same computation
 
 
 def test_wrn_exports_residual_sums(tmp_path: Path) -> None:
@@ -97,15 +140,19 @@ def test_wrn_exports_residual_sums(tmp_path: Path) -> None:
     assert any(isinstance(n, nir.Scale) for n in graph.nodes.values())
     write_nir(graph, tmp_path / "wrn.nir")
     net = efficient.load(tmp_path / "wrn.nir")
-    out = net(img.unsqueeze(0).expand(3, *img.shape))
-    ref = model.forward_time(img)
-    # batch norm folded into the convs in float64 rounds differently from conv-then-BN in fp32
-    assert torch.allclose(out, ref, atol=1e-4)
+    ours, theirs = _reference_recorder(model), _spike_recorder(net)
+    with torch.no_grad():
+        out = net(img.unsqueeze(0).expand(3, *img.shape))
+        ref = model.forward_time(img)
+    # batch norm folded into the convs in float64 rounds differently from conv-then-BN in fp32 (see TIE)
+    steps = _compared_steps(ours, theirs)
+    torch.testing.assert_close(out[steps], ref[steps], rtol=0, atol=1e-4)
     assert ref.abs().max() > 0.1
 
 
 def test_spikingjelly_graph_loads_with_its_outputs(tmp_path: Path) -> None:
     """Written by spikingjelly 2.0's `export_to_nir` (its neurons are ours: same charge, >= threshold)."""
+    pytest.importorskip("spikingjelly.activation_based.nir_exchange")
     from spikingjelly.activation_based import functional, layer, neuron
     from spikingjelly.activation_based.nir_exchange import export_to_nir
 
@@ -128,7 +175,7 @@ def test_spikingjelly_graph_loads_with_its_outputs(tmp_path: Path) -> None:
 
 
 def test_our_export_imports_into_spikingjelly(tmp_path: Path) -> None:
-    from spikingjelly.activation_based.nir_exchange import import_from_nir
+    import_from_nir = pytest.importorskip("spikingjelly.activation_based.nir_exchange").import_from_nir
 
     mlp = _lif_mlp()
     x = torch.rand(6, 3, 8) * 2
@@ -141,19 +188,27 @@ def test_our_export_imports_into_spikingjelly(tmp_path: Path) -> None:
 def test_our_export_imports_into_snntorch(tmp_path: Path) -> None:
     """snntorch 1.0's `import_from_nir` (reset to zero, beta = 1 - dt/tau) matches LIF without input
     decay (r = tau, so snntorch does not rescale the threshold); its `export_to_nir` fails, see the report."""
-    from snntorch.import_nir import import_from_nir
+    snn = pytest.importorskip("snntorch")
+    import_from_nir = pytest.importorskip("snntorch.import_nir").import_from_nir
 
     mlp = _lif_mlp(decay_input=False)
     x = torch.rand(6, 3, 8) * 2
     write_nir(to_nir(mlp, x), tmp_path / "mlp.nir")
     sn = import_from_nir(nir.read(tmp_path / "mlp.nir"))  # snntorch assumes dt = 1e-4, our default
-    steps, state = [], None
-    for t in range(x.shape[0]):  # snntorch runs one step per call, its Leaky layers keep their state
-        y, state = sn(x[t], state)
-        steps.append(y)
-    ref = mlp(x)
-    assert 0.05 < ref.mean() < 0.95
-    assert torch.equal(torch.stack(steps), ref)
+    layers: dict = {}  # snntorch's spikes per Leaky layer, one [B, F] per step, in call order
+    for m in sn.modules():
+        if isinstance(m, snn.Leaky):  # init_hidden Leaky layers return the spikes alone
+            m.register_forward_hook(lambda m_, _i, o: layers.setdefault(m_, []).append(o))
+    state = None
+    with torch.no_grad():
+        for t in range(x.shape[0]):  # snntorch runs one step per call, its Leaky layers keep their state
+            _, state = sn(x[t], state)
+        ours = _reference_recorder(mlp)
+        ref = mlp(x)
+    assert 0.05 < ref.mean() < 0.95 and len(layers) == 2
+    # snntorch computes each step's Linear on B rows, we on T*B rows (see TIE): the output is the
+    # last layer's spikes, so agreeing spikes at every layer are the same outputs
+    _compared_steps(ours, [torch.stack(v).detach() for v in layers.values()])
 
 
 def test_dt_is_stored_and_read_back(tmp_path: Path) -> None:
@@ -285,7 +340,11 @@ def test_cli_export_of_a_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixtur
     net = efficient.load(tmp_path / "d.nir")
     assert net.dt == 1e-3
     img = torch.rand(2, 1, 8, 8)
-    assert torch.equal(net(img.unsqueeze(0).expand(3, *img.shape)).mean(0), model(img))
+    ours, theirs = _reference_recorder(model), _spike_recorder(net)
+    with torch.no_grad():
+        ref, out = model.forward_time(img), net(img.unsqueeze(0).expand(3, *img.shape))
+    steps = _compared_steps(ours, theirs)  # batch norm folded in float64: see TIE
+    torch.testing.assert_close(out[steps], ref[steps], rtol=1e-5, atol=1e-6)
 
 
 def test_cli_export_errors_are_messages(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -317,22 +376,31 @@ def test_time_major_flatten_maps_to_sample_dims(tmp_path: Path) -> None:
 
 def test_our_vgg5_export_runs_in_spikingjelly(tmp_path: Path) -> None:
     """The conv graph (normalisation as a diagonal 1x1 conv, BN folded, pools, flatten) in spikingjelly's importer."""
-    from spikingjelly.activation_based.nir_exchange import import_from_nir
+    import_from_nir = pytest.importorskip("spikingjelly.activation_based.nir_exchange").import_from_nir
 
     torch.manual_seed(0)
     model = _fire(zoo.create("stable-snn-vgg5", neuron="lif", img_size=8, fc_dim=32, timesteps=4))
     img = torch.rand(2, 3, 8, 8)
     write_nir(to_nir(model, img), tmp_path / "vgg5.nir")
     sj = import_from_nir(tmp_path / "vgg5.nir", step_mode="m")
-    out, _ = sj(img.unsqueeze(0).expand(4, *img.shape))
-    ref = model.forward_time(img)
+    from spikingjelly.activation_based import neuron
+
+    theirs: list = []
+    for m in sj.modules():  # its graph calls each neuron through a wrapper that returns (spikes, state)
+        if isinstance(getattr(m, "module", None), neuron.BaseNode):
+            m.register_forward_hook(lambda _m, _i, o: theirs.append(o[0].detach()))
+    ours = _reference_recorder(model)
+    with torch.no_grad():
+        out, _ = sj(img.unsqueeze(0).expand(4, *img.shape))
+        ref = model.forward_time(img)
     assert ref.abs().max() > 0.1
-    assert torch.allclose(out, ref, atol=1e-5)
+    steps = _compared_steps(ours, theirs)  # batch norm folded in float64: see TIE
+    torch.testing.assert_close(out[steps], ref[steps], rtol=1e-5, atol=1e-5)
 
 
 def test_if_and_li_nodes(tmp_path: Path) -> None:
     """IF (no leak, v += dt * r * I) matches spikingjelly's IFNode import; LI outputs its membrane."""
-    from spikingjelly.activation_based.nir_exchange import import_from_nir
+    import_from_nir = pytest.importorskip("spikingjelly.activation_based.nir_exchange").import_from_nir
 
     n, dt = 4, 1e-3
     w = np.random.default_rng(0).uniform(0, 1, (n, n))

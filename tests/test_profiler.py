@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from conftest import needs_cxx
 from torch import nn
 
 import efficient
@@ -198,7 +199,7 @@ def test_snntorch_and_spikingjelly_neurons_detected():
     assert 0 < lif.output_firing_rate < 1
     assert r.totals["sops"] == 2 * 3
 
-    from spikingjelly.activation_based import neuron as sjn
+    sjn = pytest.importorskip("spikingjelly.activation_based.neuron")
 
     sj = nn.Sequential(nn.Linear(4, 3), sjn.LIFNode(step_mode="m"))
     r2 = profile(sj, inputs=torch.randn(2, 1, 4) * 5)
@@ -206,6 +207,7 @@ def test_snntorch_and_spikingjelly_neurons_detected():
     assert len(r2.layer("1").firing_rate_per_step) == 2
 
 
+@needs_cxx
 def test_lif_custom_op_counts_like_reference():
     # backend="compile" runs efficient::lif_forward (a torch.library custom op) inside the mode
     x = torch.randn(3, 2, 4) * 3

@@ -49,13 +49,13 @@ def _check_ann(model: nn.Module, x: torch.Tensor) -> tuple:
 
 
 def _resnet(size: int):
-    tv = pytest.importorskip("torchvision")
+    import torchvision as tv  # a dependency of efficient
     torch.manual_seed(0)
     return tv.models.resnet18(), torch.randn(1, 3, size, size)
 
 
 def _vit(size: int, fused: bool):
-    timm = pytest.importorskip("timm")
+    import timm  # a dependency of efficient
     torch.manual_seed(0)
     m = timm.create_model("vit_tiny_patch16_224", img_size=size)
     for blk in m.blocks:
@@ -111,6 +111,7 @@ def _excite(model: nn.Module, gain: float) -> None:
 
 
 def _sj_counts(model: nn.Module, x: torch.Tensor) -> tuple[int, int]:
+    pytest.importorskip("spikingjelly.activation_based.op_counter")  # the oracle is an optional peer
     from spikingjelly.activation_based import functional
     from spikingjelly.activation_based.op_counter import DispatchCounterMode, MACCounter, SynOpCounter
 
@@ -144,6 +145,7 @@ def _check_sj_parity(model: nn.Module, x: torch.Tensor) -> None:
 
 
 def test_spikingjelly_spikformer_matches_its_op_counter():
+    pytest.importorskip("spikingjelly.activation_based")
     from spikingjelly.activation_based.model.spikformer import Spikformer
 
     torch.manual_seed(0)

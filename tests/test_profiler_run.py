@@ -9,6 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import ROOT
 
 from efficient.cli import main
 from efficient.config import load_recipe
@@ -27,7 +28,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("runs")
     out = {}
     for name, recipe, samples in (("stata", "stata_digits", 8), ("dense", "spikformer_digits", 4)):
-        r = load_recipe(f"recipes/{recipe}.yaml", [*TINY, "profile.enabled=true", f"profile.samples={samples}"])
+        r = load_recipe(ROOT / "recipes" / f"{recipe}.yaml", [*TINY, "profile.enabled=true", f"profile.samples={samples}"])
         Trainer(r, root / name).fit()
         out[name] = root / name
     return out

@@ -4,6 +4,7 @@ do; a trained digits network gets no such warning; the profile tables fit an 80-
 from __future__ import annotations
 
 import pytest
+from conftest import ROOT
 
 import efficient
 from efficient.cli import main
@@ -67,7 +68,7 @@ def test_a_digits_run_warns_untrained_and_not_once_trained(tmp_path, capsys):
     reports = {}
     for steps in (2, 150):
         run = tmp_path / f"run{steps}"
-        r = load_recipe("recipes/spikformer_digits.yaml", [f"train.max_steps={steps}", "train.progress=false"])
+        r = load_recipe(ROOT / "recipes" / "spikformer_digits.yaml", [f"train.max_steps={steps}", "train.progress=false"])
         summary = Trainer(r, run).fit()
         assert main(["profile", str(run), "--format", "json"]) == 0
         reports[steps] = (summary, json.loads(capsys.readouterr().out))

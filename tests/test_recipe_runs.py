@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from conftest import ROOT
 
 from efficient.config import load_recipe
 from efficient.train.engine import Trainer
@@ -24,7 +25,7 @@ CASES = [
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe,overrides,metrics", CASES, ids=[c[0] for c in CASES])
 def test_recipe_runs_end_to_end_with_cost_report(recipe, overrides, metrics, tmp_path):
-    r = load_recipe(f"recipes/{recipe}.yaml", ["train.max_steps=2", "train.progress=false", *overrides])
+    r = load_recipe(ROOT / "recipes" / f"{recipe}.yaml", ["train.max_steps=2", "train.progress=false", *overrides])
     summary = Trainer(r, tmp_path / "run").fit()
     assert summary["steps"] == 2 and metrics <= set(summary["val"])
     for key in metrics & {"acc", "pref_acc"}:

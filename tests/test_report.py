@@ -12,6 +12,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 from efficient.cli import main
 from efficient.config import load_recipe
@@ -31,7 +32,7 @@ CHROMIUM = next((p for p in (shutil.which("chromium"), "/usr/bin/chromium") if p
 def stata_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 4-step STATA digits run, attacked once with FGSM (so the report has robust accuracy)."""
     run = tmp_path_factory.mktemp("stata") / "run"
-    Trainer(load_recipe("recipes/stata_digits.yaml", QUICK + STATA), run).fit()
+    Trainer(load_recipe(ROOT / "recipes" / "stata_digits.yaml", QUICK + STATA), run).fit()
     rc = main(["attack", str(run), "--attack", "fgsm", "--eps", "8/255", "--max-batches", "1", "--batch-size", "16", "--device", "cpu"])
     assert rc == 0
     assert main(["report", str(run)]) == 0
@@ -41,7 +42,7 @@ def stata_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def ee_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run = tmp_path_factory.mktemp("ee") / "run"
-    Trainer(load_recipe("recipes/ee_gpt_text.yaml", QUICK + EE), run).fit()  # writes report.html itself
+    Trainer(load_recipe(ROOT / "recipes" / "ee_gpt_text.yaml", QUICK + EE), run).fit()  # writes report.html itself
     return run
 
 

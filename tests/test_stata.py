@@ -116,11 +116,20 @@ def test_kept_set_is_shared_by_all_timesteps_and_anchor_survives():
         assert torch.equal(idx[b], idx[b].sort().values)  # original order kept
 
 
+# The lean inference path runs the block Linears on fewer rows than the full forward (pruned
+# queries, the last anchor skipped), and a BLAS may round a row's sum differently for another row
+# count. In float64 that is ~1e-17 on logits of ~0.03: a spike could flip only for a membrane that
+# close to threshold, so spikes and kept sets agree and logits stay within LEAN_TOL, while a lean-path
+# bug (a wrong row kept, the anchor pooled) moves them by orders of magnitude more.
+LEAN_TOL = dict(rtol=0, atol=1e-12)
+
+
 def test_anchor_is_never_pooled():
-    m = tiny().eval()
-    x = digits_like()
+    m = tiny().double().eval()  # float64: see LEAN_TOL
+    x = digits_like().double()
     base = m.forward_head(m.forward_features(x))  # the full path keeps the anchor to the end
-    assert torch.equal(m(x), base)  # the lean inference path drops it in the last block: same logits
+    # the lean inference path drops it in the last block: the same logits
+    torch.testing.assert_close(m(x), base, **LEAN_TOL)
 
     def bump(index: int):
         def hook(mod, args, out):
@@ -363,23 +372,24 @@ def lively(m: Spikformer) -> Spikformer:
             mod.reset_running_stats()
             mod.momentum = None  # cumulative average: the running stats become this batch's
     with torch.no_grad():
-        m.train()(digits_like(4))
+        m.train()(digits_like(4).to(next(m.parameters()).dtype))
     return m.eval()
 
 
 @pytest.mark.parametrize("kw, b", [({}, 1), ({}, 3), ({"prune_blocks": [1]}, 3), ({"keep_ratio": [0.5, 0.3]}, 3),
                                    ({"anchor": "off"}, 3)])
-def test_lean_inference_gives_bitwise_the_logits_of_the_full_forward(kw, b):
+def test_lean_inference_gives_the_logits_of_the_full_forward(kw, b):
     torch.manual_seed(1)
-    m = lively(tiny(**kw)).eval()
-    full = same_weights(tiny(**kw, lean_inference=False), m).eval()
-    x = digits_like(b)
+    m = lively(tiny(**kw).double()).eval()  # float64: see LEAN_TOL
+    full = same_weights(tiny(**kw, lean_inference=False).double(), m).eval()
+    x = digits_like(b).double()
     assert m.uses_lean_path(m.embed(x)) and not full.uses_lean_path(full.embed(x))
     out = m(x)
-    assert torch.equal(out, full(x)) and torch.equal(out, m.forward_head(m.forward_features(x)))
+    torch.testing.assert_close(out, full(x), **LEAN_TOL)
+    torch.testing.assert_close(out, m.forward_head(m.forward_features(x)), **LEAN_TOL)
     assert m.stata_stats["tokens_in"] == full.stata_stats["tokens_in"]
     for a, c in zip(m.stata_stats["kept_idx"], full.stata_stats["kept_idx"]):
-        assert torch.equal(a, c)  # the anchor-only score ranks exactly as the fused attention pass
+        assert torch.equal(a, c)  # the anchor-only score (spike counts) ranks exactly as the fused attention pass
     if b > 1:
         assert not torch.equal(out[0], out[1])  # the neurons fire: a non-trivial comparison
     if kw.get("anchor") != "off":  # the anchor fires: selection is not the index-order fallback
@@ -429,10 +439,22 @@ def test_fused_qkv_unit_gives_the_same_spikes_and_running_stats_as_three_units()
     xf, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
     fused = attn.qkv_fused(xf)
     sep = (ref.q(xr), ref.k(xr), ref.v(xr))
+    # One [3C x C] GEMM and BatchNorm over 3C channels against three of C: a BLAS may block the two
+    # widths differently, so pre-activations can differ in the last bit and a membrane within an ulp
+    # of threshold fire in one and not the other. Allowed: 2 flipped spikes per unit (of 3264); a
+    # unit fed the wrong weight rows or statistics differs in hundreds.
+    flipped = 0
     for a, b in zip(fused, sep):
-        assert torch.equal(a, b) and 0 < a.mean() < 1
-    for a, b in zip(attn.buffers(), ref.buffers()):
-        assert torch.equal(a, b)  # running mean / var and the batch counters move exactly alike
+        n = int((a != b).sum())
+        assert n <= 2 and 0 < a.mean() < 1, f"{n} of {a.numel()} spikes differ"
+        flipped += n
+    for (n, a), b in zip(attn.named_buffers(), ref.buffers()):
+        if a.is_floating_point():  # running mean / var: the same per-channel sums, maybe in another order
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=n)
+        else:
+            assert torch.equal(a, b), n  # the batch counters move exactly alike
+    if flipped:  # a flipped spike resets its membrane: the gradients below no longer compare
+        return
     g = [torch.randn_like(t) for t in sep]
     sum((t * w).sum() for t, w in zip(fused, g)).backward()
     sum((t * w).sum() for t, w in zip(sep, g)).backward()

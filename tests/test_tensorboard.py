@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 from efficient.config import load_recipe
 from efficient.errors import ConfigError
@@ -66,7 +67,7 @@ def test_spiking_run_scalars_equal_metrics_jsonl_and_profile(tiny_recipe, tmp_pa
 
 def test_early_exit_run_logs_exit_losses_and_exit_fractions(tmp_path):
     run = tmp_path / "ee"
-    r = load_recipe("recipes/ee_gpt_text.yaml", [
+    r = load_recipe(ROOT / "recipes" / "ee_gpt_text.yaml", [
         LOGGERS, "train.max_steps=3", "train.log_every=1", "train.progress=false", "model.n_embd=32", "model.n_head=2",
         "model.seq_len=32", "data.seq_len=32", "data.max_bytes=20000", "data.batch_size=4", "eval.max_batches=1",
         "profile.samples=2"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import ROOT
 
 from efficient.errors import ConfigError
 from efficient.objectives.weak_to_strong import (
@@ -102,9 +103,10 @@ def test_recipes_run_end_to_end_with_cost_report(tmp_path):
     from efficient.config import load_recipe
     from efficient.train.engine import Trainer
 
-    weak = load_recipe("recipes/w2s_weak_digits.yaml", ["train.max_steps=2", "train.progress=false"])
+    weak = load_recipe(ROOT / "recipes" / "w2s_weak_digits.yaml", ["train.max_steps=2", "train.progress=false"])
     Trainer(weak, tmp_path / "weak").fit()
-    strong = load_recipe("recipes/w2s_digits.yaml", ["train.max_steps=2", "train.progress=false", f"objective.teacher={tmp_path / 'weak'}"])
+    strong = load_recipe(ROOT / "recipes" / "w2s_digits.yaml",
+                         ["train.max_steps=2", "train.progress=false", f"objective.teacher={tmp_path / 'weak'}"])
     summary = Trainer(strong, tmp_path / "strong").fit()
     assert summary["steps"] == 2 and 0 <= summary["val"]["teacher_agree"] <= 1
     assert summary["cost"]["flops"] > 0

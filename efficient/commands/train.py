@@ -42,10 +42,6 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--out {run_dir} already holds a run; pick another directory or continue it with --resume {run_dir}")
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
-    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        from efficient.config import check_global_batch
-
-        check_global_batch(recipe, args.nproc)  # before any process starts
     if recipe.train.parallel.enabled:
         from efficient.config import check_parallel
 
@@ -59,6 +55,11 @@ def run(args: argparse.Namespace) -> int:
             check_resume_layout(find_resumable(run_dir), recipe, world)
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         from efficient.train.distributed import launch
+
+        if not recipe.train.parallel.enabled:  # plain DDP: every process takes an equal share
+            from efficient.config import check_global_batch
+
+            check_global_batch(recipe, args.nproc)  # before any process starts
 
         argv = ["train", "--resume", str(run_dir), *args.overrides] if args.resume else ["train", args.recipe, *args.overrides, "--out", str(run_dir)]
         return launch(args.nproc, argv)
