@@ -1,20 +1,35 @@
-"""Worker for tests/test_pipeline.py, run under torchrun: a few optimizer steps of every case in
-CASES (pipeline or FSDP2), with the per-step logs and the final full weights written to a file."""
+"""Worker for tests/test_pipeline.py: `python _pipeline_worker.py OUT MODE [MODE ...]` runs, for
+each MODE, NPROC[MODE] ranks of a gloo group that each train every case of the mode (pipeline,
+FSDP2, pipeline x data parallel) for a few optimizer steps and write the per-step logs and the
+final full weights to OUT/MODE/rank{i}.pt, then OUT/MODE/done once every rank has succeeded.
 
+The ranks are forked from this one process once it has imported everything (and before it has
+run any torch op): a fresh interpreter per rank would spend seconds of CPU on imports alone."""
+
+import os
+import signal
 import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint.state_dict  # noqa: F401  (efficient imports these lazily: once here, before the fork)
+import torch.distributed.fsdp  # noqa: F401
 
 from efficient import zoo
 from efficient.config import OptimConfig
 from efficient.objectives.exits import ExitLoss
 from efficient.train.optim import build_optimizer
+from efficient.train.pipeline import PipelineRunner, make_layout
+from efficient.train.sharding import full_state_dict, shard_model
 
 BASE = dict(n_layer=4, n_embd=16, n_head=2, seq_len=16, exit_layers=[1, 3], exit_head="norm")
 OBJ = dict(weights=[0.5, 0.25], weight_init=0.1, warmup_iters=2, temperatures=[2.0, 0.5], dynamic_token_weights=True)
 OPT = OptimConfig(name="adamw", lr=1e-3, weight_decay=0.1)
 STEPS, BATCH = 3, 8
+NPROC = {"pipeline": 2, "fsdp": 2, "pipeline_dp": 4}  # pipeline_dp: 2 stages x 2 replicas
 
 # name -> (model options, objective options, schedule, micro-batches, grad clip)
 PIPELINE_CASES = {
@@ -44,8 +59,6 @@ def build(model_opts: dict, obj_opts: dict) -> tuple[torch.nn.Module, ExitLoss]:
 
 
 def run_pipeline(name: str, case: tuple, pp: int) -> dict:
-    from efficient.train.pipeline import PipelineRunner, make_layout
-
     model_opts, obj_opts, schedule, m, clip = case
     model, obj = build(model_opts, obj_opts)
     chunks = 2 if schedule == "interleaved_1f1b" else 1
@@ -67,8 +80,6 @@ def run_pipeline(name: str, case: tuple, pp: int) -> dict:
 
 
 def run_fsdp(name: str, case: tuple) -> dict:
-    from efficient.train.sharding import full_state_dict, shard_model
-
     model_opts, obj_opts, _, _, clip = case
     model, obj = build(model_opts, obj_opts)
     shard_model(model, torch.device("cpu"), amp=False)
@@ -89,9 +100,8 @@ def run_fsdp(name: str, case: tuple) -> dict:
     return {"logs": logs, "weights": full_state_dict(model)}
 
 
-def main(out: str, mode: str) -> None:
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
+def train(out: Path, mode: str) -> None:
+    """This rank's share of `mode`, written to out/rank{rank}.pt."""
     results = {}
     if mode == "pipeline":
         for name, case in {**PIPELINE_CASES, **INTERLEAVED_CASES}.items():
@@ -102,9 +112,54 @@ def main(out: str, mode: str) -> None:
     else:
         for name, case in FSDP_CASES.items():
             results[name] = run_fsdp(name, case)
-    torch.save(results, f"{out}/rank{dist.get_rank()}.pt")
+    torch.save(results, out / f"rank{dist.get_rank()}.pt")
     dist.destroy_process_group()
 
 
+def run_group(out: Path, mode: str) -> bool:
+    """Fork the mode's ranks, which meet through a file store in `out`; False if any failed (its
+    traceback is on stderr), in which case the others are killed rather than left waiting in a
+    collective."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "store").unlink(missing_ok=True)  # a file store left by an earlier run would mix the two
+    ranks = {}
+    for rank in range(NPROC[mode]):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                torch.set_num_threads(1)
+                dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=NPROC[mode],
+                                        timeout=timedelta(minutes=5))
+                train(out, mode)
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        ranks[pid] = rank
+    ok = True
+    while ranks:
+        pid, status = os.wait()
+        rank = ranks.pop(pid)
+        if os.waitstatus_to_exitcode(status) != 0 and ok:
+            print(f"{mode}: rank {rank} failed (status {os.waitstatus_to_exitcode(status)})", file=sys.stderr)
+            ok = False
+            for other in ranks:
+                os.kill(other, signal.SIGKILL)
+    if ok:
+        (out / "done").touch()
+    return ok
+
+
+def main(argv: list[str]) -> int:
+    out, modes = Path(argv[0]), argv[1:]
+    zoo.get_entry("ee-gpt-tiny")  # the zoo's registry and its imports, loaded once before the fork
+    ok = [run_group(out / mode, mode) for mode in modes]  # every mode, even after a failed one
+    return 0 if all(ok) else 1
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    sys.exit(main(sys.argv[1:]))

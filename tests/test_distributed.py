@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -31,6 +33,17 @@ def efficient(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "efficient", *args], cwd=ROOT, capture_output=True, text=True, env=env, timeout=900)
 
 
+def efficient_here(*args: str) -> tuple[int, str]:
+    """`efficient ARGS` in this process (a fresh interpreter spends seconds of CPU on imports
+    alone): exit code and stderr. The torch globals it sets are undone by the conftest."""
+    from efficient import cli
+
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        code = cli.main(list(args))
+    return code, err.getvalue()
+
+
 def efficient_model_init(recipe: Path) -> dict[str, torch.Tensor]:
     """The recipe's model as the trainer builds it before the first step (same seed)."""
     from efficient.config import load_recipe
@@ -44,8 +57,8 @@ def test_two_processes_match_one(tmp_path: Path) -> None:
     recipe = tmp_path / "mlp.yaml"
     recipe.write_text(MLP_RECIPE)
     single, multi = tmp_path / "single", tmp_path / "multi"
-    r1 = efficient("train", str(recipe), "--out", str(single))
-    assert r1.returncode == 0, r1.stderr
+    code, err = efficient_here("train", str(recipe), "--out", str(single))  # one process either way
+    assert code == 0, err
     r2 = efficient("train", str(recipe), "--out", str(multi), "--nproc", "2")
     assert r2.returncode == 0, r2.stderr[-3000:]
     a = load_file(str(single / "checkpoint" / "last" / "model.safetensors"))
@@ -58,11 +71,18 @@ def test_two_processes_match_one(tmp_path: Path) -> None:
     assert json.loads((multi / "summary.json").read_text())["steps"] == 6
 
 
-def test_global_batch_must_split_across_processes(tmp_path: Path) -> None:
+def test_global_batch_must_split_across_processes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from efficient.train import distributed
+
+    def no_launch(*a: object) -> int:
+        raise AssertionError("processes were launched")
+
+    monkeypatch.setattr(distributed, "launch", no_launch)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
     recipe = tmp_path / "mlp.yaml"
     recipe.write_text(MLP_RECIPE)
-    r = efficient("train", str(recipe), "--out", str(tmp_path / "r"), "--nproc", "2", "data.batch_size=33")
-    assert r.returncode != 0 and "must be divisible by the 2 processes" in r.stderr
+    code, err = efficient_here("train", str(recipe), "--out", str(tmp_path / "r"), "--nproc", "2", "data.batch_size=33")
+    assert code != 0 and "must be divisible by the 2 processes" in err
 
 
 @pytest.mark.slow

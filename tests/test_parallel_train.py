@@ -4,6 +4,8 @@ weights of an uninterrupted run."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -18,8 +20,9 @@ from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = str(ROOT / "recipes" / "ee_gpt_text.yaml")
+# eval.batch_size: the whole validation split in a few batches (per-batch collectives dominate at batch 8)
 TINY = ["model.n_embd=32", "model.n_head=2", "model.seq_len=64", "data.seq_len=32", "data.batch_size=8", "train.log_every=1",
-        "train.progress=false", "profile.samples=2", "train.threads=1"]
+        "train.progress=false", "profile.samples=2", "train.threads=1", "eval.batch_size=128"]
 
 
 def efficient(*args: str, wait: bool = True) -> subprocess.CompletedProcess | subprocess.Popen:
@@ -28,6 +31,24 @@ def efficient(*args: str, wait: bool = True) -> subprocess.CompletedProcess | su
     if not wait:
         return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+
+
+def efficient_here(*args: str) -> tuple[int, str, str]:
+    """`efficient ARGS` in this process, on one torch thread as the subprocesses run (a fresh
+    interpreter spends seconds of CPU on imports alone): exit code, stdout, stderr."""
+    from efficient import cli
+
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    out, err = io.StringIO(), io.StringIO()
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = cli.main(list(args))
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+    return code, out.getvalue(), err.getvalue()
 
 
 @pytest.mark.parametrize("overrides, nproc, message", [
@@ -62,8 +83,8 @@ def test_bad_layouts_fail_before_any_process_starts(tmp_path: Path, overrides: l
 
 
 def test_fsdp_with_a_model_that_cannot_shard() -> None:
-    r = efficient("validate", str(ROOT / "recipes" / "stata_digits.yaml"), "train.parallel.fsdp=true")
-    assert r.returncode == 2 and "cannot be split into transformer blocks" in r.stderr and "Traceback" not in r.stderr
+    code, _, err = efficient_here("validate", str(ROOT / "recipes" / "stata_digits.yaml"), "train.parallel.fsdp=true")
+    assert code == 2 and "cannot be split into transformer blocks" in err and "Traceback" not in err
 
 
 def weights(run: Path) -> dict[str, torch.Tensor]:
@@ -72,9 +93,9 @@ def weights(run: Path) -> dict[str, torch.Tensor]:
 
 def generated(run: Path) -> str:
     """`efficient generate` output: the text and every token's exit layer (the timing line dropped)."""
-    r = efficient("generate", str(run), "--prompt", "The ", "--max-new-tokens", "24", "--exit-threshold", "0.01")
-    assert r.returncode == 0, r.stderr[-2000:]
-    return "\n".join(line for line in r.stdout.splitlines() if not line.startswith("summary:"))
+    code, out, err = efficient_here("generate", str(run), "--prompt", "The ", "--max-new-tokens", "24", "--exit-threshold", "0.01")
+    assert code == 0, err[-2000:]
+    return "\n".join(line for line in out.splitlines() if not line.startswith("summary:"))
 
 
 STEPS = ["train.max_steps=8", "train.checkpoint_every=2"]
@@ -82,10 +103,10 @@ STEPS = ["train.max_steps=8", "train.checkpoint_every=2"]
 
 @pytest.fixture(scope="module")
 def single_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The single-process run every layout must reproduce."""
+    """The single-process run every layout must reproduce (in this process: one process either way)."""
     out = tmp_path_factory.mktemp("single") / "run"
-    r = efficient("train", RECIPE, *TINY, *STEPS, "--out", str(out))
-    assert r.returncode == 0, r.stderr[-3000:]
+    code, _, err = efficient_here("train", RECIPE, *TINY, *STEPS, "--out", str(out))
+    assert code == 0, err[-3000:]
     return out
 
 

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -20,12 +21,20 @@ sys.path.insert(0, str(HERE))
 import _pipeline_worker as W  # noqa: E402
 
 
-def launch(out: Path, nproc: int, mode: str) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE)}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                        str(HERE / "_pipeline_worker.py"), str(out), mode], capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return [torch.load(out / f"rank{i}.pt", weights_only=True) for i in range(nproc)]
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], list[dict]]:
+    """Every mode's ranks, forked one group after the other from one worker process (the imports
+    once); `runs(mode)` gives that mode's per-rank results, or fails with the worker's stderr."""
+    out = tmp_path_factory.mktemp("runs")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, str(HERE / "_pipeline_worker.py"), str(out), *W.NPROC],
+                       capture_output=True, text=True, env=env, timeout=600)
+
+    def ranks(mode: str) -> list[dict]:
+        assert (out / mode / "done").exists(), r.stderr[-3000:]
+        return [torch.load(out / mode / f"rank{i}.pt", weights_only=True) for i in range(W.NPROC[mode])]
+
+    return ranks
 
 
 def reference(case: tuple) -> tuple[list[dict], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -67,8 +76,8 @@ def check_against_reference(name: str, case: tuple, ranks: list[dict], data_para
 
 
 @pytest.fixture(scope="module")
-def pipeline_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return launch(tmp_path_factory.mktemp("pp"), 2, "pipeline")
+def pipeline_runs(runs: Callable[[str], list[dict]]) -> list[dict]:
+    return runs("pipeline")
 
 
 @pytest.mark.parametrize("name", [*W.PIPELINE_CASES, *W.INTERLEAVED_CASES])
@@ -88,8 +97,8 @@ def test_pipeline_exit_losses_live_on_their_stage(pipeline_runs: list[dict]) -> 
 
 
 @pytest.fixture(scope="module")
-def fsdp_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return launch(tmp_path_factory.mktemp("fsdp"), 2, "fsdp")
+def fsdp_runs(runs: Callable[[str], list[dict]]) -> list[dict]:
+    return runs("fsdp")
 
 
 @pytest.mark.parametrize("name", list(W.FSDP_CASES))
@@ -98,9 +107,9 @@ def test_fsdp2_matches_single_process(fsdp_runs: list[dict], name: str) -> None:
 
 
 @pytest.mark.slow
-def test_pipeline_times_data_parallel_matches_single_process(tmp_path: Path) -> None:
+def test_pipeline_times_data_parallel_matches_single_process(runs: Callable[[str], list[dict]]) -> None:
     """2 stages x 2 replicas (4 processes): each replica trains on its half of every batch."""
-    ranks = launch(tmp_path, 4, "pipeline_dp")
+    ranks = runs("pipeline_dp")
     assert [(r["1f1b_tied"]["dp_rank"], r["1f1b_tied"]["pp_rank"]) for r in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for name in ("1f1b_tied", "gpipe_untied_fused"):
         # the losses each replica logs are of its half-batch; the weights are the full batch's
