@@ -22,7 +22,10 @@ from efficient.errors import ArtifactError, ConfigError
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = [rec for tags in hub._manifest().values() for rec in tags.values()]
 TOL_ACC = 0.006  # two digits images in 360
-TOL_LOSS = 0.01  # relative
+# relative. Another CPU's rounding flips the spikes whose membrane sat at threshold, and the mean
+# validation loss of a spiking model moves with them: 1.3 % for spikformer-tiny-stata:saccade-digits
+# under ATEN_CPU_CAPABILITY=default (0.5172 vs 0.5238). Wrong or untrained weights are off by 100s of %.
+TOL_LOSS = 0.03
 # The `text` dataset without `files` reads CPython's pydoc topics (efficient/data/text.py), which
 # change with every Python release: a metric recorded on one corpus says nothing about another.
 # Per record on that corpus: the Python it was measured on and the SHA-256 of the corpus, from

@@ -51,8 +51,11 @@ DTYPE = torch.float64
 # reset, a swapped op, an fp32 cast in a float64 path) moves values by 1e-7 or far more.
 RTOL = 1e-10
 # An absolute floor on top: a gradient that is zero in exact arithmetic (a bias feeding BatchNorm)
-# is pure rounding noise, ~1e-16 of the gradients around it, with no digits to keep.
+# is pure rounding noise, ~1e-16 of the gradients around it, with no digits to keep. So within a
+# group of tensors (the gradients, or the buffers, of one pass) differences below NOISE times the
+# group's largest L1 norm are not compared, and below ATOL nowhere.
 ATOL = 1e-12
+NOISE = 1e-14
 
 # STATA zoo entries warm their keep ratio up from epoch 10 over 60 epochs: 0 is before the warm-up,
 # 40 half-way, 100 after it. Eval mode always uses the target ratio.
@@ -169,10 +172,18 @@ def _parse(fp: str) -> tuple[str, str, str] | None:
     return (m.group(1), m.group(2), m.group(3)) if m else None
 
 
-def compare(want: Any, got: Any, path: str = "", worst: list[float] | None = None, rtol: float | None = None) -> list[str]:
+def _l1(fp: Any) -> float:
+    """The L1 norm in a float fingerprint string, 0 for anything else."""
+    p = _parse(fp) if isinstance(fp, str) else None
+    return float(p[2].split()[1]) if p is not None and p[1] == "~" else 0.0
+
+
+def compare(want: Any, got: Any, path: str = "", worst: list[float] | None = None, rtol: float | None = None,
+            floor: float = ATOL) -> list[str]:
     """Where record `got` differs from `want`: exact for keys, strings, integers and integer
     tensors; within RTOL of the scale for floats. `worst` (a one-element list), when given, is
-    raised to the largest float difference seen, in units of the tolerance RTOL * scale + ATOL."""
+    raised to the largest float difference seen, in units of the tolerance RTOL * scale + floor
+    (ATOL, or NOISE times the largest L1 norm of the tensors beside it)."""
     worst = worst if worst is not None else [0.0]
     rtol = RTOL if rtol is None else rtol
 
@@ -180,11 +191,13 @@ def compare(want: Any, got: Any, path: str = "", worst: list[float] | None = Non
         err = abs(g - w)
         if not math.isfinite(err):
             return [] if (w == g or (math.isnan(w) and math.isnan(g))) else [f"{where}: want {w!r}, got {g!r}"]
-        units = err / (rtol * scale + ATOL)
+        units = err / (rtol * scale + floor)
         worst[0] = max(worst[0], units)
         return [] if units <= 1 else [f"{where}: want {w!r}, got {g!r} (off by {err / scale if scale else err:.2e} of {scale:.3g})"]
 
     if isinstance(want, dict) and isinstance(got, dict):
+        group = max([_l1(v) for v in want.values()], default=0.0)
+        floor = max(floor, NOISE * group)  # a group of tensors: its noise floor
         out = [f"{path}.{k}: missing" for k in want if k not in got] + [f"{path}.{k}: unexpected" for k in got if k not in want]
         if list(want) != list(got) and not out:
             out.append(f"{path}: keys in another order")
@@ -194,12 +207,12 @@ def compare(want: Any, got: Any, path: str = "", worst: list[float] | None = Non
                     scale = max([abs(v) for v in want[k] + got[k]], default=0.0)
                     out += [e for i, (w, g) in enumerate(zip(want[k], got[k])) for e in close(w, g, scale, f"{path}.values[{i}]")]
                 else:
-                    out += compare(want[k], got[k], f"{path}.{k}", worst, rtol)
+                    out += compare(want[k], got[k], f"{path}.{k}", worst, rtol, floor)
         return out
     if isinstance(want, list) and isinstance(got, list):
         if len(want) != len(got):
             return [f"{path}: want {len(want)} items, got {len(got)}"]
-        return [e for i, (w, g) in enumerate(zip(want, got)) for e in compare(w, g, f"{path}[{i}]", worst, rtol)]
+        return [e for i, (w, g) in enumerate(zip(want, got)) for e in compare(w, g, f"{path}[{i}]", worst, rtol, floor)]
     if isinstance(want, str) and isinstance(got, str):
         pw, pg = _parse(want), _parse(got)
         if pw is None or pg is None or pw[1] == "=" or pw[:2] != pg[:2]:
