@@ -350,14 +350,19 @@ class DecodeEngine:
     # ---------------------------------------------------------------- warm-up
 
     @torch.inference_mode()
-    def warm_up(self, total: int, strategies=("recompute", "copy", "speculative")) -> float:
+    def warm_up(self, total: int, strategies=("recompute", "copy", "speculative"), exits: bool = True) -> float:
         """Run every one-token step the strategies can take, for a generation of `total` positions,
-        on a scratch cache; with `compile=True` this compiles them. Returns the seconds it took."""
+        on a scratch cache; with `compile=True` this compiles them. Returns the seconds it took.
+        `exits=False` (a generation that never exits) runs only the full-depth step it will use."""
         t0 = time.perf_counter()
         saved = getattr(self, "_cache", None)
         self.bind(self.new_cache(total))
         tok, pos, L = 0, 0, self.num_layers
         self.step(tok, pos, 0, L, L)  # full depth in one call (exits disabled)
+        if not exits:
+            if saved is not None:
+                self.bind(saved)
+            return time.perf_counter() - t0
         depth, h = 0, None
         for e in self.exit_layers:  # segment by segment, each with its exit head
             out = self.step(tok if depth == 0 else h, pos, depth, e, e)

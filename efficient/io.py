@@ -54,7 +54,7 @@ def _current_umask() -> int:
 def write_text(path: str | os.PathLike[str], text: str) -> None:
     """Replace `path` with `text` in one rename."""
     with atomic_path(path) as tmp:
-        tmp.write_text(text)
+        tmp.write_text(text, encoding="utf-8")  # what read_text expects, whatever the locale
 
 
 def write_json(path: str | os.PathLike[str], obj: Any) -> None:
@@ -64,7 +64,7 @@ def write_json(path: str | os.PathLike[str], obj: Any) -> None:
 
 def append_jsonl(path: str | os.PathLike[str], obj: Any) -> None:
     """Append one JSON line and flush it to disk (metrics survive a kill)."""
-    with open(path, "a") as f:
+    with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(obj, default=str) + "\n")
         f.flush()
         os.fsync(f.fileno())

@@ -76,7 +76,10 @@ def run(args: argparse.Namespace) -> int:
         from efficient.decode_engine import DecodeEngine
 
         engine = DecodeEngine(model.eval(), compile=True)
-        warmup_s = engine.warm_up(len(ids) + args.max_new_tokens, (args.strategy,))
+        from efficient.decoding import check_threshold, exits_enabled
+
+        exits = exits_enabled(check_threshold(args.exit_threshold))  # never exiting needs only the full-depth step
+        warmup_s = engine.warm_up(len(ids) + args.max_new_tokens, (args.strategy,), exits=exits)
     out = generate(
         model, ids, args.max_new_tokens, args.exit_threshold, args.strategy,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
