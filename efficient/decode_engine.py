@@ -359,10 +359,16 @@ class DecodeEngine:
         self.bind(self.new_cache(total))
         tok, pos, L = 0, 0, self.num_layers
         self.step(tok, pos, 0, L, L)  # full depth in one call (exits disabled)
-        if not exits:
-            if saved is not None:
-                self.bind(saved)
-            return time.perf_counter() - t0
+        if exits:
+            self._warm_up_exits(tok, pos, strategies)
+        if saved is not None:
+            self.bind(saved)
+        return time.perf_counter() - t0
+
+    def _warm_up_exits(self, tok: int, pos: int, strategies) -> None:
+        """The steps of `warm_up` that a generation with exits takes: each segment with its exit head,
+        the copy fills, the speculative draft step and (compiled) the padded chunks."""
+        L = self.num_layers
         depth, h = 0, None
         for e in self.exit_layers:  # segment by segment, each with its exit head
             out = self.step(tok if depth == 0 else h, pos, depth, e, e)
@@ -382,9 +388,6 @@ class DecodeEngine:
                         self.chunk(h, 0, d, e, e)
                 if "speculative" in strategies and len(self.exit_layers) > 1:
                     self.chunk(h, 0, self.exit_layers[0], L, L, all_positions=True)
-        if saved is not None:
-            self.bind(saved)
-        return time.perf_counter() - t0
 
 
 # ----------------------------------------------------------------------------- the strategies
