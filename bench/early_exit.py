@@ -125,7 +125,7 @@ class Decoder:
     "compiled" (the decode engine). Returns the generation and its time on both clocks."""
 
     def __init__(self, model, impl: str) -> None:
-        from efficient.decode_engine import DecodeEngine
+        from efficient.decoding import DecodeEngine
 
         self.model, self.impl = model, impl
         self.engine = None if impl == "modules" else DecodeEngine(model, compile=impl == "compiled")
@@ -262,7 +262,7 @@ def decoded_loss(model, windows: list[list[int]], prompt_len: int, strategy: str
     fed one by one (forced decoding on the eager engine) under the exit rule, scored by the head
     that decided each; mean nats per token. Copy's approximate KV is in it; recompute's equals the
     teacher-forced value."""
-    from efficient.decode_engine import DecodeEngine
+    from efficient.decoding import DecodeEngine
     from efficient.decoding import generate
 
     engine = DecodeEngine(model)

@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from efficient import hub, zoo  # noqa: E402
+from efficient.train.engine import evaluate_recipe  # noqa: E402
 
 FP16_TOL = {"acc": 0.003, "loss": 0.002}  # one digits image in 360 is 0.0028; loss relative
 
@@ -107,11 +108,11 @@ def run_job(job: Job, runs: Path, args: argparse.Namespace, manifest: dict) -> d
     run_dir = runs / f"{job.name}-{job.tag}"
     secs = train(job, run_dir, args.reuse)
     model, options, data = build(job, run_dir)
-    m32 = hub.evaluate(model, ROOT / job.recipe, job.overrides)
+    m32 = evaluate_recipe(model, ROOT / job.recipe, job.overrides)
     metric = headline(m32)
     with tempfile.TemporaryDirectory() as tmp:
         f16 = Path(tmp) / "w.safetensors"
-        m16 = hub.evaluate(fp16_copy(job, model, options, f16), ROOT / job.recipe, job.overrides)
+        m16 = evaluate_recipe(fp16_copy(job, model, options, f16), ROOT / job.recipe, job.overrides)
         use16 = fp16_unchanged(m32, m16)
         f32 = Path(tmp) / "w32.safetensors"
         zoo.save_model(model, f32, job.name, options)

@@ -233,33 +233,6 @@ def resolve(name: str, pretrained: Any) -> Resolved | None:
     return None
 
 
-def evaluate(model: Any, recipe: str | os.PathLike[str], overrides: list[str] | None = None,
-             max_batches: int | None = None) -> dict[str, float]:
-    """Validation metrics of `model` under a recipe's data and objective (what training reports)."""
-    import torch
-    from torch.utils.data import DataLoader
-
-    from efficient.config import load_recipe
-    from efficient.data import build_data
-    from efficient.objectives import build_objective
-
-    r = load_recipe(recipe, overrides or [])
-    data = build_data(r.data)
-    objective = build_objective(r.objective)
-    objective.setup(model, data, r)
-    bs = r.eval.batch_size or r.data.get("eval_batch_size") or r.data["batch_size"]
-    model.eval()
-    sums: dict[str, float] = {}
-    with torch.no_grad():
-        for i, batch in enumerate(DataLoader(data.val, batch_size=bs, shuffle=False, collate_fn=data.collate_fn)):
-            if max_batches is not None and i >= max_batches:
-                break
-            for k, v in objective.evaluate(model, batch).items():
-                sums[k] = sums.get(k, 0.0) + float(v)
-    n = sums.pop("n", 0.0) or 1.0
-    return {k: v / n for k, v in sums.items()}
-
-
 def write_manifest(entries: dict[str, dict[str, dict[str, Any]]], path: Path = MANIFEST) -> None:
     """Write the manifest (sorted, one stable JSON layout) atomically."""
     from efficient.io import write_text

@@ -1,6 +1,7 @@
 """Artifact files: atomic writes (temp file in the same directory, fsync, rename) and readers that
 turn an unreadable, corrupt, truncated or foreign file into an `ArtifactError` naming the file,
-what is wrong with it and what to do, instead of a traceback from the parsing library."""
+what is wrong with it and what to do, instead of a traceback from the parsing library; model
+weights files (`save_model`, `read_state_dict`, `load_weights`) on top of them."""
 
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ from efficient.errors import ArtifactError
 
 if TYPE_CHECKING:
     import torch
+    from torch import nn
 
 # safetensors refuses headers above 100 MB; we say so before it does.
 SAFETENSORS_MAX_HEADER = 100_000_000
 CHECKSUM_KEY = "efficient.sha256"
-_RESAVE = "Re-save it (efficient.zoo.save_model or a training run) or copy it again from its source."
+_RESAVE = "Re-save it (save_model or a training run) or copy it again from its source."
 
 
 @contextmanager
@@ -189,7 +191,7 @@ def safetensors_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
 
 def read_safetensors(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(tensors, metadata) of a safetensors file. When the metadata holds our checksum (files written
-    by `efficient.zoo.save_model`), the contents are verified against it, so a flipped bit is an error."""
+    by `save_model`), the contents are verified against it, so a flipped bit is an error."""
     from safetensors import safe_open
 
     def read(p: str) -> tuple[dict[str, Any], dict[str, str]]:
@@ -259,6 +261,100 @@ def read_torch(path: str | os.PathLike[str], allow_pickle: bool = False) -> Any:
         return torch.load(p, map_location="cpu", weights_only=False)  # noqa: S614 - explicit opt-in
     except (ImportError, *unreadable) as e:
         raise ArtifactError(_torch_unreadable(p, e)) from None
+
+
+# ----------------------------------------------------------------------------- model weights files
+
+
+def unwrap(obj: Any) -> Any:
+    """The state dict inside a training checkpoint ({"state_dict": ...} / {"model": ...})."""
+    for key in ("state_dict", "model"):
+        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
+            obj = obj[key]
+    return obj
+
+
+def read_state_dict(weights: Path, allow_pickle: bool = False) -> dict[str, torch.Tensor]:
+    """Tensors from a .safetensors file, or from a torch .pt/.pth/.bin state dict loaded with
+    `weights_only=True`; a file that needs full unpickling (it can run code) is refused unless
+    `allow_pickle=True`. Unreadable files raise ArtifactError."""
+    import torch
+    from torch import nn
+
+    weights = Path(weights)
+    if weights.suffix == ".safetensors":
+        sd, meta = read_safetensors(weights)
+        aliases = parse_json_field(meta.get("efficient.aliases", "{}"), str(weights), "efficient.aliases")
+        for k, src in aliases.items():  # tied weights were stored once
+            if not isinstance(src, str) or src not in sd:
+                raise ArtifactError(f"{weights}: metadata 'efficient.aliases' maps {k!r} to {src!r}, which is not a tensor in the file. Re-save it.")
+            sd[k] = sd[src]
+        return sd
+    sd = unwrap(read_torch(weights, allow_pickle))  # the state dict inside a training checkpoint
+    if isinstance(sd, nn.Module):
+        sd = sd.state_dict()
+    if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()):
+        raise ArtifactError(f"{weights}: expected a state dict (names -> tensors), found {type(sd).__name__}; save one with torch.save(model.state_dict(), path)")
+    return sd
+
+
+def load_weights(model: nn.Module, weights: Path, allow_pickle: bool = False) -> None:
+    """Load weights strictly; a mismatch names the keys that differ."""
+    check_and_load(model, read_state_dict(weights, allow_pickle), weights)
+
+
+def check_and_load(model: nn.Module, sd: dict[str, torch.Tensor], weights: Path) -> None:
+    """Load state dict `sd` (read from `weights`) strictly; a mismatch names the keys that differ."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(sd))
+    unexpected = sorted(set(sd) - set(own))
+    shape_bad = sorted(k for k in set(own) & set(sd) if own[k].shape != sd[k].shape)
+    kind_bad = sorted(k for k in set(own) & set(sd) if _dtype_kind(own[k]) != _dtype_kind(sd[k]))
+    if missing or unexpected or shape_bad or kind_bad:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        if unexpected:
+            parts.append(f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+        if shape_bad:
+            parts.append("shape mismatch " + ", ".join(f"{k}: file {tuple(sd[k].shape)} vs model {tuple(own[k].shape)}" for k in shape_bad[:5]))
+        if kind_bad:
+            parts.append("dtype mismatch " + ", ".join(f"{k}: file {sd[k].dtype} vs model {own[k].dtype}" for k in kind_bad[:5]))
+        name = getattr(model, "zoo_name", None)
+        hint = f" (built as {name!r}); the file holds another model's weights or another configuration of it" if name else ""
+        raise ArtifactError(f"{weights}: weights do not fit {type(model).__name__}{hint}: " + "; ".join(parts))
+    model.load_state_dict(sd, strict=True)
+
+
+def _dtype_kind(t: torch.Tensor) -> str:
+    """float / complex / bool / int: the dtype families that load_state_dict would silently cast between."""
+    import torch
+
+    return "complex" if t.is_complex() else "float" if t.is_floating_point() else "bool" if t.dtype == torch.bool else "int"
+
+
+def save_model(model: nn.Module, path: Path, name: str | None = None, cfg: dict[str, Any] | None = None) -> None:
+    """Write weights as safetensors with the zoo name and config in its metadata (atomic).
+
+    Tensors that share storage (tied weights) are stored once; the metadata maps the aliases and
+    holds a checksum of the contents, so that a corrupted copy fails to load instead of loading wrong."""
+    from safetensors.torch import save_file
+
+    name = name or getattr(model, "zoo_name", None)
+    cfg = cfg if cfg is not None else getattr(model, "zoo_cfg", {})
+    sd, aliases, seen = {}, {}, {}
+    for k, v in model.state_dict().items():
+        ident = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), tuple(v.stride())) if v.numel() else None
+        if ident is not None and ident in seen:
+            aliases[k] = seen[ident]
+            continue
+        if ident is not None:
+            seen[ident] = k
+        sd[k] = v.detach().contiguous().cpu()
+    meta = {"efficient.model": name or "", "efficient.config": json.dumps(cfg, default=str), "efficient.aliases": json.dumps(aliases)}
+    meta[CHECKSUM_KEY] = content_digest(sd, meta)
+    with atomic_path(path) as tmp:
+        save_file(sd, str(tmp), metadata=meta)
 
 
 def _torch_unreadable(p: Path, e: BaseException) -> str:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from efficient.errors import ArtifactError, ConfigError
+from efficient.io import check_and_load, load_weights, read_state_dict, save_model  # noqa: F401 - the zoo's weights API
 
 # Modules whose import registers models. Imported lazily on first registry access so that
 # `import efficient` stays cheap.
@@ -356,8 +357,6 @@ def load(name_or_path: str | Path, pretrained: bool | str | Path | None = None, 
             resolved = hub.resolve(get_entry(str(name_or_path)).name, pretrained)
         model = create(str(name_or_path), **({**resolved.config, **overrides} if resolved else overrides))
         if resolved is not None:
-            from efficient.export.checkpoints import load_pretrained
-
             model, extra = load_pretrained(model, resolved.file)
             provenance = {**resolved.pretrained_cfg, **extra}
             pretrained = None
@@ -366,8 +365,6 @@ def load(name_or_path: str | Path, pretrained: bool | str | Path | None = None, 
         if not src.exists():
             raise ConfigError(f"pretrained={pretrained!s}: no such file or directory (give a run dir, a .safetensors file, a URL or a shipped tag)")
         weights = src if src.is_file() else _resolve_artifact(src)[2]  # a file: only its tensors are needed
-        from efficient.export.checkpoints import load_pretrained
-
         # our files, or Spikformer / SDT checkpoints in other code bases' layouts (mapped by their keys)
         model, extra = load_pretrained(model, weights, allow_pickle)
         provenance = {"source": "file", "architecture": getattr(model, "zoo_name", None), "file": str(weights), **extra}
@@ -448,88 +445,31 @@ def _run_dir_model(cfg_file: Path) -> tuple[str, dict[str, Any]]:
     return name, model_cfg
 
 
-def read_state_dict(weights: Path, allow_pickle: bool = False) -> dict[str, torch.Tensor]:
-    """Tensors from a .safetensors file, or from a torch .pt/.pth/.bin state dict loaded with
-    `weights_only=True`; a file that needs full unpickling (it can run code) is refused unless
-    `allow_pickle=True`. Unreadable files raise ArtifactError."""
-    from efficient.io import parse_json_field, read_safetensors, read_torch
+def load_pretrained(model: nn.Module, weights: Path, allow_pickle: bool = False) -> tuple[nn.Module, dict[str, Any]]:
+    """Load `weights` (ours or a foreign layout) into zoo model `model`; returns the model (rebuilt
+    if the layout's architecture needs other options) and what to add to its `pretrained_cfg`."""
+    from efficient.export.checkpoints import detect_layout, from_layout, strip_ddp
 
     weights = Path(weights)
-    if weights.suffix == ".safetensors":
-        sd, meta = read_safetensors(weights)
-        aliases = parse_json_field(meta.get("efficient.aliases", "{}"), str(weights), "efficient.aliases")
-        for k, src in aliases.items():  # tied weights were stored once
-            if not isinstance(src, str) or src not in sd:
-                raise ArtifactError(f"{weights}: metadata 'efficient.aliases' maps {k!r} to {src!r}, which is not a tensor in the file. Re-save it.")
-            sd[k] = sd[src]
-        return sd
-    from efficient.export.checkpoints import unwrap
-
-    sd = unwrap(read_torch(weights, allow_pickle))  # the state dict inside a training checkpoint
-    if isinstance(sd, nn.Module):
-        sd = sd.state_dict()
-    if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()):
-        raise ArtifactError(f"{weights}: expected a state dict (names -> tensors), found {type(sd).__name__}; save one with torch.save(model.state_dict(), path)")
-    return sd
-
-
-def load_weights(model: nn.Module, weights: Path, allow_pickle: bool = False) -> None:
-    """Load weights strictly; a mismatch names the keys that differ."""
-    check_and_load(model, read_state_dict(weights, allow_pickle), weights)
-
-
-def check_and_load(model: nn.Module, sd: dict[str, torch.Tensor], weights: Path) -> None:
-    """Load state dict `sd` (read from `weights`) strictly; a mismatch names the keys that differ."""
-    own = model.state_dict()
-    missing = sorted(set(own) - set(sd))
-    unexpected = sorted(set(sd) - set(own))
-    shape_bad = sorted(k for k in set(own) & set(sd) if own[k].shape != sd[k].shape)
-    kind_bad = sorted(k for k in set(own) & set(sd) if _dtype_kind(own[k]) != _dtype_kind(sd[k]))
-    if missing or unexpected or shape_bad or kind_bad:
-        parts = []
-        if missing:
-            parts.append(f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-        if unexpected:
-            parts.append(f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
-        if shape_bad:
-            parts.append("shape mismatch " + ", ".join(f"{k}: file {tuple(sd[k].shape)} vs model {tuple(own[k].shape)}" for k in shape_bad[:5]))
-        if kind_bad:
-            parts.append("dtype mismatch " + ", ".join(f"{k}: file {sd[k].dtype} vs model {own[k].dtype}" for k in kind_bad[:5]))
-        name = getattr(model, "zoo_name", None)
-        hint = f" (built as {name!r}); the file holds another model's weights or another configuration of it" if name else ""
-        raise ArtifactError(f"{weights}: weights do not fit {type(model).__name__}{hint}: " + "; ".join(parts))
-    model.load_state_dict(sd, strict=True)
-
-
-def _dtype_kind(t: torch.Tensor) -> str:
-    """float / complex / bool / int: the dtype families that load_state_dict would silently cast between."""
-    return "complex" if t.is_complex() else "float" if t.is_floating_point() else "bool" if t.dtype == torch.bool else "int"
-
-
-def save_model(model: nn.Module, path: Path, name: str | None = None, cfg: dict[str, Any] | None = None) -> None:
-    """Write weights as safetensors with the zoo name and config in its metadata (atomic).
-
-    Tensors that share storage (tied weights) are stored once; the metadata maps the aliases and
-    holds a checksum of the contents, so that a corrupted copy fails to load instead of loading wrong."""
-    from safetensors.torch import save_file
-
-    from efficient.io import CHECKSUM_KEY, atomic_path, content_digest
-
-    name = name or getattr(model, "zoo_name", None)
-    cfg = cfg if cfg is not None else getattr(model, "zoo_cfg", {})
-    sd, aliases, seen = {}, {}, {}
-    for k, v in model.state_dict().items():
-        ident = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), tuple(v.stride())) if v.numel() else None
-        if ident is not None and ident in seen:
-            aliases[k] = seen[ident]
-            continue
-        if ident is not None:
-            seen[ident] = k
-        sd[k] = v.detach().contiguous().cpu()
-    meta = {"efficient.model": name or "", "efficient.config": json.dumps(cfg, default=str), "efficient.aliases": json.dumps(aliases)}
-    meta[CHECKSUM_KEY] = content_digest(sd, meta)
-    with atomic_path(path) as tmp:
-        save_file(sd, str(tmp), metadata=meta)
+    sd = strip_ddp(read_state_dict(weights, allow_pickle), model.state_dict())
+    layout = detect_layout(sd)
+    if layout is None:  # ours, or something unknown: the strict loader names the keys that differ
+        check_and_load(model, sd, weights)
+        return model, {}
+    kind = type(model).__name__
+    if kind != layout.family:
+        name = getattr(model, "zoo_name", kind)
+        other = "spikformer-4-384" if layout.family == "Spikformer" else "sdt-2-512"
+        raise ArtifactError(f"{weights}: a {layout.family} checkpoint in the layout of {layout.description}, but {name!r} is a {kind}; "
+                            f"load it into a {layout.family} entry (e.g. efficient.load({other!r}, pretrained=...))")
+    cfg = dict(getattr(model, "zoo_cfg", {}) or {})
+    if any(cfg.get(k) != v for k, v in layout.options.items()):
+        was_training = model.training
+        model = create(model.zoo_name, **{**cfg, **layout.options})
+        model.train(was_training)
+    converted, filled = from_layout(sd, layout, model.state_dict(), str(weights))
+    model.load_state_dict(converted, strict=True)
+    return model, {"layout": layout.name, **({"filled": filled} if filled else {}), **layout.options}
 
 
 def entry_summary(entry: ModelEntry) -> dict[str, Any]:

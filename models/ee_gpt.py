@@ -12,7 +12,7 @@ vocab projection (tied to the final head, or its own). The final head is always 
 The model computes hidden states and exit logits only. Attention takes an optional KV cache
 (`efficient.decoding.KVCache`, one slot per attention layer); the cache, the decoding steps and
 the strategies live in `efficient.decoding` (the fused decode form of these weights in
-`efficient.decode_engine`), exit statistics and MAC counts in `efficient.profiler.exits`.
+`efficient.decoding.engine`), exit statistics and MAC counts in `efficient.profiler.exits`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from torch import nn
 from efficient.zoo import InputSpec, Variant, config_from_options, register_variants
 
 if TYPE_CHECKING:
-    from efficient.decoding import KVCache
+    from efficient.decoding.cache import KVCache
 
 PAPER = "EE-LLM: Large-Scale Training and Inference of Early-Exit LLMs with 3D Parallelism (Chen et al., ICML 2024)"
 HeadKind = Literal["minimal", "norm", "norm_mlp", "norm_block"]

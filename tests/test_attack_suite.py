@@ -150,7 +150,7 @@ def test_spiking_models_get_the_other_surrogate_attacks_and_plain_ones_say_why_n
 
 
 def test_pgd_best_breaks_whatever_the_same_plain_pgd_run_breaks(snn, digits):
-    from efficient.attack_suite import pgd_best
+    from efficient.attacks import pgd_best
     from efficient.attacks import pgd
 
     x, y = digits[1]

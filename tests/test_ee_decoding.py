@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from efficient.decode_engine import DecodeEngine
+from efficient.decoding import DecodeEngine
 from efficient.decoding import Sampler, generate, generate_reference, new_cache, run_layers, should_exit, speculative_accept
 from efficient.errors import ConfigError
 from efficient.models.ee_gpt import EEGPT

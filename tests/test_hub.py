@@ -17,6 +17,7 @@ import torch
 
 import efficient
 from efficient import hub, zoo
+from efficient.train.engine import evaluate_recipe
 from efficient.errors import ArtifactError, ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,11 +70,11 @@ def test_shipped_weights_reach_their_recorded_validation_metrics(rec: hub.Shippe
     cfg = model.pretrained_cfg
     assert cfg["source"] == "package" and cfg["sha256"] == rec.sha256 and cfg["recipe"] == rec.recipe
     assert cfg["metrics"] == rec.metrics and cfg["dataset"] == rec.dataset
-    got = hub.evaluate(model, ROOT / rec.recipe, rec.overrides)
+    got = evaluate_recipe(model, ROOT / rec.recipe, rec.overrides)
     for k, ref in rec.metrics.items():
         tol = TOL_ACC if k.startswith("acc") else TOL_LOSS * abs(ref)
         assert abs(got[k] - ref) <= tol, f"{rec.name}:{rec.tag} {k} = {got[k]:.4f}, recorded {ref:.4f}"
-    fresh = hub.evaluate(zoo.create(rec.name, **rec.config), ROOT / rec.recipe, rec.overrides, max_batches=1)
+    fresh = evaluate_recipe(zoo.create(rec.name, **rec.config), ROOT / rec.recipe, rec.overrides, max_batches=1)
     if rec.metric == "acc":  # the weights are what makes it good, not the architecture
         assert rec.metrics["acc"] > 0.8 and fresh["acc"] < 0.5
     else:

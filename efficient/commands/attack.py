@@ -5,8 +5,8 @@ Runs white-box L-inf attacks (BPTT through the model's own surrogate) on the val
 A run trained on normalised data is wrapped with its normalisation so the attack still sees pixels.
 Results on a run dir are also appended to RUN_DIR/attacks.jsonl, which `efficient report` shows.
 `--attack suite` reports the per-example worst case over the adaptive suite of
-`efficient.attack_suite` (with `--source RUN` for its transfer attack) and `--checks` adds the
-gradient-masking checks of `efficient.masking_checks`.
+`efficient.attacks.suite` (with `--source RUN` for its transfer attack) and `--checks` adds the
+gradient-masking checks of `efficient.attacks.masking`.
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def _load_source(args: argparse.Namespace, num_classes: int) -> Any:
 
 
 def suite_config(args: argparse.Namespace) -> Any:
-    from efficient.attack_suite import SuiteConfig
+    from efficient.attacks import SuiteConfig
 
     surrogates = []
     for item in args.surrogate or ["sigmoid:1", "ste:1"]:
@@ -202,7 +202,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         raise ConfigError("--steps/--alpha set single attacks; the suite takes --pgd-steps, --apgd-steps, --square-queries, ...")
     cfg = suite_config(args) if suite else None
     if suite and args.checks:
-        from efficient.masking_checks import CheckConfig
+        from efficient.attacks import CheckConfig
 
         check_cfg = CheckConfig(tol=args.check_tol, steps=args.check_steps)
     alpha = parse_eps(args.alpha, "--alpha") if args.alpha is not None else None
@@ -222,7 +222,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     if not suite:
         result = robust_accuracy(model, loader, specs, device=device, max_batches=args.max_batches, seed=args.seed)
         return {**head, **result}
-    from efficient.attack_suite import worst_case
+    from efficient.attacks import worst_case
 
     source = _load_source(args, num_classes).to(device).eval() if args.source else None
     import itertools
@@ -231,7 +231,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     result = worst_case(model, batches, eps, cfg, source=source, device=device, max_batches=args.max_batches, seed=args.seed)
     out = {**head, "source": args.source, "suite": result}
     if args.checks:
-        from efficient.masking_checks import masking_checks
+        from efficient.attacks import masking_checks
 
         out["checks"] = masking_checks(model, batches, result, check_cfg, device=device, max_batches=args.max_batches, seed=args.seed)
     return out

@@ -4,7 +4,7 @@
     efficient generate runs/ee_gpt_text --prompt "The " --strategy speculative
 
 Prints the text, the exit layer of every generated token and a summary (tokens/s, mean exit
-depth, expected MAC saving). Decoding runs on the decode engine (`efficient.decode_engine`);
+depth, expected MAC saving). Decoding runs on the decode engine (`efficient.decoding.engine`);
 `--compile` compiles its steps first. Byte-level models (vocab 256) only, since the zoo ships no tokenizer.
 """
 
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     ids = encode(args.prompt).long()
     engine, warmup_s = None, None
     if args.compile:
-        from efficient.decode_engine import DecodeEngine
+        from efficient.decoding import DecodeEngine
 
         engine = DecodeEngine(model.eval(), compile=True)
         from efficient.decoding import check_threshold, exits_enabled

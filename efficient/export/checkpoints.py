@@ -34,8 +34,9 @@ import torch
 from torch import nn
 
 from efficient.errors import ArtifactError
+from efficient.io import unwrap  # noqa: F401 - re-exported: the state dict inside a training checkpoint
 
-__all__ = ["LAYOUTS", "detect_layout", "from_layout", "to_layout", "load_pretrained"]
+__all__ = ["LAYOUTS", "detect_layout", "from_layout", "strip_ddp", "to_layout"]
 
 BN = r"weight|bias|running_mean|running_var|num_batches_tracked"
 PARAM = r"weight|bias"
@@ -255,15 +256,7 @@ LAYOUTS: dict[str, Layout] = {
         "sdt", "the official Spike-driven Transformer code (module/ms_conv.py, module/sps.py)", "SpikeDrivenTransformer", SDT,
         lambda sd: _has(sd, r"block\.\d+\.attn\.q_conv\.weight", dim=4) or _has(sd, r"block\.\d+\.attn\.talking_heads\.weight")),
 }
-def unwrap(obj: Any) -> Any:
-    """The state dict inside a training checkpoint ({"state_dict": ...} / {"model": ...})."""
-    for key in ("state_dict", "model"):
-        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
-            obj = obj[key]
-    return obj
-
-
-def _strip_ddp(sd: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def strip_ddp(sd: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Without the `module.` prefix DistributedDataParallel adds to every key (unless the model's own keys have it)."""
     if sd and all(k.startswith("module.") for k in sd) and not any(k.startswith("module.") for k in own):
         return {k[len("module."):]: v for k, v in sd.items()}
@@ -344,30 +337,3 @@ def to_layout(sd: dict[str, torch.Tensor], layout: str | Layout) -> dict[str, to
             if filled is None or not torch.equal(filled, v):
                 raise ArtifactError(f"{k}: {lay.description} has no place for this tensor")
     return lay.restore(out) if lay.restore is not None else out
-
-
-def load_pretrained(model: nn.Module, weights: Path, allow_pickle: bool = False) -> tuple[nn.Module, dict[str, Any]]:
-    """Load `weights` (ours or a foreign layout) into zoo model `model`; returns the model (rebuilt
-    if the layout's architecture needs other options) and what to add to its `pretrained_cfg`."""
-    from efficient import zoo
-
-    weights = Path(weights)
-    sd = _strip_ddp(zoo.read_state_dict(weights, allow_pickle), model.state_dict())
-    layout = detect_layout(sd)
-    if layout is None:  # ours, or something unknown: the strict loader names the keys that differ
-        zoo.check_and_load(model, sd, weights)
-        return model, {}
-    kind = type(model).__name__
-    if kind != layout.family:
-        name = getattr(model, "zoo_name", kind)
-        other = "spikformer-4-384" if layout.family == "Spikformer" else "sdt-2-512"
-        raise ArtifactError(f"{weights}: a {layout.family} checkpoint in the layout of {layout.description}, but {name!r} is a {kind}; "
-                            f"load it into a {layout.family} entry (e.g. efficient.load({other!r}, pretrained=...))")
-    cfg = dict(getattr(model, "zoo_cfg", {}) or {})
-    if any(cfg.get(k) != v for k, v in layout.options.items()):
-        was_training = model.training
-        model = zoo.create(model.zoo_name, **{**cfg, **layout.options})
-        model.train(was_training)
-    converted, filled = from_layout(sd, layout, model.state_dict(), str(weights))
-    model.load_state_dict(converted, strict=True)
-    return model, {"layout": layout.name, **({"filled": filled} if filled else {}), **layout.options}

@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Sampler
 
 from efficient import zoo
-from efficient.config import Recipe, check_global_batch
+from efficient.config import Recipe, check_global_batch, load_recipe
 from efficient.data import DataBundle, build_data
 from efficient.errors import ArtifactError, ConfigError
 from efficient.io import write_json, write_text
@@ -153,6 +153,18 @@ def evaluate(model: nn.Module, objective: Objective, loader: DataLoader, device:
     model.train(was_training)
     n = sums.pop("n", 0.0) or 1.0
     return {k: v / n for k, v in sums.items()}
+
+
+def evaluate_recipe(model: nn.Module, recipe: str | os.PathLike[str], overrides: list[str] | None = None,
+                    max_batches: int | None = None) -> dict[str, float]:
+    """Validation metrics of `model` under a recipe's data and objective (what training reports),
+    on the device its parameters are on."""
+    r = load_recipe(recipe, overrides or [])
+    data = build_data(r.data)
+    objective = build_objective(r.objective)
+    objective.setup(model, data, r)
+    device = next(iter(model.parameters()), torch.empty(0)).device
+    return evaluate(model, objective, val_loader(r, data), device, max_batches=max_batches)
 
 
 @dataclass

@@ -5,9 +5,8 @@ time; gradients flow back through time with the model's own surrogate (BPTT). Ev
 the model in eval mode (BN running statistics) and restores its mode afterwards. APGD comes from
 torchattacks. Robust accuracy counts a sample as robust only if it is classified correctly both
 clean and under attack, so it never exceeds clean accuracy (APGD attacks only correct samples).
-The worst case over a suite of adaptive attacks (`worst_case`, `SuiteConfig`) lives in
-`efficient.attack_suite`, the gradient-masking checks (`masking_checks`) in `efficient.masking_checks`;
-both are importable from here.
+The worst case over a suite of adaptive attacks (`worst_case`, `SuiteConfig`) builds on these in
+`efficient.attacks.suite`, the gradient-masking checks (`masking_checks`) in `efficient.attacks.masking`.
 """
 
 from __future__ import annotations
@@ -244,19 +243,7 @@ def robust_accuracy(
     return {"n": n, "clean": clean / n, "attacks": rows}
 
 
-# the suite and the checks build on this module, so they are attributes loaded on first use
-_LAZY = {"worst_case": "attack_suite", "SuiteConfig": "attack_suite", "masking_checks": "masking_checks", "CheckConfig": "masking_checks"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(f"efficient.{_LAZY[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = [
-    "ATTACKS", "AttackSpec", "CheckConfig", "SuiteConfig", "masking_checks", "worst_case", "apgd", "check_attack", "check_eps", "default_alpha", "eval_mode", "fgsm",
+    "ATTACKS", "AttackSpec", "apgd", "check_attack", "check_eps", "default_alpha", "eval_mode", "fgsm",
     "input_grad", "parse_eps", "pgd", "project", "robust_accuracy", "run_attack",
 ]
