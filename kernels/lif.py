@@ -1,6 +1,7 @@
-"""Multi-step leaky integrate-and-fire (LIF / PLIF / DLIF) over time-major input `[T, ...]`.
+"""Multi-step leaky integrate-and-fire (LIF / PLIF / DLIF) over time-major input `[T, ...]`, in
+spikingjelly's update order.
 
-One file, four parts (see DESIGN.md, "Conventions"):
+One kernel, four parts (see DESIGN.md, "Conventions"):
 
 1. `lif_reference`: the spec, a readable autograd loop over T.
 2. Triton kernels: forward and backward each loop over T inside one kernel; the forward saves only
@@ -26,85 +27,56 @@ Dynamics (spikingjelly's LIFNode / ParametricLIFNode formulas, in the same float
     V[-1] = V_reset (hard) or 0 (soft). PLIF replaces `/ tau` by `* rate` with rate = sigmoid(w).
 
 `v_init` starts from a given membrane (spikingjelly's state carried across calls); its gradient
-comes back from the same backward. `order="snntorch"` (public `leaky`, op `efficient::leaky_*`) is
-snntorch 1.0's `Leaky` order, where the reset decided at t-1 is applied after the leak of step t:
+comes back from the same backward. The backward uses a surrogate dS/dH = g(H - V_th) (formulas and
+the `SURROGATE_ALPHA` defaults in `efficient.kernels.lif_common`); `detach_reset` cuts the gradient
+through the reset's use of S.
 
-    subtract M[t] = beta*M[t-1] + X[t] - r[t]*V_th      r[t] = Theta(M[t-1] - V_th), detached
-    zero     M[t] = beta*((1 - r[t])*M[t-1]) + X[t]     none: M[t] = beta*M[t-1] + X[t]
-    fire     S[t] = (M[t] - V_th > 0)                   (strict, as snntorch)
-
-with beta and V_th per neuron (fp32 [N], differentiable) and M[-1] given or 0.
-
-The backward uses a surrogate dS/dH = g(H - V_th): sigmoid `alpha*sig(alpha*u)*(1-sig(alpha*u))`,
-atan `(alpha/2) / (1 + (pi/2*alpha*u)^2)`, triangle `max(0, alpha - alpha^2*|u|)` (spikingjelly's
-PiecewiseQuadratic; the stable-SNN triangle of width w is alpha = 1/w), or ste, the straight-through
-estimator `alpha` everywhere (1 by default; no spikingjelly counterpart, used by attacks that probe
-gradient masking, see efficient.attack_suite). `alpha=None` takes the
-surrogate's default in spikingjelly (`SURROGATE_ALPHA`: sigmoid 4, atan 2, triangle 1), so switching
-the name gives the function users know. `detach_reset` cuts the gradient through the reset's use of S.
-
-NaN input is not an error by default (checking costs a pass and a device sync): a NaN membrane
-never fires (every comparison with NaN is false), so it stays NaN and its gradient is NaN. Pass
-`check_finite=True` to `lif` to raise instead.
+`order="snntorch"` runs snntorch 1.0's `Leaky` order instead: public `leaky`, op
+`efficient::leaky_*`, in `efficient.kernels.leaky`. What the two orders share (surrogates, ids,
+backend choice, input checks, the compiled-loop cache) lives in `efficient.kernels.lif_common`.
+This module re-exports both's public names and the internals tests and benchmarks reach, so it
+stays the one address of the LIF kernels; assigning a re-exported name here also assigns it where
+it is read (see `_LifModule`).
 """
 
 from __future__ import annotations
 
-import functools
-import math
-import os
+import sys
 import types
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from efficient.kernels import _backend
+from efficient.kernels import leaky as _leaky_module
+from efficient.kernels import lif_common as _common
 from efficient.kernels._backend import BACKENDS
+# re-exported: snntorch's order, and what both orders share
+from efficient.kernels.leaky import (  # noqa: F401
+    RESET_NONE, RESET_SUBTRACT, RESET_ZERO, RESETS, _EagerLeaky, _reset_id, leaky, leaky_backward_op, leaky_forward_op,
+    leaky_reference,
+)
+from efficient.kernels.lif_common import (  # noqa: F401
+    _BLOCK, _NUM_WARPS, CHARGE_DECAY_INPUT, CHARGE_LEAK, CHARGE_NO_DECAY, COMPILE_MIN_NUMEL, HAS_TRITON, IMPLS,
+    SURROGATE_ALPHA, SURROGATE_ATAN, SURROGATE_SIGMOID, SURROGATE_STE, SURROGATE_TRIANGLE, SURROGATES,
+    _check_compiler, _check_op_args, _choose_impl, _compiled, _Heaviside, _register_flops, _scalars, _surrogate_id,
+    _triton_ready, _unviewed, check_input, default_alpha, resolve_backend, surrogate_grad,
+)
 
-try:  # Triton is optional on CPU-only installs; the "triton" backend then raises a clear error.
+if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - exercised only without triton
-    HAS_TRITON = False
+    from efficient.kernels.lif_common import _surrogate_tl
 
 __all__ = [
-    "BACKENDS",
-    "IMPLS",
-    "SURROGATES",
-    "SURROGATE_ALPHA",
-    "default_alpha",
-    "ORDERS",
-    "RESETS",
-    "leaky",
-    "leaky_reference",
-    "lif",
-    "lif_reference",
-    "check_input",
-    "resolve_backend",
-    "surrogate_grad",
+    "BACKENDS", "IMPLS", "SURROGATES", "SURROGATE_ALPHA", "default_alpha", "ORDERS", "RESETS", "leaky",
+    "leaky_reference", "lif", "lif_reference", "check_input", "resolve_backend", "surrogate_grad",
 ]
 
-COMPILE_MIN_NUMEL = 1 << 20
-# surrogate ids (the op's `surrogate` argument) and their names
-SURROGATE_SIGMOID, SURROGATE_ATAN, SURROGATE_TRIANGLE, SURROGATE_STE = 0, 1, 2, 3
-SURROGATES = {"sigmoid": SURROGATE_SIGMOID, "atan": SURROGATE_ATAN, "triangle": SURROGATE_TRIANGLE, "ste": SURROGATE_STE}
-# default alpha per surrogate: spikingjelly 2.0's defaults (surrogate.Sigmoid alpha=4.0,
-# surrogate.ATan alpha=2.0, surrogate.PiecewiseQuadratic alpha=1.0); the straight-through
-# estimator passes the gradient unchanged (alpha 1)
-SURROGATE_ALPHA = {"sigmoid": 4.0, "atan": 2.0, "triangle": 1.0, "ste": 1.0}
-# charge modes; the float constant `c` of the op is tau for the first two, lambda for LEAK
-CHARGE_DECAY_INPUT, CHARGE_NO_DECAY, CHARGE_LEAK = 0, 1, 2
-# snntorch `Leaky` reset mechanisms (the update order "snntorch", see `leaky`)
-RESET_SUBTRACT, RESET_ZERO, RESET_NONE = 0, 1, 2
-RESETS = {"subtract": RESET_SUBTRACT, "zero": RESET_ZERO, "none": RESET_NONE}
 # update orders of `lif`: charge-fire-reset (spikingjelly, ours) or snntorch's (reset of the previous
-# step subtracted after the leak)
+# step subtracted after the leak, `efficient.kernels.leaky`)
 ORDERS = ("spikingjelly", "snntorch")
-# op implementations: "triton" kernels, "inductor" = compiled torch loop, "loop" = same loop eagerly
-IMPLS = ("triton", "inductor", "loop")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,45 +84,10 @@ IMPLS = ("triton", "inductor", "loop")
 # ---------------------------------------------------------------------------------------------
 
 
-def default_alpha(surrogate: str, alpha: Optional[float] = None) -> float:
-    """`alpha` if given, else the surrogate's spikingjelly default (`SURROGATE_ALPHA`)."""
-    if alpha is not None:
-        return float(alpha)
-    try:
-        return SURROGATE_ALPHA[surrogate]
-    except (KeyError, TypeError):
-        raise ValueError(f"unknown surrogate {surrogate!r}; choose one of {sorted(SURROGATES)}") from None
-
-
-def surrogate_grad(u: Tensor, surrogate: int, alpha: float) -> Tensor:
-    """dS/dH at u = H - V_th for a surrogate id of `SURROGATES` (spikingjelly formulas)."""
-    if surrogate == SURROGATE_SIGMOID:
-        sg = torch.sigmoid(u * alpha)
-        return (1.0 - sg) * sg * alpha
-    if surrogate == SURROGATE_ATAN:
-        a = alpha / 2
-        z = (math.pi * a) * u
-        return a / (1 + z * z)
-    if surrogate == SURROGATE_TRIANGLE:
-        return (alpha - (alpha * alpha) * u.abs()).clamp_min(0.0)
-    if surrogate == SURROGATE_STE:
-        return torch.zeros_like(u) + alpha
-    raise ValueError(f"unknown surrogate id {surrogate}; expected one of {SURROGATES}")
-
-
-class _Heaviside(torch.autograd.Function):
-    """S = Theta(u) forward, surrogate derivative backward."""
-
-    @staticmethod
-    def forward(ctx, u: Tensor, surrogate: int, alpha: float) -> Tensor:  # type: ignore[override]
-        ctx.save_for_backward(u)
-        ctx.surrogate, ctx.alpha = surrogate, alpha
-        return (u >= 0).to(u.dtype)
-
-    @staticmethod
-    def backward(ctx, g: Tensor):  # type: ignore[override]
-        (u,) = ctx.saved_tensors
-        return g * surrogate_grad(u, ctx.surrogate, ctx.alpha), None, None
+def _charge_mode(tau: float, decay_input: bool, leak: Optional[float]) -> tuple[int, float]:
+    if leak is not None:
+        return CHARGE_LEAK, float(leak)
+    return (CHARGE_DECAY_INPUT if decay_input else CHARGE_NO_DECAY), float(tau)
 
 
 def _charge(x: Tensor, v: Tensor, rate, c, v_reset: float, charge: int) -> Tensor:
@@ -195,7 +132,7 @@ def lif_reference(
     spikes, hs = [], []
     for t in range(x.shape[0]):
         h = _charge(xf[t], v, rate, c, vr, charge)
-        s = _Heaviside.apply(h - v_threshold, sid, float(alpha))
+        s = _Heaviside.apply(h - v_threshold, sid, float(alpha), False)
         sr = s.detach() if detach_reset else s
         v = h - sr * v_threshold if v_reset is None else sr * vr + (1.0 - sr) * h
         spikes.append(s)
@@ -203,85 +140,15 @@ def lif_reference(
     return torch.stack(spikes).to(spike_dtype or x.dtype), torch.stack(hs)
 
 
-class _HeavisideStrict(torch.autograd.Function):
-    """S = (u > 0) forward (snntorch fires strictly above threshold), surrogate derivative backward."""
-
-    @staticmethod
-    def forward(ctx, u: Tensor, surrogate: int, alpha: float) -> Tensor:  # type: ignore[override]
-        ctx.save_for_backward(u)
-        ctx.surrogate, ctx.alpha = surrogate, alpha
-        return (u > 0).to(u.dtype)
-
-    @staticmethod
-    def backward(ctx, g: Tensor):  # type: ignore[override]
-        (u,) = ctx.saved_tensors
-        return g * surrogate_grad(u, ctx.surrogate, ctx.alpha), None, None
-
-
-def leaky_reference(
-    x: Tensor,
-    beta: float | Tensor,
-    threshold: float | Tensor = 1.0,
-    reset_mechanism: str = "subtract",
-    surrogate: str = "atan",
-    alpha: Optional[float] = None,
-    *,
-    mem: Optional[Tensor] = None,
-    spike_dtype: Optional[torch.dtype] = None,
-) -> tuple[Tensor, Tensor]:
-    """snntorch's `Leaky` (reset_delay=True) over T, as snntorch writes it. Returns (spikes, membrane fp32).
-
-    r[t] = Theta(M[t-1] - thr) (detached); subtract: M[t] = beta*M[t-1] + X[t] - r[t]*thr; zero:
-    M[t] = beta*((1 - r[t])*M[t-1]) + X[t]; none: M[t] = beta*M[t-1] + X[t]; S[t] = (M[t] - thr > 0).
-    M[-1] = `mem` (default 0). beta and threshold broadcast against x[0] (scalar or per neuron);
-    beta is used as given (snntorch clamps it to [0, 1] before calling this).
-    """
-    sid, alpha = _surrogate_id(surrogate), default_alpha(surrogate, alpha)
-    rid = _reset_id(reset_mechanism)
-    xf = x if x.dtype == torch.float64 else x.float()
-    m = torch.zeros_like(xf[0]) if mem is None else mem.to(xf.dtype).expand_as(xf[0])
-    spikes, ms = [], []
-    for t in range(x.shape[0]):
-        r = _HeavisideStrict.apply(m - threshold, sid, float(alpha)).detach()
-        if rid == RESET_ZERO:
-            m = beta * ((1 - r) * m) + xf[t]
-        else:
-            m = beta * m + xf[t]
-            if rid == RESET_SUBTRACT:
-                m = m - r * threshold
-        spikes.append(_HeavisideStrict.apply(m - threshold, sid, float(alpha)))
-        ms.append(m)
-    return torch.stack(spikes).to(spike_dtype or x.dtype), torch.stack(ms)
-
-
 # ---------------------------------------------------------------------------------------------
 # 2. Triton kernels
 # ---------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
-    # the charge modes and surrogate ids as Triton compile-time constants (jit code reads only constexpr globals)
+    # the charge modes as Triton compile-time constants (jit code reads only constexpr globals);
+    # divisions use div_rn, as torch on CPU (see `_surrogate_tl`)
     _TL_DECAY_INPUT = tl.constexpr(CHARGE_DECAY_INPUT)
     _TL_LEAK = tl.constexpr(CHARGE_LEAK)
-    _TL_SIGMOID = tl.constexpr(SURROGATE_SIGMOID)
-    _TL_ATAN = tl.constexpr(SURROGATE_ATAN)
-    _TL_STE = tl.constexpr(SURROGATE_STE)
-
-    # divisions use div_rn (IEEE round-to-nearest, as torch on CPU): a plain `/` lowers to an
-    # approximate division on NVIDIA GPUs, which could move H across the threshold
-    @triton.jit
-    def _surrogate_tl(u, alpha, SURROGATE: tl.constexpr):
-        if SURROGATE == _TL_SIGMOID:
-            sg = 1.0 / (1.0 + tl.exp(-(u * alpha)))
-            out = (1.0 - sg) * sg * alpha
-        elif SURROGATE == _TL_ATAN:
-            a = alpha * 0.5
-            z = (3.141592653589793 * a) * u
-            out = tl.math.div_rn(a, 1.0 + z * z)
-        elif SURROGATE == _TL_STE:
-            out = u * 0.0 + alpha
-        else:  # triangle
-            out = tl.maximum(alpha - (alpha * alpha) * tl.abs(u), 0.0)
-        return out
 
     @triton.jit
     def _lif_fwd_kernel(
@@ -397,106 +264,6 @@ if HAS_TRITON:
             tl.store(gv0_ptr + offs, carry, mask=mask)  # dL/dV[-1]
 
 
-if HAS_TRITON:
-    _TL_RESET_SUBTRACT = tl.constexpr(RESET_SUBTRACT)
-    _TL_RESET_ZERO = tl.constexpr(RESET_ZERO)
-
-    @triton.jit
-    def _leaky_fwd_kernel(
-        x_ptr, m0_ptr, beta_ptr, thr_ptr, s_ptr, m_ptr, N, T,
-        RESET: tl.constexpr, HAS_M0: tl.constexpr, BLOCK: tl.constexpr,
-    ):
-        # snntorch order: the reset decided by M[t-1] is applied after the leak of step t
-        pid = tl.program_id(0)
-        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < N
-        b = tl.load(beta_ptr + offs, mask=mask, other=0.0)
-        thr = tl.load(thr_ptr + offs, mask=mask, other=0.0)
-        if HAS_M0:
-            m = tl.load(m0_ptr + offs, mask=mask, other=0.0)
-        else:
-            m = tl.zeros([BLOCK], dtype=tl.float32)
-        for _t in range(T):
-            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            r = m > thr
-            if RESET == _TL_RESET_ZERO:
-                m = tl.where(r, b * 0.0 + x, b * m + x)
-            elif RESET == _TL_RESET_SUBTRACT:
-                base = b * m + x
-                m = tl.where(r, base - thr, base)
-            else:
-                m = b * m + x
-            tl.store(m_ptr + offs, m, mask=mask)
-            tl.store(s_ptr + offs, (m > thr).to(s_ptr.dtype.element_ty), mask=mask)
-            x_ptr += N
-            m_ptr += N
-            s_ptr += N
-
-    @triton.jit
-    def _leaky_bwd_kernel(
-        gs_ptr, gm_ptr, m_ptr, m0_ptr, beta_ptr, thr_ptr, gx_ptr, gm0_ptr, gbeta_ptr, gthr_ptr, N, T, alpha,
-        RESET: tl.constexpr, HAS_M0: tl.constexpr, HAS_GM: tl.constexpr, SURROGATE: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        # pointers arrive at step T-1 and walk back one step (N elements) per iteration
-        pid = tl.program_id(0)
-        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < N
-        b = tl.load(beta_ptr + offs, mask=mask, other=0.0)
-        thr = tl.load(thr_ptr + offs, mask=mask, other=0.0)
-        if HAS_M0:
-            m0 = tl.load(m0_ptr + offs, mask=mask, other=0.0)
-        else:
-            m0 = tl.zeros([BLOCK], dtype=tl.float32)
-        carry = tl.zeros([BLOCK], dtype=tl.float32)  # dL/dM[t] coming from step t+1
-        gb = tl.zeros([BLOCK], dtype=tl.float32)
-        gt = tl.zeros([BLOCK], dtype=tl.float32)
-        for i in range(T):
-            m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-            mp = tl.load(m_ptr - N + offs, mask=mask & (i < T - 1), other=0.0)
-            mp = tl.where(i == T - 1, m0, mp)  # M[t-1], or the initial membrane at t = 0
-            gsg = tl.load(gs_ptr + offs, mask=mask, other=0.0).to(tl.float32) * _surrogate_tl(m - thr, alpha, SURROGATE)
-            gh = gsg + carry
-            if HAS_GM:
-                gh += tl.load(gm_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                gm_ptr -= N
-            tl.store(gx_ptr + offs, gh.to(gx_ptr.dtype.element_ty), mask=mask)
-            r = mp > thr
-            if RESET == _TL_RESET_ZERO:
-                gb += tl.where(r, 0.0, gh * mp)
-                carry = tl.where(r, 0.0, gh * b)
-                gt -= gsg
-            elif RESET == _TL_RESET_SUBTRACT:
-                gb += gh * mp
-                carry = gh * b
-                gt -= gsg + tl.where(r, gh, 0.0)
-            else:
-                gb += gh * mp
-                carry = gh * b
-                gt -= gsg
-            m_ptr -= N
-            gs_ptr -= N
-            gx_ptr -= N
-        tl.store(gbeta_ptr + offs, gb, mask=mask)
-        tl.store(gthr_ptr + offs, gt, mask=mask)
-        if HAS_M0:
-            tl.store(gm0_ptr + offs, carry, mask=mask)
-
-
-_BLOCK = 1024
-_NUM_WARPS = 8  # 4 elements a thread: 4 warps hold the PLIF backward in 190 registers on sm_90
-
-
-def _triton_ready(x: Tensor) -> None:
-    if not HAS_TRITON:
-        raise RuntimeError("backend='triton' needs the triton package; use backend='torch' or 'compile'")
-    if x.device.type != "cuda" and not _backend.interpreter_on():
-        raise RuntimeError(
-            f"backend='triton' runs on CUDA tensors (got device {x.device}); on CPU use backend='auto' "
-            "or 'compile', or set TRITON_INTERPRET=1 before importing triton to run the interpreter"
-        )
-
-
 def _triton_forward(x, rate, c, v_th, v_reset, charge, spike_dtype, v0=None):
     _triton_ready(x)
     T, N = x.shape
@@ -530,40 +297,6 @@ def _triton_backward(gs, gm, h, rate, c, v_th, v_reset, charge, surrogate, alpha
         DETACH=detach, SURROGATE=surrogate, HAS_V0=v0 is not None, BLOCK=_BLOCK, num_warps=_NUM_WARPS,
     )
     return gx, grate.sum(), gv0
-
-
-def _triton_leaky_forward(x, m0, beta, thr, reset, spike_dtype):
-    _triton_ready(x)
-    T, N = x.shape
-    beta, thr = beta.expand(N).contiguous(), thr.expand(N).contiguous()  # the kernel reads one value per neuron
-    s = torch.empty((T, N), dtype=spike_dtype, device=x.device)
-    m = torch.empty((T, N), dtype=torch.float32, device=x.device)
-    _leaky_fwd_kernel[(triton.cdiv(N, _BLOCK),)](
-        x, m0 if m0 is not None else beta, beta, thr, s, m, N, T,
-        RESET=reset, HAS_M0=m0 is not None, BLOCK=_BLOCK, num_warps=_NUM_WARPS,
-    )
-    return s, m
-
-
-def _triton_leaky_backward(gs, gm, m, m0, beta, thr, reset, surrogate, alpha, x_dtype):
-    _triton_ready(m)
-    T, N = m.shape
-    shared = (beta.shape[0] != N, thr.shape[0] != N)
-    beta, thr = beta.expand(N).contiguous(), thr.expand(N).contiguous()
-    gx = torch.empty((T, N), dtype=x_dtype, device=m.device)
-    gm0 = torch.empty(N if m0 is not None else 0, dtype=torch.float32, device=m.device)
-    gbeta = torch.empty(N, dtype=torch.float32, device=m.device)
-    gthr = torch.empty(N, dtype=torch.float32, device=m.device)
-    last = T - 1
-    _leaky_bwd_kernel[(triton.cdiv(N, _BLOCK),)](
-        gs[last], gm[last] if gm is not None else m[last], m[last], m0 if m0 is not None else beta, beta, thr,
-        gx[last], gm0 if m0 is not None else gbeta, gbeta, gthr, N, T, float(alpha),
-        RESET=reset, HAS_M0=m0 is not None, HAS_GM=gm is not None, SURROGATE=surrogate,
-        BLOCK=_BLOCK, num_warps=_NUM_WARPS,
-    )
-    gbeta = gbeta.sum(0, keepdim=True) if shared[0] else gbeta
-    gthr = gthr.sum(0, keepdim=True) if shared[1] else gthr
-    return gx, gm0, gbeta, gthr
 
 
 # ---------------------------------------------------------------------------------------------
@@ -628,114 +361,6 @@ def _loop_backward(
     return torch.stack(gxs), gk, gv0
 
 
-def _leaky_loop_forward(x, m0, beta, thr, *, reset: int, spike_dtype: torch.dtype):
-    """snntorch order, x [T, N] -> (spikes [T, N], membrane [T, N] fp32); m0 is [N], beta and thr [N]
-    or [1] (one value for all neurons), all fp32."""
-    m = torch.zeros_like(x[0], dtype=torch.float32) if m0 is None else m0
-    ms, ss = [], []
-    for t in range(x.shape[0]):
-        xt = x[t].float()
-        r = m > thr
-        if reset == RESET_ZERO:
-            m = torch.where(r, beta * 0.0 + xt, beta * m + xt)
-        elif reset == RESET_SUBTRACT:
-            base = beta * m + xt
-            m = torch.where(r, base - thr, base)
-        else:
-            m = beta * m + xt
-        ms.append(m)
-        ss.append((m > thr).to(spike_dtype))
-    return torch.stack(ss), torch.stack(ms)
-
-
-def _leaky_loop_backward(gs, gm, m, m0, beta, thr, alpha, *, reset: int, surrogate: int, x_dtype: torch.dtype):
-    """Reverse-time recurrence of the snntorch-order backward: (grad x, grad m0 or [0], grad beta [N], grad thr [N])."""
-    T = m.shape[0]
-    carry = torch.zeros_like(m[0])
-    gb = torch.zeros_like(m[0])
-    gt = torch.zeros_like(m[0])
-    gxs = [None] * T
-    for t in range(T - 1, -1, -1):
-        mt = m[t]
-        mp = m[t - 1] if t > 0 else (m0 if m0 is not None else torch.zeros_like(mt))
-        gsg = gs[t].float() * surrogate_grad(mt - thr, surrogate, alpha)
-        gh = gsg + carry
-        if gm is not None:
-            gh = gh + gm[t].float()
-        gxs[t] = gh.to(x_dtype)
-        r = mp > thr
-        if reset == RESET_ZERO:
-            gb = gb + torch.where(r, 0.0, gh * mp)
-            carry = torch.where(r, 0.0, gh * beta)
-            gt = gt - gsg
-        else:
-            gb = gb + gh * mp
-            carry = gh * beta
-            gt = gt - (gsg + torch.where(r, gh, 0.0)) if reset == RESET_SUBTRACT else gt - gsg
-    gm0 = carry if m0 is not None else m.new_empty(0)
-    # a beta / threshold shared by all neurons arrives as [1]: its gradient is the sum over neurons
-    if beta.shape[0] != m.shape[1]:
-        gb = gb.sum(0, keepdim=True)
-    if thr.shape[0] != m.shape[1]:
-        gt = gt.sum(0, keepdim=True)
-    return torch.stack(gxs), gm0, gb, gt
-
-
-def _run_leaky_forward(x, m0, beta, thr, reset, spike_dtype, impl):
-    if impl == "triton":
-        return _triton_leaky_forward(x, m0, beta, thr, reset, spike_dtype)
-    static = (("reset", reset), ("spike_dtype", spike_dtype))
-    if impl == "inductor":
-        return _compiled("leaky_forward", static)(*_unviewed((x, m0, beta, thr)))
-    return _leaky_loop_forward(x, m0, beta, thr, **dict(static))
-
-
-def _run_leaky_backward(gs, gm, m, m0, beta, thr, reset, surrogate, alpha, x_dtype, impl):
-    if impl == "triton":
-        return _triton_leaky_backward(gs, gm, m, m0, beta, thr, reset, surrogate, alpha, x_dtype)
-    static = (("reset", reset), ("surrogate", surrogate), ("x_dtype", x_dtype))
-    args = (gs, gm, m, m0, beta, thr, *_scalars(m.device, alpha))
-    if impl == "inductor":
-        return _compiled("leaky_backward", static)(*_unviewed(args))
-    return _leaky_loop_backward(*args, **dict(static))
-
-
-@functools.lru_cache(maxsize=None)
-def _compiled(fn_name: str, static: tuple):
-    """One inductor-compiled loop per static configuration (own dynamo cache, so no recompile limit)."""
-    base = {
-        "forward": _loop_forward, "backward": _loop_backward,
-        "leaky_forward": _leaky_loop_forward, "leaky_backward": _leaky_loop_backward,
-    }[fn_name]
-    # dynamo keys its cache (and recompile limit) by code object: give each configuration its own
-    code = base.__code__.replace(co_name=f"{base.__name__}_{len(_compiled_names)}")
-    _compiled_names.append(code.co_name)
-    fn = types.FunctionType(code, base.__globals__, code.co_name, base.__defaults__, base.__closure__)
-    fn.__kwdefaults__ = dict(static)
-    return torch.compile(fn, dynamic=True, fullgraph=True)
-
-
-_compiled_names: list[str] = []
-
-
-def _unviewed(args: tuple) -> tuple:
-    """Tensors as non-views (detach drops `_base`, no copy): dynamo otherwise guards on the layout of
-    each view's base, and recompiles (up to its limit, then runs eagerly) for every new one."""
-    return tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
-
-
-def _scalars(device, *values):
-    return [_scalar(device, float(v), slot) for slot, v in enumerate(values)]
-
-
-@functools.lru_cache(maxsize=256)
-def _scalar(device: torch.device, value: float, slot: int) -> Tensor:
-    """A 0-d fp32 tensor per (device, value, argument slot), made once: the loops only read it (new
-    values stay runtime inputs, so no recompile), and a fresh tensor per call is an allocation and a
-    fill. Per slot, so two equal arguments are never one aliased tensor (dynamo guards on aliasing)."""
-    return torch.tensor(value, dtype=torch.float32, device=device)
-
-
 def _run_forward(x, rate, c, v_th, v_reset, charge, spike_dtype, impl, v0=None):
     if impl == "triton":
         return _triton_forward(x, rate, c, v_th, v_reset, charge, spike_dtype, v0)
@@ -743,7 +368,7 @@ def _run_forward(x, rate, c, v_th, v_reset, charge, spike_dtype, impl, v0=None):
     static = (("charge", charge), ("hard", hard), ("spike_dtype", spike_dtype))
     args = (x, rate, *_scalars(x.device, c, v_th, v_reset if hard else 0.0), v0)
     if impl == "inductor":
-        return _compiled("forward", static)(*_unviewed(args))
+        return _compiled(_loop_forward, static)(*_unviewed(args))
     return _loop_forward(*args, **dict(static))
 
 
@@ -756,7 +381,7 @@ def _run_backward(gs, gm, h, rate, c, v_th, v_reset, charge, surrogate, alpha, d
     )
     args = (gs, gm, h, rate, *_scalars(h.device, c, v_th, v_reset if hard else 0.0, alpha), v0)
     if impl == "inductor":
-        return _compiled("backward", static)(*_unviewed(args))
+        return _compiled(_loop_backward, static)(*_unviewed(args))
     return _loop_backward(*args, **dict(static))
 
 
@@ -800,19 +425,6 @@ def _check_state(state: Optional[Tensor], x: Tensor, name: str) -> None:
             f"{name} must be fp32 of shape {tuple(x.shape[1:])} (one value per neuron), got "
             f"{tuple(state.shape)} {state.dtype}"
         )
-
-
-def _check_op_args(x: Tensor, charge: int, surrogate: int, impl: str) -> None:
-    """The op takes the flattened [T, N] view that `lif` builds; say so instead of crashing a kernel."""
-    if x.dim() != 2 or x.shape[0] < 1 or not x.is_floating_point():
-        raise ValueError(
-            f"efficient::lif_forward expects a floating [T>=1, N] tensor, got shape {tuple(x.shape)}, "
-            f"dtype {x.dtype}; call efficient.kernels.lif.lif, which flattens [T, ...] inputs"
-        )
-    if charge not in (CHARGE_DECAY_INPUT, CHARGE_NO_DECAY, CHARGE_LEAK) or surrogate not in SURROGATES.values():
-        raise ValueError(f"efficient::lif_forward: unknown charge mode {charge} or surrogate id {surrogate}")
-    if impl not in IMPLS:
-        raise ValueError(f"efficient::lif_forward: unknown impl {impl!r}; choose one of {IMPLS}")
 
 
 @lif_forward_op.register_fake
@@ -878,216 +490,15 @@ def _backward(ctx, grad_spikes, grad_h):
 lif_forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-@torch.library.custom_op("efficient::leaky_forward", mutates_args=())
-def leaky_forward_op(
-    x: Tensor,
-    m0: Optional[Tensor],
-    beta: Tensor,
-    threshold: Tensor,
-    reset: int,
-    surrogate: int,
-    alpha: float,
-    spike_dtype: torch.dtype,
-    impl: str,
-) -> tuple[Tensor, Tensor]:
-    """snntorch order: x [T, N] -> (spikes [T, N] spike_dtype, membrane [T, N] fp32), both contiguous.
-
-    `m0` is fp32 [N]; `beta`, `threshold` fp32 [N] (per neuron) or [1] (shared by all neurons);
-    `reset` is an id of `RESETS`; surrogate/alpha are used by the backward.
-    """
-    return _leaky_forward_impl(x, m0, beta, threshold, reset, surrogate, alpha, spike_dtype, impl)
-
-
-def _leaky_forward_impl(x, m0, beta, threshold, reset, surrogate, alpha, spike_dtype, impl):
-    _check_leaky_args(x, m0, beta, threshold, reset, surrogate, impl)
-    return _run_leaky_forward(
-        x.contiguous(), m0.contiguous() if m0 is not None else None, beta.contiguous(), threshold.contiguous(),
-        reset, spike_dtype, impl,
-    )
-
-
-def _check_leaky_args(x, m0, beta, threshold, reset, surrogate, impl) -> None:
-    _check_op_args(x, CHARGE_LEAK, surrogate, impl)
-    for name, t, sizes in (("m0", m0, (x.shape[1],)), ("beta", beta, (x.shape[1], 1)),
-                           ("threshold", threshold, (x.shape[1], 1))):
-        if t is not None and (t.dim() != 1 or t.shape[0] not in sizes or t.dtype != torch.float32):
-            shapes = " or ".join(f"[{n}]" for n in sizes)
-            raise ValueError(
-                f"efficient::leaky_forward: {name} must be fp32 {shapes} (N={x.shape[1]}), got {tuple(t.shape)} "
-                f"{t.dtype}; call efficient.kernels.lif.leaky, which broadcasts it"
-            )
-    if reset not in RESETS.values():
-        raise ValueError(f"efficient::leaky_forward: unknown reset id {reset}; expected one of {RESETS}")
-
-
-@leaky_forward_op.register_fake
-def _(x, m0, beta, threshold, reset, surrogate, alpha, spike_dtype, impl):
-    _check_leaky_args(x, m0, beta, threshold, reset, surrogate, impl)
-    return x.new_empty(x.shape, dtype=spike_dtype), x.new_empty(x.shape, dtype=torch.float32)
-
-
-@torch.library.custom_op("efficient::leaky_backward", mutates_args=())
-def leaky_backward_op(
-    grad_spikes: Tensor,
-    grad_mem: Optional[Tensor],
-    mem: Tensor,
-    m0: Optional[Tensor],
-    beta: Tensor,
-    threshold: Tensor,
-    reset: int,
-    surrogate: int,
-    alpha: float,
-    x_dtype: torch.dtype,
-    impl: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Gradients of leaky_forward from the membrane alone: (grad x [T, N] x_dtype, grad m0 [N] (empty
-    without m0), grad beta and grad threshold shaped like beta and threshold, all fp32 but grad x)."""
-    return _leaky_backward_impl(grad_spikes, grad_mem, mem, m0, beta, threshold, reset, surrogate, alpha, x_dtype, impl)
-
-
-def _leaky_backward_impl(grad_spikes, grad_mem, mem, m0, beta, threshold, reset, surrogate, alpha, x_dtype, impl):
-    # the Triton kernels index dense [T, N]; the torch loops read any strides (a loss like
-    # spikes.sum() hands back an expanded gradient, which would otherwise be copied in full)
-    dense = (lambda t: t.contiguous()) if impl == "triton" else (lambda t: t)
-    gs = dense(grad_spikes)
-    gm = dense(grad_mem) if grad_mem is not None else None
-    m0 = m0.contiguous() if m0 is not None else None
-    return _run_leaky_backward(
-        gs, gm, mem, m0, beta.contiguous(), threshold.contiguous(), reset, surrogate, alpha, x_dtype, impl
-    )
-
-
-@leaky_backward_op.register_fake
-def _(grad_spikes, grad_mem, mem, m0, beta, threshold, reset, surrogate, alpha, x_dtype, impl):
-    n = mem.shape[1]
-    return (mem.new_empty(mem.shape, dtype=x_dtype), mem.new_empty(n if m0 is not None else 0),
-            mem.new_empty(beta.shape[0]), mem.new_empty(threshold.shape[0]))
-
-
-def _leaky_setup_context(ctx, inputs, output) -> None:
-    x, m0, beta, threshold, reset, surrogate, alpha, spike_dtype, impl = inputs
-    ctx.save_for_backward(output[1], m0, beta, threshold)  # the membrane and the per-neuron inputs, not x
-    ctx.params = (reset, surrogate, alpha)
-    ctx.x_dtype, ctx.impl = x.dtype, impl
-    ctx.set_materialize_grads(False)
-
-
-def _leaky_backward(ctx, grad_spikes, grad_mem, backward_fn=leaky_backward_op):
-    mem, m0, beta, threshold = ctx.saved_tensors
-    if grad_spikes is None:
-        grad_spikes = torch.zeros_like(mem)
-    gx, gm0, gbeta, gthr = backward_fn(grad_spikes, grad_mem, mem, m0, beta, threshold, *ctx.params, ctx.x_dtype, ctx.impl)
-    need = ctx.needs_input_grad
-    return (gx, gm0 if m0 is not None and need[1] else None, gbeta if need[2] else None,
-            gthr if need[3] else None, None, None, None, None, None)
-
-
-leaky_forward_op.register_autograd(_leaky_backward, setup_context=_leaky_setup_context)
-
-
-class _EagerLeaky(torch.autograd.Function):
-    """`efficient::leaky_forward` and its backward for eager CPU calls: the same checks and loops as
-    the custom op, called directly. The op's Python dispatch and autograd wrapper cost ~0.2 ms per
-    layer and step, as much as the fused loop itself on a conv layer's 64k neurons; under
-    torch.compile (and on CUDA) the op is used, so graphs still see one opaque node."""
-
-    @staticmethod
-    def forward(ctx, *inputs):  # type: ignore[override]
-        out = _leaky_forward_impl(*inputs)
-        _leaky_setup_context(ctx, inputs, out)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_spikes, grad_mem):  # type: ignore[override]
-        return _leaky_backward(ctx, grad_spikes, grad_mem, backward_fn=_leaky_backward_impl)
-
-
-def _elementwise_flops(numel: int, per_element: int) -> int:
-    return int(numel) * per_element
-
-
-try:  # flop formulas let torch.utils.flop_counter (and the profiler) see the neuron's arithmetic
-    from torch.utils.flop_counter import register_flop_formula
-
-    # forward per element and step: charge 4, compare 1, reset select 1;
-    # backward: surrogate ~6, reset gradient ~3, accumulate ~4.
-    @register_flop_formula(torch.ops.efficient.lif_forward)
-    def _lif_forward_flops(x_shape, *args, out_shape=None, **kwargs) -> int:
-        return _elementwise_flops(math.prod(x_shape), 6)
-
-    @register_flop_formula(torch.ops.efficient.lif_backward)
-    def _lif_backward_flops(gs_shape, *args, out_shape=None, **kwargs) -> int:
-        return _elementwise_flops(math.prod(gs_shape), 13)
-
-    # snntorch order: leak 2, reset select 2, compare 1; backward: surrogate ~6, accumulate ~7
-    @register_flop_formula(torch.ops.efficient.leaky_forward)
-    def _leaky_forward_flops(x_shape, *args, out_shape=None, **kwargs) -> int:
-        return _elementwise_flops(math.prod(x_shape), 5)
-
-    @register_flop_formula(torch.ops.efficient.leaky_backward)
-    def _leaky_backward_flops(gs_shape, *args, out_shape=None, **kwargs) -> int:
-        return _elementwise_flops(math.prod(gs_shape), 13)
-
-except (ImportError, RuntimeError):  # pragma: no cover - older torch, or re-import of this module
-    pass
+# forward per element and step: charge 4, compare 1, reset select 1;
+# backward: surrogate ~6, reset gradient ~3, accumulate ~4.
+_register_flops(torch.ops.efficient.lif_forward, 6)
+_register_flops(torch.ops.efficient.lif_backward, 13)
 
 
 # ---------------------------------------------------------------------------------------------
 # 4. public entry point
 # ---------------------------------------------------------------------------------------------
-
-
-def _surrogate_id(surrogate: str) -> int:
-    try:
-        return SURROGATES[surrogate]
-    except (KeyError, TypeError):
-        raise ValueError(f"unknown surrogate {surrogate!r}; choose one of {sorted(SURROGATES)}") from None
-
-
-def _reset_id(reset_mechanism: str) -> int:
-    try:
-        return RESETS[reset_mechanism]
-    except (KeyError, TypeError):
-        raise ValueError(f"unknown reset_mechanism {reset_mechanism!r}; choose one of {sorted(RESETS)}") from None
-
-
-def _charge_mode(tau: float, decay_input: bool, leak: Optional[float]) -> tuple[int, float]:
-    if leak is not None:
-        return CHARGE_LEAK, float(leak)
-    return (CHARGE_DECAY_INPUT if decay_input else CHARGE_NO_DECAY), float(tau)
-
-
-def resolve_backend(backend: str, device: torch.device, numel: Optional[int] = None) -> str:
-    """Concrete LIF backend (triton, torch, compile or loop) for `backend` on `device`, for an input
-    of `numel` elements: the shared resolver with the fused loop (see `efficient.kernels._backend`)."""
-    return _backend.resolve_backend(
-        backend, device, "lif", fused_loop=True, numel=numel, compile_min_numel=COMPILE_MIN_NUMEL
-    )
-
-
-def check_input(x: Tensor, check_finite: bool = False) -> None:
-    """Raise ValueError for input a LIF cannot take: not a float tensor [T>=1, ...], or non-finite values."""
-    if not isinstance(x, Tensor):
-        raise ValueError(f"LIF input must be a torch.Tensor [T, ...], got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise ValueError(
-            f"LIF input must be floating point (float32/bfloat16/float16), got dtype {x.dtype}; "
-            "convert it first, e.g. x.float()"
-        )
-    if x.dim() < 2:
-        raise ValueError(
-            f"LIF input must be time-major [T, ...] with at least 2 dims (time and neurons), got shape "
-            f"{tuple(x.shape)}; for one neuron population use x.unsqueeze(-1)"
-        )
-    if x.shape[0] == 0:
-        raise ValueError(f"LIF input has T=0 time steps (shape {tuple(x.shape)}); need T >= 1")
-    if check_finite and not torch.isfinite(x).all():
-        bad = (~torch.isfinite(x.reshape(x.shape[0], -1))).any(1).nonzero().flatten().tolist()
-        raise ValueError(f"LIF input has NaN/inf values at time steps {bad}")
-
-
-# backend -> custom-op implementation ("torch" runs the reference, not the op)
-_IMPL_OF_BACKEND = {"triton": "triton", "compile": "inductor", "loop": "loop"}
 
 
 def lif(
@@ -1149,15 +560,7 @@ def lif(
         raise ValueError(f"rate must be a single value (0-d tensor), got shape {tuple(rate.shape)}")
     spike_dtype = spike_dtype or x.dtype
     vr = None if v_reset is None else float(v_reset)
-    if impl is not None:
-        if impl not in IMPLS:
-            raise ValueError(f"unknown impl {impl!r}; choose one of {IMPLS}")
-        if backend != "auto":
-            raise ValueError(f"pass either backend ({backend!r}) or impl ({impl!r}), not both")
-        chosen = None
-    else:
-        chosen = resolve_backend(backend, x.device, x.numel())
-        impl = _IMPL_OF_BACKEND.get(chosen)
+    chosen, impl = _choose_impl(backend, impl, x)
     if v_init is not None and v_init.shape != x.shape[1:]:
         raise ValueError(f"v_init must have the shape of one step {tuple(x.shape[1:])}, got {tuple(v_init.shape)}")
     if chosen == "torch" or x.numel() == 0:
@@ -1166,8 +569,7 @@ def lif(
             rate=rate, leak=leak, spike_dtype=spike_dtype, v_init=v_init,
         )
     else:
-        if impl == "inductor" and x.device.type == "cpu" and not _backend.have_cxx_compiler():
-            raise RuntimeError("backend='compile' needs a C++ compiler on CPU (g++ or clang++); use backend='torch'")
+        _check_compiler(impl, x)
         # a strided [T, N] view reaches the op as it is (the op makes one dense copy if it must)
         x2 = x.reshape(x.shape[0], -1)
         r = rate.reshape(()).float() if rate is not None else None
@@ -1179,70 +581,35 @@ def lif(
     return (s, h) if return_membrane else s
 
 
-def _per_neuron(value: float | Tensor, x: Tensor, name: str) -> Tensor:
-    """`value` (a number, or a tensor broadcastable to one step of x) as fp32 [N], or [1] when it holds
-    one value (the kernels broadcast it; expanding to [N] would cost a copy forward and a reduction
-    backward per call), differentiable."""
-    t = value if isinstance(value, Tensor) else torch.tensor(float(value), device=x.device)
-    if t.numel() == 1 and t.dim() <= x.dim() - 1:
-        return t.float().reshape(1)
-    try:
-        return t.float().expand(x.shape[1:]).reshape(-1)
-    except RuntimeError:
-        raise ValueError(
-            f"{name} of shape {tuple(t.shape)} does not broadcast to one step of the input {tuple(x.shape[1:])}"
-        ) from None
+# ---------------------------------------------------------------------------------------------
+# the re-exported names: one address, one binding
+# ---------------------------------------------------------------------------------------------
 
 
-def leaky(
-    x: Tensor,
-    beta: float | Tensor,
-    threshold: float | Tensor = 1.0,
-    reset_mechanism: str = "subtract",
-    surrogate: str = "atan",
-    alpha: Optional[float] = None,
-    *,
-    mem: Optional[Tensor] = None,
-    spike_dtype: Optional[torch.dtype] = None,
-    return_membrane: bool = False,
-    backend: str = "auto",
-    impl: Optional[str] = None,
-    check_finite: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """Multi-step snntorch `Leaky` (update order "snntorch", see `leaky_reference`) over `x` [T, ...].
+def __getattr__(name: str):
+    """The snntorch-order Triton kernels at their old address (`lif._leaky_fwd_kernel`), looked up
+    rather than bound here, so that this module's own jit kernels stay the ones it defines."""
+    if name in ("_leaky_fwd_kernel", "_leaky_bwd_kernel"):
+        return getattr(_leaky_module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-    `beta`, `threshold` are numbers or tensors broadcastable to x[0] (scalar or per neuron), and
-    differentiable; `mem` (shaped like x[0]) is the membrane before step 0 (default 0). Returns
-    spikes, with `return_membrane=True` also the membrane M [T, ...] fp32 (snntorch's `mem` per step).
-    Backends as in `lif`.
-    """
-    check_input(x, check_finite)
-    sid, alpha = _surrogate_id(surrogate), default_alpha(surrogate, alpha)
-    rid = _reset_id(reset_mechanism)
-    spike_dtype = spike_dtype or x.dtype
-    if mem is not None and mem.shape != x.shape[1:]:
-        raise ValueError(f"mem must have the shape of one step {tuple(x.shape[1:])}, got {tuple(mem.shape)}")
-    if impl is not None:
-        if impl not in IMPLS:
-            raise ValueError(f"unknown impl {impl!r}; choose one of {IMPLS}")
-        if backend != "auto":
-            raise ValueError(f"pass either backend ({backend!r}) or impl ({impl!r}), not both")
-        chosen = None
-    else:
-        chosen = resolve_backend(backend, x.device, x.numel())
-        impl = _IMPL_OF_BACKEND.get(chosen)
-    if chosen == "torch" or x.numel() == 0:
-        s, m = leaky_reference(x, beta, threshold, reset_mechanism, surrogate, alpha, mem=mem, spike_dtype=spike_dtype)
-    else:
-        if impl == "inductor" and x.device.type == "cpu" and not _backend.have_cxx_compiler():
-            raise RuntimeError("backend='compile' needs a C++ compiler on CPU (g++ or clang++); use backend='torch'")
-        m0 = mem.reshape(-1).float() if mem is not None else None
-        args = (x.reshape(x.shape[0], -1), m0, _per_neuron(beta, x, "beta"), _per_neuron(threshold, x, "threshold"),
-                rid, sid, alpha, spike_dtype, impl)
-        if x.device.type == "cpu" and not torch.compiler.is_compiling():
-            s, m = _EagerLeaky.apply(*args)  # same loops as the op, without its per-call dispatch cost
-        else:
-            s, m = torch.ops.efficient.leaky_forward(*args)
-        s, m = s.view(x.shape), m.view(x.shape)
-    return (s, m) if return_membrane else s
 
+_UNSET = object()
+
+
+class _LifModule(types.ModuleType):
+    """This module's type. A name it re-exports from `lif_common` or `leaky` is bound in each module
+    that reads it; assigning it here (`monkeypatch.setattr(lif, "_check_op_args", ...)`,
+    `lif.COMPILE_MIN_NUMEL = n`) rebinds it in those modules too, so the code that moved out of
+    this file sees the assignment as before."""
+
+    def __setattr__(self, name: str, value) -> None:
+        old = self.__dict__.get(name, _UNSET)
+        if old is not _UNSET:
+            for module in (_common, _leaky_module):
+                if module.__dict__.get(name, _UNSET) is old:
+                    setattr(module, name, value)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _LifModule
