@@ -202,24 +202,27 @@ def _add(entry: ModelEntry) -> None:
 
 @dataclass(frozen=True)
 class Variant:
-    """A zoo entry as data: what the model eats, the paper, a one-line description, and its config
-    (an instance of the model's config dataclass)."""
+    """A zoo entry as data: what the model eats, the paper, a one-line description, its config
+    (an instance of the model's config dataclass) and, where it is not the family's model class,
+    what builds it from that config (`model(config)`)."""
 
     input_spec: InputSpec
     paper: str
     description: str
     config: Any
+    model: Callable[[Any], nn.Module] | None = None
 
 
 def register_variants(model_cls: Callable[[Any], nn.Module], variants: dict[str, Variant], family: str = "") -> None:
-    """Register each variant `name` of a model built as `model_cls(config)`. A variant's options are
-    its config's flat fields; those that differ from the class defaults define it."""
+    """Register each variant `name` of a model built as `model_cls(config)` (or as its own
+    `Variant.model(config)`). A variant's options are its config's flat fields; those that differ
+    from the class defaults define it."""
     for name, v in variants.items():
         _check_name(name)
         cls = type(v.config)
         defaults, values = config_to_options(cls()), config_to_options(v.config)
 
-        builder = _config_builder(model_cls, cls, name)
+        builder = _config_builder(v.model or model_cls, cls, name)
         default_cfg = {k: val for k, val in values.items() if val != defaults[k]}
         _add(ModelEntry(name, builder, v.input_spec, v.paper, v.description, default_cfg, family, config=cls))
 

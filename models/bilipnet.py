@@ -10,19 +10,21 @@
   mu |dx| <= |df| <= nu |dx| -- a certified, invertible map.
 - `PLNet`: F(x) = 0.5 |BiLipNet(x)|^2 + c satisfies the Polyak-Lojasiewicz inequality
   0.5 |grad F|^2 >= mu^2 (F - c).
-- `bilipnet-digits`: a classifier whose logits are certified (scale * nu)-Lipschitz in the input.
+- `bilipnet-digits`: a classifier whose logits are certified (scale * nu)-Lipschitz in the input
+  (the zoo's variants are data: `VARIANTS` below).
 The n x n inverse of each Cayley map is cached in eval mode.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from efficient.data.vision import DIGITS_MEAN, DIGITS_STD
-from efficient.zoo import InputSpec, register_model
+from efficient.zoo import InputSpec, Variant, register_variants
 
 
 def cayley(W: torch.Tensor) -> torch.Tensor:
@@ -125,6 +127,21 @@ class PLNet(nn.Module):
         return 0.5 * self.g(x).pow(2).sum(-1) + self.c
 
 
+@dataclass
+class BiLipClassifierConfig:
+    """A BiLipNet classifier's options (recipe keys of the same names): the image it flattens, the
+    classes, the BiLipNet's hidden width, depth and bounds mu <= nu, and the logit scale."""
+
+    img_size: int = 8
+    in_chans: int = 1
+    num_classes: int = 10
+    hidden: int = 128
+    depth: int = 2
+    mu: float = 0.1
+    nu: float = 2.0
+    scale: float = 10.0
+
+
 class BiLipClassifier(nn.Module):
     """Flatten -> BiLipNet -> fixed-norm readout (orthonormal rows) * scale: logits are certified
     (scale * nu)-Lipschitz in the (flattened, normalised) input, a robust head."""
@@ -138,6 +155,12 @@ class BiLipClassifier(nn.Module):
         self.readout = CayleyParam(in_features, num_classes)  # columns orthonormal -> |readout^T| = 1
         self.bias = nn.Parameter(torch.zeros(num_classes))
 
+    @classmethod
+    def from_config(cls, config: BiLipClassifierConfig) -> BiLipClassifier:
+        """The classifier on flattened `in_chans x img_size x img_size` images that `config` describes."""
+        return cls(config.in_chans * config.img_size * config.img_size, config.num_classes, config.hidden, config.depth,
+                   config.mu, config.nu, config.scale)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.body(x.flatten(1))
         return self.scale * (h @ self.readout()) + self.bias
@@ -147,15 +170,14 @@ class BiLipClassifier(nn.Module):
         return self.scale * self.body.nu
 
 
-@register_model(
-    "bilipnet-digits",
-    input_spec=InputSpec((1, 8, 8), mean=DIGITS_MEAN, std=DIGITS_STD, num_classes=10),
-    paper="Monotone, Bi-Lipschitz, and Polyak-Lojasiewicz Networks (Wang & Manchester, ICML 2024)",
-    description="BiLipNet classifier on 8x8 digits: certified (scale * nu)-Lipschitz logits",
-    family="bilipnet",
-)
-def bilipnet_digits(img_size: int = 8, in_chans: int = 1, num_classes: int = 10, hidden: int = 128, depth: int = 2, mu: float = 0.1, nu: float = 2.0, scale: float = 10.0) -> BiLipClassifier:
-    return BiLipClassifier(in_chans * img_size * img_size, num_classes, hidden, depth, mu, nu, scale)
+PAPER = "Monotone, Bi-Lipschitz, and Polyak-Lojasiewicz Networks (Wang & Manchester, ICML 2024)"
+
+VARIANTS: dict[str, Variant] = {
+    "bilipnet-digits": Variant(InputSpec((1, 8, 8), mean=DIGITS_MEAN, std=DIGITS_STD, num_classes=10), PAPER,
+                               "BiLipNet classifier on 8x8 digits: certified (scale * nu)-Lipschitz logits", BiLipClassifierConfig()),
+}
+
+register_variants(BiLipClassifier.from_config, VARIANTS, family="bilipnet")
 
 
 def certified_radius(logits: torch.Tensor, lipschitz: float) -> torch.Tensor:

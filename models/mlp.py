@@ -3,22 +3,36 @@ training recipes (weak-to-strong, CCA Merge, PU learning, InterLUDE) on digits.
 
 `MLP` is a chain Linear -> act -> ... -> Linear; `linears()` lists the chain in order, which is
 what `efficient.merge` aligns, and `features(x)` returns the last hidden layer (the embedding a
-head, a fusion or a probe works on).
+head, a fusion or a probe works on). Variants are data: `VARIANTS` below.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 from torch import nn
 
 from efficient.data.vision import DIGITS_MEAN, DIGITS_STD
-from efficient.zoo import InputSpec, register_model
+from efficient.zoo import InputSpec, Variant, register_variants
 
 Activation = Literal["relu", "gelu", "tanh", "identity"]
 _ACTS = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh, "identity": nn.Identity}
+
+
+@dataclass
+class MLPConfig:
+    """A digits MLP's options (recipe keys of the same names): the hidden widths, the image it
+    flattens, the classes, the activation and the dropout after each hidden layer."""
+
+    hidden: list[int] = field(default_factory=lambda: [64, 64])
+    img_size: int = 16
+    in_chans: int = 1
+    num_classes: int = 10
+    activation: Activation = "relu"
+    dropout: float = 0.0
 
 
 class MLP(nn.Module):
@@ -42,6 +56,12 @@ class MLP(nn.Module):
         self.head = nn.Linear(d, num_classes)
         self.embed_dim = d
 
+    @classmethod
+    def from_config(cls, config: MLPConfig) -> MLP:
+        """The MLP on flattened `in_chans x img_size x img_size` images that `config` describes."""
+        return cls(config.in_chans * config.img_size * config.img_size, list(config.hidden), config.num_classes,
+                   config.activation, config.dropout)
+
     def linears(self) -> list[nn.Linear]:
         return [m for m in self.body if isinstance(m, nn.Linear)] + [self.head]
 
@@ -56,26 +76,15 @@ class MLP(nn.Module):
         return self.head(self.features(x))
 
 
-def _digits_mlp(hidden: list[int], img_size: int = 16, in_chans: int = 1, num_classes: int = 10, activation: Activation = "relu", dropout: float = 0.0) -> MLP:
-    return MLP(in_chans * img_size * img_size, list(hidden), num_classes, activation, dropout)
-
-
 DIGITS = InputSpec((1, 16, 16), mean=DIGITS_MEAN, std=DIGITS_STD, num_classes=10)
 
+VARIANTS: dict[str, Variant] = {
+    "mlp-tiny": Variant(DIGITS, "", "digits MLP, one hidden layer of 16 (a weak teacher)", MLPConfig(hidden=[16])),
+    "mlp-small": Variant(DIGITS, "", "digits MLP, two hidden layers of 64 (merge parents, SSL/PU students)", MLPConfig(hidden=[64, 64])),
+    "mlp-base": Variant(DIGITS, "", "digits MLP, two hidden layers of 256 (a strong student)", MLPConfig(hidden=[256, 256])),
+}
 
-@register_model("mlp-tiny", input_spec=DIGITS, description="digits MLP, one hidden layer of 16 (a weak teacher)", family="mlp", hidden=[16])
-def mlp_tiny(hidden: list[int] = [16], img_size: int = 16, in_chans: int = 1, num_classes: int = 10, activation: Activation = "relu", dropout: float = 0.0) -> MLP:  # noqa: B006
-    return _digits_mlp(hidden, img_size, in_chans, num_classes, activation, dropout)
-
-
-@register_model("mlp-small", input_spec=DIGITS, description="digits MLP, two hidden layers of 64 (merge parents, SSL/PU students)", family="mlp", hidden=[64, 64])
-def mlp_small(hidden: list[int] = [64, 64], img_size: int = 16, in_chans: int = 1, num_classes: int = 10, activation: Activation = "relu", dropout: float = 0.0) -> MLP:  # noqa: B006
-    return _digits_mlp(hidden, img_size, in_chans, num_classes, activation, dropout)
-
-
-@register_model("mlp-base", input_spec=DIGITS, description="digits MLP, two hidden layers of 256 (a strong student)", family="mlp", hidden=[256, 256])
-def mlp_base(hidden: list[int] = [256, 256], img_size: int = 16, in_chans: int = 1, num_classes: int = 10, activation: Activation = "relu", dropout: float = 0.0) -> MLP:  # noqa: B006
-    return _digits_mlp(hidden, img_size, in_chans, num_classes, activation, dropout)
+register_variants(MLP.from_config, VARIANTS, family="mlp")
 
 
 class NTKTwoLayer(nn.Module):

@@ -4,19 +4,20 @@ Images `[B, C, H, W]` in [0, 1] are normalised inside the model (so attacks work
 repeated over T (direct encoding) and run time-major `[T, B, ...]`; conv/BN see `[T*B, ...]`.
 The logits are averaged over T. Architectures follow the paper's code: VGG convs with bias,
 BN and avg-pool, two spiking FC layers; WRN pre-activation blocks with a learnable convex
-combination of shortcut and residual.
+combination of shortcut and residual. Variants are data: `VARIANTS` below.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Literal, Union
+from dataclasses import dataclass
+from typing import Callable, Literal, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from efficient.models import neurons
-from efficient.zoo import InputSpec, register_model
+from efficient.zoo import InputSpec, Variant, register_variants
 
 PAPER = "Robust Stable Spiking Neural Networks (Ding et al., ICML 2024)"
 # The paper code's CIFAR statistics (std differs from the torchvision-usual 0.247/0.243/0.261).
@@ -95,12 +96,86 @@ class ConvexCombination(nn.Module):
         return sum(w * x for w, x in zip(self.comb, xs))  # type: ignore[return-value]
 
 
-class _SpikingNet(nn.Module):
-    """Shared input handling: check shape, normalise, repeat over T."""
+@dataclass
+class StableSNNConfig:
+    """The options every stable-SNN takes (recipe keys of the same names): the neuron kind and its
+    dynamics (`make_neuron`), T, the task's classes and images, the normalisation inside the model
+    (None: the CIFAR statistics for 3 input channels, the digits' otherwise) and the neuron backend."""
 
-    timesteps: int
-    in_chans: int
-    img_size: int
+    neuron: NeuronKind = "dlif"
+    timesteps: int = 8
+    num_classes: int = 10
+    in_chans: int = 3
+    img_size: int = 32
+    leak: float = 0.99
+    v_threshold: float = 1.0
+    width: float = 1.0
+    mean: list[float] | None = None
+    std: list[float] | None = None
+    backend: str = "auto"
+
+
+@dataclass
+class SpikingVGGConfig(StableSNNConfig):
+    """A spiking VGG's options: the shared ones and the width of its two spiking FC layers."""
+
+    fc_dim: int = 4096
+
+
+@dataclass
+class SpikingWRNConfig(StableSNNConfig):
+    """A spiking WRN-depth-widen's options: the shared ones, depth (6n+4), widening factor and the
+    dropout inside its blocks."""
+
+    depth: int = 16
+    widen: int = 4
+    drop: float = 0.0
+
+
+def _stats(mean: list[float] | None, std: list[float] | None, in_chans: int) -> tuple[list[float], list[float]]:
+    if mean is None or std is None:
+        m, s = (CIFAR_MEAN, CIFAR_STD) if in_chans == 3 else (DIGITS_MEAN * in_chans, DIGITS_STD * in_chans)
+        mean, std = list(mean or m), list(std or s)
+    if len(mean) != in_chans or len(std) != in_chans:
+        raise ValueError(f"mean/std need {in_chans} entries (one per input channel), got {len(mean)} and {len(std)}")
+    return mean, std
+
+
+def _check(cfg: StableSNNConfig) -> None:
+    if cfg.timesteps < 1:
+        raise ValueError(f"timesteps must be >= 1, got {cfg.timesteps}")
+    if not 0.0 <= cfg.leak < 1.0:
+        raise ValueError(f"leak must be in [0, 1), got {cfg.leak}")
+    if cfg.neuron not in ("lif", "dlif"):
+        raise ValueError(f"neuron must be 'lif' or 'dlif', got {cfg.neuron!r}")
+
+
+class _SpikingNet(nn.Module):
+    """Shared by the VGG and the WRN: the options' checks, input handling (check shape, normalise,
+    repeat over T), the neurons of the config, the paper code's init and the time average."""
+
+    def __init__(self, cfg: StableSNNConfig) -> None:
+        super().__init__()
+        _check(cfg)
+        mean, std = _stats(cfg.mean, cfg.std, cfg.in_chans)
+        self.timesteps, self.in_chans, self.img_size, self.num_classes = cfg.timesteps, cfg.in_chans, cfg.img_size, cfg.num_classes
+        self.normalize = Normalize(mean, std)
+
+    @staticmethod
+    def neuron_fn(cfg: StableSNNConfig) -> Callable[[], nn.Module]:
+        """A new neuron of the config's kind and dynamics per call."""
+        return lambda: make_neuron(cfg.neuron, cfg.timesteps, cfg.leak, cfg.v_threshold, cfg.width, cfg.backend)
+
+    def init_weights(self) -> None:
+        """Kaiming-normal convs (fan out), BN at identity, zero linear biases (the paper's code)."""
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 4 or x.shape[1] != self.in_chans or tuple(x.shape[-2:]) != (self.img_size, self.img_size):
@@ -120,23 +195,11 @@ class SpikingVGG(_SpikingNet):
     """VGG plan of conv units and pools, then Linear-neuron-Linear-neuron-Linear (the last neuron
     is the 'last spiking layer' whose input current the stability objective compares)."""
 
-    def __init__(
-        self,
-        plan: list[Union[int, str]],
-        fc_dim: int,
-        num_classes: int,
-        in_chans: int,
-        img_size: int,
-        timesteps: int,
-        neuron_fn: Callable[[], nn.Module],
-        mean: list[float],
-        std: list[float],
-    ) -> None:
-        super().__init__()
-        self.timesteps, self.in_chans, self.img_size, self.num_classes = timesteps, in_chans, img_size, num_classes
-        self.normalize = Normalize(mean, std)
+    def __init__(self, plan: Sequence[Union[int, str]], config: SpikingVGGConfig) -> None:
+        super().__init__(config)
+        neuron_fn, fc_dim, img_size = self.neuron_fn(config), config.fc_dim, config.img_size
         layers: list[nn.Module] = []
-        c, side = in_chans, img_size
+        c, side = config.in_chans, img_size
         for item in plan:
             if item == "A":
                 if side % 2:
@@ -151,15 +214,8 @@ class SpikingVGG(_SpikingNet):
         self.neuron1 = neuron_fn()
         self.fc2 = nn.Linear(fc_dim, fc_dim)
         self.neuron2 = neuron_fn()
-        self.head = nn.Linear(fc_dim, num_classes)
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-            elif isinstance(m, nn.BatchNorm2d):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.Linear) and m.bias is not None:
-                nn.init.zeros_(m.bias)
+        self.head = nn.Linear(fc_dim, config.num_classes)
+        self.init_weights()
 
     def forward_time(self, x: torch.Tensor) -> torch.Tensor:
         """Per-timestep logits `[T, B, num_classes]`."""
@@ -170,6 +226,11 @@ class SpikingVGG(_SpikingNet):
         x = self.neuron1(self.fc1(x))
         x = self.neuron2(self.fc2(x))
         return self.head(x)
+
+
+def vgg(plan: str) -> Callable[[SpikingVGGConfig], SpikingVGG]:
+    """What builds the spiking VGG of layer plan `VGG_CFGS[plan]` from a config."""
+    return lambda config: SpikingVGG(VGG_CFGS[plan], config)
 
 
 class WideBlock(nn.Module):
@@ -204,47 +265,28 @@ class SpikingWRN(_SpikingNet):
     """WRN-depth-k: 3x3 stem, three groups of (depth-4)/6 wide blocks (16k, 32k, 64k channels),
     final BN-neuron (the last spiking layer), global average pool, linear head."""
 
-    def __init__(
-        self,
-        depth: int,
-        widen: int,
-        num_classes: int,
-        in_chans: int,
-        img_size: int,
-        timesteps: int,
-        neuron_fn: Callable[[], nn.Module],
-        mean: list[float],
-        std: list[float],
-        drop: float = 0.0,
-    ) -> None:
-        super().__init__()
+    def __init__(self, config: SpikingWRNConfig) -> None:
+        super().__init__(config)
+        depth, widen = config.depth, config.widen
         if (depth - 4) % 6:
             raise ValueError(f"WRN depth must be 6n+4 (16, 22, 28, ...), got {depth}")
-        if img_size % 4:
-            raise ValueError(f"WRN img_size must be divisible by 4 (two stride-2 groups), got {img_size}")
-        self.timesteps, self.in_chans, self.img_size, self.num_classes = timesteps, in_chans, img_size, num_classes
-        self.normalize = Normalize(mean, std)
+        if config.img_size % 4:
+            raise ValueError(f"WRN img_size must be divisible by 4 (two stride-2 groups), got {config.img_size}")
+        neuron_fn = self.neuron_fn(config)
         n = (depth - 4) // 6
         widths = [16, 16 * widen, 32 * widen, 64 * widen]
-        self.stem = nn.Conv2d(in_chans, widths[0], 3, 1, 1, bias=False)
+        self.stem = nn.Conv2d(config.in_chans, widths[0], 3, 1, 1, bias=False)
         blocks: list[nn.Module] = []
         c = widths[0]
         for g, stride in zip(range(3), (1, 2, 2)):
             for i in range(n):
-                blocks.append(WideBlock(c, widths[g + 1], stride if i == 0 else 1, neuron_fn, drop))
+                blocks.append(WideBlock(c, widths[g + 1], stride if i == 0 else 1, neuron_fn, config.drop))
                 c = widths[g + 1]
         self.blocks = nn.Sequential(*blocks)
         self.bn = nn.BatchNorm2d(c)
         self.neuron = neuron_fn()
-        self.head = nn.Linear(c, num_classes)
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-            elif isinstance(m, nn.BatchNorm2d):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.Linear) and m.bias is not None:
-                nn.init.zeros_(m.bias)
+        self.head = nn.Linear(c, config.num_classes)
+        self.init_weights()
 
     def forward_time(self, x: torch.Tensor) -> torch.Tensor:
         x = _per_sample(self.stem, self.encode(x))
@@ -254,129 +296,19 @@ class SpikingWRN(_SpikingNet):
         return self.head(x.mean((-2, -1)))
 
 
-def _stats(mean: list[float] | None, std: list[float] | None, in_chans: int) -> tuple[list[float], list[float]]:
-    if mean is None or std is None:
-        m, s = (CIFAR_MEAN, CIFAR_STD) if in_chans == 3 else (DIGITS_MEAN * in_chans, DIGITS_STD * in_chans)
-        mean, std = list(mean or m), list(std or s)
-    if len(mean) != in_chans or len(std) != in_chans:
-        raise ValueError(f"mean/std need {in_chans} entries (one per input channel), got {len(mean)} and {len(std)}")
-    return mean, std
-
-
-def _check(timesteps: int, leak: float, neuron: str) -> None:
-    if timesteps < 1:
-        raise ValueError(f"timesteps must be >= 1, got {timesteps}")
-    if not 0.0 <= leak < 1.0:
-        raise ValueError(f"leak must be in [0, 1), got {leak}")
-    if neuron not in ("lif", "dlif"):
-        raise ValueError(f"neuron must be 'lif' or 'dlif', got {neuron!r}")
-
-
-def _neuron_fn(neuron: str, timesteps: int, leak: float, v_threshold: float, width: float, backend: str) -> Callable[[], nn.Module]:
-    return lambda: make_neuron(neuron, timesteps, leak, v_threshold, width, backend)
-
-
-def _vgg(
-    arch: str,
-    fc_dim: int,
-    neuron: NeuronKind,
-    timesteps: int,
-    num_classes: int,
-    in_chans: int,
-    img_size: int,
-    leak: float,
-    v_threshold: float,
-    width: float,
-    mean: list[float] | None,
-    std: list[float] | None,
-    backend: str,
-) -> SpikingVGG:
-    _check(timesteps, leak, neuron)
-    m, s = _stats(mean, std, in_chans)
-    fn = _neuron_fn(neuron, timesteps, leak, v_threshold, width, backend)
-    return SpikingVGG(VGG_CFGS[arch], fc_dim, num_classes, in_chans, img_size, timesteps, fn, m, s)
-
-
 CIFAR10 = InputSpec((3, 32, 32), timesteps=8, mean=CIFAR_MEAN, std=CIFAR_STD, num_classes=10)
 DIGITS = InputSpec((1, 8, 8), timesteps=8, mean=DIGITS_MEAN, std=DIGITS_STD, num_classes=10)
 
+# The zoo entries. A VGG names the builder of its layer plan; the WRN is the family's model.
+VARIANTS: dict[str, Variant] = {
+    "stable-snn-vgg11": Variant(CIFAR10, PAPER, "spiking VGG-11 (8 convs, two 4096 spiking FC), DLIF, T=8; 61.4M params",
+                                SpikingVGGConfig(), model=vgg("vgg11")),
+    "stable-snn-vgg5": Variant(CIFAR10, PAPER, "spiking VGG-5 of the paper's ablations (3 convs, two 4096 spiking FC), DLIF, T=8",
+                               SpikingVGGConfig(), model=vgg("vgg5")),
+    "stable-snn-digits": Variant(DIGITS, PAPER, "digits-sized spiking VGG (convs 16-32, two 128 spiking FC), 1x8x8, DLIF, T=8",
+                                 SpikingVGGConfig(in_chans=1, img_size=8, fc_dim=128), model=vgg("tiny")),
+    "stable-snn-wrn16": Variant(CIFAR10, PAPER, "spiking WRN-16-4 with convex-combination residuals, DLIF, T=8; 2.75M params",
+                                SpikingWRNConfig()),
+}
 
-@register_model("stable-snn-vgg11", input_spec=CIFAR10, paper=PAPER, family="stable-snn",
-                description="spiking VGG-11 (8 convs, two 4096 spiking FC), DLIF, T=8; 61.4M params")
-def stable_snn_vgg11(
-    neuron: NeuronKind = "dlif",
-    timesteps: int = 8,
-    num_classes: int = 10,
-    in_chans: int = 3,
-    img_size: int = 32,
-    fc_dim: int = 4096,
-    leak: float = 0.99,
-    v_threshold: float = 1.0,
-    width: float = 1.0,
-    mean: list[float] | None = None,
-    std: list[float] | None = None,
-    backend: str = "auto",
-) -> SpikingVGG:
-    return _vgg("vgg11", fc_dim, neuron, timesteps, num_classes, in_chans, img_size, leak, v_threshold, width, mean, std, backend)
-
-
-@register_model("stable-snn-vgg5", input_spec=CIFAR10, paper=PAPER, family="stable-snn",
-                description="spiking VGG-5 of the paper's ablations (3 convs, two 4096 spiking FC), DLIF, T=8")
-def stable_snn_vgg5(
-    neuron: NeuronKind = "dlif",
-    timesteps: int = 8,
-    num_classes: int = 10,
-    in_chans: int = 3,
-    img_size: int = 32,
-    fc_dim: int = 4096,
-    leak: float = 0.99,
-    v_threshold: float = 1.0,
-    width: float = 1.0,
-    mean: list[float] | None = None,
-    std: list[float] | None = None,
-    backend: str = "auto",
-) -> SpikingVGG:
-    return _vgg("vgg5", fc_dim, neuron, timesteps, num_classes, in_chans, img_size, leak, v_threshold, width, mean, std, backend)
-
-
-@register_model("stable-snn-digits", input_spec=DIGITS, paper=PAPER, family="stable-snn",
-                description="digits-sized spiking VGG (convs 16-32, two 128 spiking FC), 1x8x8, DLIF, T=8")
-def stable_snn_digits(
-    neuron: NeuronKind = "dlif",
-    timesteps: int = 8,
-    num_classes: int = 10,
-    in_chans: int = 1,
-    img_size: int = 8,
-    fc_dim: int = 128,
-    leak: float = 0.99,
-    v_threshold: float = 1.0,
-    width: float = 1.0,
-    mean: list[float] | None = None,
-    std: list[float] | None = None,
-    backend: str = "auto",
-) -> SpikingVGG:
-    return _vgg("tiny", fc_dim, neuron, timesteps, num_classes, in_chans, img_size, leak, v_threshold, width, mean, std, backend)
-
-
-@register_model("stable-snn-wrn16", input_spec=CIFAR10, paper=PAPER, family="stable-snn",
-                description="spiking WRN-16-4 with convex-combination residuals, DLIF, T=8; 2.75M params")
-def stable_snn_wrn16(
-    neuron: NeuronKind = "dlif",
-    timesteps: int = 8,
-    num_classes: int = 10,
-    in_chans: int = 3,
-    img_size: int = 32,
-    depth: int = 16,
-    widen: int = 4,
-    drop: float = 0.0,
-    leak: float = 0.99,
-    v_threshold: float = 1.0,
-    width: float = 1.0,
-    mean: list[float] | None = None,
-    std: list[float] | None = None,
-    backend: str = "auto",
-) -> SpikingWRN:
-    _check(timesteps, leak, neuron)
-    m, s = _stats(mean, std, in_chans)
-    fn = _neuron_fn(neuron, timesteps, leak, v_threshold, width, backend)
-    return SpikingWRN(depth, widen, num_classes, in_chans, img_size, timesteps, fn, m, s, drop)
+register_variants(SpikingWRN, VARIANTS, family="stable-snn")
