@@ -80,7 +80,7 @@ def cases() -> list[Case]:
     import torch
 
     from efficient.kernels import exit_confidence as ec
-    from efficient.kernels import lif, linear_ce, ssa, token_select as ts
+    from efficient.kernels import leaky, lif, linear_ce, ssa, token_select as ts
 
     out = []
     # spiking self-attention: compute-bound (tl.dot); N is a runtime argument (64, 197, 1024 share a binary)
@@ -129,11 +129,11 @@ def cases() -> list[Case]:
                              lif._NUM_WARPS, True))
         # snntorch's Leaky order (efficient.accelerate): per-neuron beta and threshold
         for m0, label in ((False, "Leaky"), (True, "Leaky +m0")):
-            out.append(_case("leaky_fwd", f"{label} {dt}", lif._leaky_fwd_kernel,
+            out.append(_case("leaky_fwd", f"{label} {dt}", leaky._leaky_fwd_kernel,
                              {"x_ptr": f"*{dt}", "m0_ptr": "*fp32", "beta_ptr": "*fp32", "thr_ptr": "*fp32", "s_ptr": f"*{dt}",
                               "m_ptr": "*fp32", "N": "i32", "T": "i32"},
                              {"RESET": lif.RESET_SUBTRACT, "HAS_M0": m0, "BLOCK": lif._BLOCK}, lif._NUM_WARPS, True))
-            out.append(_case("leaky_bwd", f"{label} {dt}", lif._leaky_bwd_kernel,
+            out.append(_case("leaky_bwd", f"{label} {dt}", leaky._leaky_bwd_kernel,
                              {"gs_ptr": f"*{dt}", "gm_ptr": "*fp32", "m_ptr": "*fp32", "m0_ptr": "*fp32", "beta_ptr": "*fp32",
                               "thr_ptr": "*fp32", "gx_ptr": f"*{dt}", "gm0_ptr": "*fp32", "gbeta_ptr": "*fp32",
                               "gthr_ptr": "*fp32", "N": "i32", "T": "i32", "alpha": "fp32"},

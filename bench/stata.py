@@ -189,9 +189,9 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.compile_min_numel is not None:
-        from efficient.kernels import lif
+        from efficient.kernels import lif_common
 
-        lif.COMPILE_MIN_NUMEL = args.compile_min_numel
+        lif_common.COMPILE_MIN_NUMEL = args.compile_min_numel  # where resolve_backend reads it
     amps = tuple(a.strip() for a in args.amp.split(","))
     bad = [a for a in amps if a not in ("fp32", "bf16", "fp16")]
     if bad:

@@ -35,14 +35,12 @@ through the reset's use of S.
 `efficient::leaky_*`, in `efficient.kernels.leaky`. What the two orders share (surrogates, ids,
 backend choice, input checks, the compiled-loop cache) lives in `efficient.kernels.lif_common`.
 This module re-exports both's public names and the internals tests and benchmarks reach, so it
-stays the one address of the LIF kernels; assigning a re-exported name here also assigns it where
-it is read (see `_LifModule`).
+stays the one address of the LIF kernels (to change a shared setting such as `COMPILE_MIN_NUMEL`,
+assign it in `lif_common`, where it is read).
 """
 
 from __future__ import annotations
 
-import sys
-import types
 from typing import Optional
 
 import torch
@@ -580,36 +578,3 @@ def lif(
         s, h = s.view(x.shape), h.view(x.shape)
     return (s, h) if return_membrane else s
 
-
-# ---------------------------------------------------------------------------------------------
-# the re-exported names: one address, one binding
-# ---------------------------------------------------------------------------------------------
-
-
-def __getattr__(name: str):
-    """The snntorch-order Triton kernels at their old address (`lif._leaky_fwd_kernel`), looked up
-    rather than bound here, so that this module's own jit kernels stay the ones it defines."""
-    if name in ("_leaky_fwd_kernel", "_leaky_bwd_kernel"):
-        return getattr(_leaky_module, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-_UNSET = object()
-
-
-class _LifModule(types.ModuleType):
-    """This module's type. A name it re-exports from `lif_common` or `leaky` is bound in each module
-    that reads it; assigning it here (`monkeypatch.setattr(lif, "_check_op_args", ...)`,
-    `lif.COMPILE_MIN_NUMEL = n`) rebinds it in those modules too, so the code that moved out of
-    this file sees the assignment as before."""
-
-    def __setattr__(self, name: str, value) -> None:
-        old = self.__dict__.get(name, _UNSET)
-        if old is not _UNSET:
-            for module in (_common, _leaky_module):
-                if module.__dict__.get(name, _UNSET) is old:
-                    setattr(module, name, value)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _LifModule
