@@ -9,23 +9,8 @@ Every public name is importable from `efficient.attacks`.
 
 from efficient.attacks.masking import Check, CheckConfig, eps_grid, masking_checks
 from efficient.attacks.suite import OWN_GRADIENT, SUITE_ATTACKS, SuiteConfig, has_spiking_neurons, pgd_accuracy, pgd_best, worst_case
-from efficient.attacks.white_box import (
-    ATTACKS,
-    AttackSpec,
-    apgd,
-    check_attack,
-    check_eps,
-    default_alpha,
-    eval_mode,
-    fgsm,
-    input_grad,
-    parse_eps,
-    pgd,
-    pixel_batch,
-    project,
-    robust_accuracy,
-    run_attack,
-)
+from efficient.attacks.white_box import ATTACKS, AttackSpec, apgd, check_attack, check_eps, default_alpha, eval_mode, fgsm
+from efficient.attacks.white_box import input_grad, parse_eps, pgd, pixel_batch, project, robust_accuracy, run_attack
 
 __all__ = [
     "ATTACKS", "OWN_GRADIENT", "SUITE_ATTACKS", "AttackSpec", "Check", "CheckConfig", "SuiteConfig", "apgd", "check_attack",

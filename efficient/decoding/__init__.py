@@ -29,21 +29,8 @@ from efficient.decoding.cache import KVCache
 from efficient.decoding.decode import generate
 from efficient.decoding.engine import DecodeEngine
 from efficient.decoding.modules import fill_kv, generate_reference, new_cache, run_layers
-from efficient.decoding.state import (
-    IMPLS,
-    STRATEGIES,
-    Generation,
-    Impl,
-    Sampler,
-    SpeculationTally,
-    Strategy,
-    check_threshold,
-    exits_enabled,
-    round_exits,
-    should_exit,
-    speculative_accept,
-    verify_drafts,
-)
+from efficient.decoding.state import IMPLS, STRATEGIES, Generation, Impl, Sampler, SpeculationTally, Strategy, check_threshold
+from efficient.decoding.state import exits_enabled, round_exits, should_exit, speculative_accept, verify_drafts
 
 __all__ = [
     "IMPLS", "STRATEGIES", "DecodeEngine", "Generation", "Impl", "KVCache", "Sampler", "SpeculationTally", "Strategy",
