@@ -24,3 +24,8 @@ def did_you_mean(key: str, valid: Iterable[str]) -> str:
     """The hint ` Did you mean 'x'?` for the closest valid name (empty if none is close), to end an error message."""
     hint = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
     return f" Did you mean {hint[0]!r}?" if hint else ""
+
+
+def closest(name: str, choices: Iterable[str], n: int = 3) -> list[str]:
+    """Up to `n` of `choices` that look like `name`, best first (for "did you mean" hints)."""
+    return difflib.get_close_matches(name, list(choices), n=n, cutoff=0.4)

@@ -2,13 +2,11 @@
 
 
 def print_values(title: str, values: dict[str, float], key: str, value: str) -> None:
-    """A two-column rich table of named numbers (4 decimals), as eval and merge print them."""
+    """A two-column rich table of named numbers (4 decimals), as eval and merge print them; the
+    names stay whole and the table fits the console width."""
     from rich.console import Console
-    from rich.table import Table
 
-    table = Table(title=title)
-    table.add_column(key)
-    table.add_column(value, justify="right")
-    for k, v in values.items():
-        table.add_row(k, f"{v:.4f}")
-    Console().print(table)
+    from efficient.profiler.console import Column, FitTable, number
+
+    Console().print(FitTable([Column(key, list(values), name=True), number(value, [f"{v:.4f}" for v in values.values()])],
+                             title=title))

@@ -61,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
     from efficient import zoo
     from efficient.errors import ConfigError
     from efficient.export import DEFAULT_DT, to_nir, write_nir
+    from efficient.profiler.console import echo
 
     fmt, out = args.to[0], Path(args.to[1])
     if fmt != "nir":
@@ -71,6 +72,6 @@ def run(args: argparse.Namespace) -> int:
     graph = to_nir(model, _sample_input(model, args.model), dt=args.dt if args.dt is not None else DEFAULT_DT)
     write_nir(graph, out)
     neurons = sum(type(n).__name__ in ("LIF", "IF") for n in graph.nodes.values())
-    print(f"wrote {out}: {len(graph.nodes)} nodes ({neurons} spiking), {len(graph.edges)} edges, "
-          f"dt={graph.metadata['dt']:g} s per step; load it with efficient.load({str(out)!r})")
+    echo(f"wrote {out}: {len(graph.nodes)} nodes ({neurons} spiking), {len(graph.edges)} edges, "
+         f"dt={graph.metadata['dt']:g} s per step; load it with efficient.load({str(out)!r})")
     return 0

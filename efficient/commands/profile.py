@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -149,8 +148,9 @@ def run(args: argparse.Namespace) -> int:
         from rich.console import Console
         from rich.rule import Rule
 
-        # a terminal (or COLUMNS) sets the width, down to 80 columns; pipes get 160 so layer names stay whole
-        console = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160)
+        from efficient.profiler.console import echo
+
+        console = Console()  # a terminal's width, else COLUMNS, else 80; tables keep layer names whole
         for rep in (report, other) if other is not None else (report,):
             if other is not None:
                 console.print(Rule(str(rep.meta.get("model"))))
@@ -161,9 +161,9 @@ def run(args: argparse.Namespace) -> int:
             console.print(cmp.to_table())
         for rep in (report, other) if other is not None else (report,):
             for w in rep.warnings:
-                console.print(f"[yellow]warning ({rep.meta.get('model')}):[/yellow] {w}")
+                echo(w, console, head=f"warning ({rep.meta.get('model')}): ", head_style="yellow")
         if args.plot:
-            console.print(f"plot written to {args.plot}")
+            echo(f"plot written to {args.plot}", console)
         return 0
     if args.format == "json":
         d = report.to_dict()

@@ -22,6 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from efficient.errors import ConfigError
+    from efficient.profiler.console import echo
     from efficient.report.html import write_comparison, write_run_report
     from efficient.report.rundata import load_run
 
@@ -32,10 +33,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         a, b = (load_run(r).name for r in args.runs)  # fails early, naming a path that is no run dir
         path = write_comparison(args.runs[0], args.runs[1], args.output or f"report-{a}-vs-{b}.html")
-    print(f"report written to {path}")
+    echo(f"report written to {path}")
     if args.open:
         import webbrowser
 
         if not webbrowser.open(path.resolve().as_uri()):
-            print(f"no web browser could be started here; open {path} in one")
+            echo(f"no web browser could be started here; open {path} in one")
     return 0

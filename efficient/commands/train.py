@@ -81,15 +81,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_summary(console, summary: dict, run_dir: Path) -> None:
-    from rich.table import Table
+    from efficient.profiler.console import Column, FitTable, echo, number
 
-    table = Table(title=f"{summary['model']} -> {run_dir}")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    for k, v in summary["val"].items():
-        table.add_row(f"val {k}", f"{v:.4f}")
-    table.add_row("train time", f"{summary['train_time_s']:.1f} s")
-    table.add_row("params", f"{summary['params']:,}")
+    rows = [(f"val {k}", f"{v:.4f}") for k, v in summary["val"].items()]
+    rows += [("train time", f"{summary['train_time_s']:.1f} s"), ("params", f"{summary['params']:,}")]
     cost = summary.get("cost") or {}
     n = cost.get("batch_size") or 1  # the profiler counts the whole profiled batch
     for key, label, scale, unit in (
@@ -99,9 +94,10 @@ def print_summary(console, summary: dict, run_dir: Path) -> None:
         ("energy_pj", "energy / sample", 1e6, "uJ"),
     ):
         if key in cost:
-            table.add_row(label, f"{cost[key] / n / scale:.3f} {unit}")
+            rows.append((label, f"{cost[key] / n / scale:.3f} {unit}"))
     if "mean_firing_rate" in cost:
-        table.add_row("mean firing rate", f"{cost['mean_firing_rate']:.4f}")
-    console.print(table)
+        rows.append(("mean firing rate", f"{cost['mean_firing_rate']:.4f}"))
+    console.print(FitTable([Column("metric", [k for k, _ in rows], name=True), number("value", [v for _, v in rows])],
+                           title=f"{summary['model']} -> {run_dir}"))
     if (run_dir / "report.html").exists():
-        console.print(f"report: {run_dir / 'report.html'} (plots, costs, recipe; `efficient report {run_dir} --open`)")
+        echo(f"report: {run_dir / 'report.html'} (plots, costs, recipe; `efficient report {run_dir} --open`)", console)

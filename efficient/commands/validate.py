@@ -34,6 +34,8 @@ def check_recipe(path: str, overrides: list[str]) -> "object":
 
 def run(args: argparse.Namespace) -> int:
     recipe = check_recipe(args.recipe, args.overrides)
-    print(f"{args.recipe}: ok (model {recipe.model['name']}, data {recipe.data['name']}, objective {recipe.objective['name']}, "
-          f"{recipe.train.epochs} epochs)")
+    from efficient.profiler.console import echo
+
+    echo(f"{args.recipe}: ok (model {recipe.model['name']}, data {recipe.data['name']}, objective {recipe.objective['name']}, "
+         f"{recipe.train.epochs} epochs)")
     return 0

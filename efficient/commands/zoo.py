@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -12,11 +13,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rich import box
     from rich.console import Console
-    from rich.table import Table
 
     from efficient import zoo
     from efficient.errors import ConfigError
+    from efficient.profiler.console import Column, FitTable, echo, number
 
     console = Console()
     if args.args and args.args[0] == "show":
@@ -28,17 +30,17 @@ def run(args: argparse.Namespace) -> int:
         if args.format == "json":
             print(json.dumps(info, indent=2, default=str))
             return 0
-        table = Table(title=entry.name, show_header=False)
-        table.add_row("description", entry.description)
-        table.add_row("paper", entry.paper)
-        table.add_row("params", f"{info['params']:,}")
-        table.add_row("input", entry.input_spec.describe())
-        for k, v in info["config"].items():
-            table.add_row(f"config.{k}", str(v))
-        for tag, w in entry.weights().items():
-            table.add_row(f"weights.{tag}", f"{w.summary()} ({w.dtype}, sha256 {w.sha256[:12]}...): {w.command}")
-            table.add_row(f"weights.{tag}.options", ", ".join(f"{k}={v}" for k, v in w.config.items()))
-        console.print(table)
+        rows = [("description", entry.description), ("paper", entry.paper), ("params", f"{info['params']:,}"),
+                ("input", entry.input_spec.describe())]
+        rows += [(f"config.{k}", str(v)) for k, v in info["config"].items()]
+        console.print(FitTable([Column("key", [k for k, _ in rows], name=True),
+                                Column("value", [v for _, v in rows], wrap=True, min_width=24)],
+                               title=entry.name, table=dict(show_header=False, box=box.SQUARE)))
+        for tag, w in entry.weights().items():  # commands and paths wrap at spaces only, so they copy whole
+            echo(f"{w.summary()} ({w.dtype}, sha256 {w.sha256[:12]}...)", console, head=f"weights {tag}: ", head_style="bold",
+                 indent="  ")
+            echo(w.command, console, head="  trained by: ", indent="    ")
+            echo(", ".join(f"{k}={v}" for k, v in w.config.items()), console, head="  options: ", indent="    ")
         return 0
     pattern = args.args[0] if args.args else None
     names = zoo.list_models(pattern)
@@ -48,11 +50,33 @@ def run(args: argparse.Namespace) -> int:
                            "weights": {t: {"dataset": w.dataset, "metrics": w.metrics} for t, w in e.weights().items()}}
                           for n, p, e in rows], indent=2))
         return 0
-    table = Table(title="efficient model zoo")
-    for col in ("name", "params", "input", "weights", "paper"):
-        table.add_column(col, justify="right" if col == "params" else "left")
-    for n, p, e in rows:
-        weights = "; ".join(w.summary() if w.tag == w.dataset else f"{w.tag} ({w.summary()})" for w in e.weights().values())
-        table.add_row(n, f"{p / 1e6:.2f}M", e.input_spec.describe(), weights or "-", e.paper)
-    console.print(table)
+    weights = [list(e.weights().values()) for _, _, e in rows]
+    full = ["; ".join(w.summary() if w.tag == w.dataset else f"{w.tag} ({w.summary()})" for w in ws) or "-" for ws in weights]
+    tags = [", ".join(w.tag for w in ws) or "-" for ws in weights]
+    count = [str(len(ws)) if ws else "-" for ws in weights]
+    console.print(FitTable([
+        Column("name", [n for n, _, _ in rows], name=True),
+        number("params", [f"{p / 1e6:.2f}M" for _, p, _ in rows]),
+        Column("input", [e.input_spec.describe() for _, _, e in rows]),
+        Column("weights", full, drop=2, shorter=Column("weights", tags, drop=1, shorter=Column(
+            "weights", count, justify="right", note="weights: number of shipped weight sets"))),
+        Column("paper", [short_citation(e.paper) for _, _, e in rows], wrap=True, min_width=16),
+    ], title="efficient model zoo", caption="full citation, weights and options: `efficient zoo show NAME`"))
     return 0
+
+
+_CITATION = re.compile(r"\((?P<authors>[^()]+?),\s*(?:(?P<venue>[^(),]*?)\s+)?(?P<year>(?:19|20)\d\d)\)\s*$")
+
+
+def short_citation(paper: str) -> str:
+    """'Title (Zhou et al., ICLR 2023)' -> "Zhou+ ICLR'23"; a single author keeps no '+'. A paper
+    string of another form is returned as it is ('-' when empty)."""
+    m = _CITATION.search(paper or "")
+    if not m:
+        return (paper or "").strip() or "-"
+    authors = m["authors"].strip()
+    first = re.split(r"\s*(?:,|&|\band\b|\bet al\b)", authors, maxsplit=1)[0].split()
+    many = len(first) < len(authors.split()) or "&" in authors
+    name = (first[-1] if first else authors) + ("+" if many else "")
+    venue = (m["venue"] or "").strip()
+    return f"{name} {venue}'{m['year'][2:]}" if venue else f"{name} '{m['year'][2:]}"

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from efficient.profiler.layers import LayerCounts
 from efficient.profiler.neurons import is_spiking_neuron, neuron_kind
 
 aten = torch.ops.aten
@@ -53,14 +54,9 @@ def is_binary(x: torch.Tensor) -> bool:
 
 
 @dataclass
-class LayerAcc:
+class LayerAcc(LayerCounts):
     """Running counts for one module (the innermost module that issued the ops)."""
 
-    name: str
-    type: str
-    dense_macs: int = 0
-    macs: int = 0
-    sops: int = 0
     ops: dict[str, int] = field(default_factory=dict)
     in_nnz: int = 0  # nonzeros of binary (spike) operands that drove SOPs
     in_numel: int = 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Union
 
-from efficient.errors import ConfigError
+from efficient.errors import ConfigError, closest
 
 
 @dataclass(frozen=True)
@@ -52,8 +52,6 @@ def resolve_energy(spec: EnergySpec | None) -> EnergyModel:
     if isinstance(spec, str):
         if spec in PRESETS:
             return PRESETS[spec]
-        from efficient.zoo import closest
-
         hint = closest(spec, list(PRESETS))
         raise ConfigError(
             f"unknown energy preset {spec!r}."

@@ -3,12 +3,55 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Protocol, Sequence
 
-from efficient.profiler.report import fmt_count, fmt_energy, fmt_rate
+from efficient.profiler.layers import LayerStat
+from efficient.profiler.units import fmt_count, fmt_energy, fmt_rate
 
-if TYPE_CHECKING:
-    from efficient.profiler.report import Comparison, Report
+
+class Report(Protocol):
+    """What the renderers read of a profile (`efficient.profiler.Report`)."""
+
+    @property
+    def totals(self) -> dict[str, float]: ...
+
+    @property
+    def layers(self) -> list[LayerStat]: ...
+
+    @property
+    def meta(self) -> dict[str, Any]: ...
+
+    @property
+    def blocks(self) -> list[dict[str, Any]]: ...
+
+    @property
+    def exits(self) -> dict[str, Any] | None: ...
+
+    @property
+    def warnings(self) -> list[str]: ...
+
+    @property
+    def neurons(self) -> list[LayerStat]: ...
+
+    @property
+    def compute_layers(self) -> list[LayerStat]: ...
+
+    def top_modules(self, depth: int = 1, k: int = 10) -> list[dict[str, Any]]: ...
+
+    def per_sample(self, key: str) -> float | None: ...
+
+
+class Comparison(Protocol):
+    """What the renderers read of two profiles side by side (`efficient.profiler.Comparison`)."""
+
+    @property
+    def a(self) -> Report: ...
+
+    @property
+    def b(self) -> Report: ...
+
+    @property
+    def rows(self) -> list[dict[str, Any]]: ...
 
 _TOTAL_ROWS = (
     ("params", "params", fmt_count),
@@ -29,13 +72,13 @@ def _fmt_total(key: str, v: Any) -> str:
     return str(v)
 
 
-def convention_line(report: "Report") -> str:
+def convention_line(report: Report) -> str:
     e = report.meta["energy"]
     return (f"energy = {e['e_mac_pj']:g} pJ x MACs + {e['e_ac_pj']:g} pJ x SOPs ({e['name']}); "
             f"FLOPs = {report.meta['flops_per_mac']:g} x dense MACs")
 
 
-def _layer_rows(report: "Report", max_layers: int) -> list[list[str]]:
+def _layer_rows(report: Report, max_layers: int) -> list[list[str]]:
     rows = []
     for layer in report.layers[:max_layers]:
         rows.append([
@@ -48,7 +91,7 @@ def _layer_rows(report: "Report", max_layers: int) -> list[list[str]]:
 _LAYER_COLS = ["layer", "type", "dense MACs", "MACs", "SOPs", "in rate", "out rate", "energy"]
 
 
-def markdown(report: "Report", max_layers: int = 60, depth: int = 1) -> str:
+def markdown(report: Report, max_layers: int = 60, depth: int = 1) -> str:
     m = report.meta
     lines = [f"## Cost profile: {m.get('model')}", "",
              f"Input: {m.get('input')}" + (f", T = {m['timesteps']}" if m.get("timesteps") else ""),
@@ -92,82 +135,64 @@ def _exits_md(ex: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-class _FitWidth:
-    """Renders `wide` when it fits the console without squeezing its columns, else `narrow`: the
-    layer table keeps its full layout in a wide terminal and stays legible in an 80-column one."""
-
-    def __init__(self, wide: Any, narrow: Any) -> None:
-        self.wide, self.narrow = wide, narrow
-
-    def __rich_console__(self, console: Any, options: Any) -> Any:
-        from rich.measure import Measurement
-
-        natural = Measurement.get(console, options.update(max_width=10_000), self.wide).maximum
-        fits = natural <= options.max_width
-        yield self.wide if fits else self.narrow
-
-
-def _layers_wide(report: "Report", max_layers: int) -> Any:
+def _layers_wide(report: Report, max_layers: int) -> Any:
     from rich.table import Table
 
     tl = Table(title="layers")
     for c in _LAYER_COLS:
-        tl.add_column(c, justify="left" if c in ("layer", "type") else "right")
+        tl.add_column(c, justify="left" if c in ("layer", "type") else "right", no_wrap=True)
     for row in _layer_rows(report, max_layers):
         tl.add_row(*row)
     return tl
 
 
-def _layers_narrow(report: "Report", max_layers: int) -> Any:
-    """Layer name with its type below it; one `rate` column (a compute layer's input spike rate,
-    a neuron's output rate); numbers never wrap, long names fold."""
+def _layers_narrow(report: Report, max_layers: int) -> Any:
+    """One `rate` column (a compute layer's input spike rate, a neuron's output rate); the layer
+    name stays whole, and where there is no room the type and then number columns are left out."""
     from rich import box
-    from rich.table import Table
 
-    tl = Table(title="layers", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0),
-               caption="rate: spike rate of a compute layer's input (its SOP operand), or of a neuron's output")
-    tl.add_column("layer / type", overflow="fold", ratio=1)
-    for c in ("dense MACs", "MACs", "SOPs", "rate", "energy"):
-        tl.add_column(c, justify="right", no_wrap=True)
-    for layer, row in zip(report.layers, _layer_rows(report, max_layers)):
-        rate = row[6] if layer.is_neuron else row[5]
-        tl.add_row(f"{row[0]}\n[dim]{row[1]}[/dim]", row[2], row[3], row[4], rate, row[7])
-    return tl
+    from efficient.profiler.console import Column, FitTable, number
+
+    rows = list(zip(report.layers, _layer_rows(report, max_layers)))
+    rates = [row[6] if layer.is_neuron else row[5] for layer, row in rows]
+    cols = [Column("layer", [row[0] for _, row in rows], name=True),
+            Column("type", [row[1] for _, row in rows], drop=5),
+            number("dense MACs", [row[2] for _, row in rows], drop=3),
+            number("MACs", [row[3] for _, row in rows], drop=2),
+            number("SOPs", [row[4] for _, row in rows], drop=1),
+            number("rate", rates, drop=4,
+                   note="rate: spike rate of a compute layer's input (its SOP operand), or of a neuron's output"),
+            number("energy", [row[7] for _, row in rows])]
+    return FitTable(cols, title="layers", table=dict(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0)))
 
 
-def rich_tables(report: "Report", max_layers: int = 40, depth: int = 1) -> list[Any]:
-    """rich renderables that fit the console they are printed on (down to 80 columns)."""
-    from rich.table import Table
+def rich_tables(report: Report, max_layers: int = 40, depth: int = 1) -> list[Any]:
+    """rich renderables that fit the console they are printed on: names stay whole, and where
+    there is no room the less important columns are left out (the caption says which)."""
+    from efficient.profiler.console import Column, FirstThatFits, FitTable, number
 
     m = report.meta
     title = f"{m.get('model')}  ({m.get('input')}" + (f", T={m['timesteps']}" if m.get("timesteps") else "") + ")"
-    caption = convention_line(report)
-    # as wide as its title and caption need (the console width caps it), so they do not wrap to a sliver
-    t = Table(title=title, caption=caption, min_width=max(len(title), len(caption)) + 2)
-    t.add_column("metric")
-    t.add_column("value", justify="right")
-    for k, label, f in _TOTAL_ROWS:
-        if k in report.totals:
-            t.add_row(label, f(report.totals[k]))
-    out: list[Any] = [t]
+    totals = [(label, f(report.totals[k])) for k, label, f in _TOTAL_ROWS if k in report.totals]
+    out: list[Any] = [FitTable([Column("metric", [r[0] for r in totals], name=True), number("value", [r[1] for r in totals])],
+                               title=title, caption=convention_line(report))]
     top = report.top_modules(depth)
     if top:
         total_e = report.totals["energy_pj"] or 1.0
-        tm = Table(title=f"top modules at depth {depth} (by energy)")
-        for c in ("module", "type", "params", "dense MACs", "SOPs", "energy", "share"):
-            tm.add_column(c, justify="left" if c in ("module", "type") else "right", overflow="fold")
-        for r in top:
-            tm.add_row(r["name"], r["type"], fmt_count(r["params"]), fmt_count(r["dense_macs"]), fmt_count(r["sops"]),
-                       fmt_energy(r["energy_pj"]), f"{100 * r['energy_pj'] / total_e:.1f}%")
-        out.append(tm)
-    out.append(_FitWidth(_layers_wide(report, max_layers), _layers_narrow(report, max_layers)))
+        out.append(FitTable([
+            Column("module", [r["name"] for r in top], name=True),
+            Column("type", [r["type"] for r in top], drop=3),
+            number("params", [fmt_count(r["params"]) for r in top], drop=4),
+            number("dense MACs", [fmt_count(r["dense_macs"]) for r in top], drop=2),
+            number("SOPs", [fmt_count(r["sops"]) for r in top], drop=1),
+            number("energy", [fmt_energy(r["energy_pj"]) for r in top]),
+            number("share", [f"{100 * r['energy_pj'] / total_e:.1f}%" for r in top]),
+        ], title=f"top modules at depth {depth} (by energy)"))
+    out.append(FirstThatFits(_layers_wide(report, max_layers), _layers_narrow(report, max_layers)))
     if report.blocks:
-        tb = Table(title="tokens entering each block")
-        tb.add_column("block")
-        tb.add_column("tokens", justify="right")
-        for b in report.blocks:
-            tb.add_row(b["block"], str(b["tokens_in"]))
-        out.append(tb)
+        out.append(FitTable([Column("block", [b["block"] for b in report.blocks], name=True),
+                             number("tokens", [str(b["tokens_in"]) for b in report.blocks])],
+                            title="tokens entering each block"))
     if report.exits:
         from rich.markdown import Markdown
 
@@ -193,7 +218,7 @@ def _compare_cells(r: dict[str, Any]) -> list[str]:
             _fmt_total(r["metric"], r["b"]), ratio, change]
 
 
-def _compare_caption(c: "Comparison") -> str:
+def _compare_caption(c: Comparison) -> str:
     a, b = c.a.meta.get("model"), c.b.meta.get("model")
     inputs = f"{a}: {c.a.meta.get('input')}; {b}: {c.b.meta.get('input')}"
     conv = convention_line(c.a)
@@ -202,7 +227,7 @@ def _compare_caption(c: "Comparison") -> str:
     return f"ratio = {b} / {a}, change = {b} vs {a}, per sample. Inputs: {inputs}. {conv}"
 
 
-def comparison_markdown(c: "Comparison") -> str:
+def comparison_markdown(c: Comparison) -> str:
     a, b = c.a.meta.get("model"), c.b.meta.get("model")
     lines = [f"| metric | {a} | {b} | ratio | change |", "|---|---|---|---|---|"]
     for r in c.rows:
@@ -210,17 +235,24 @@ def comparison_markdown(c: "Comparison") -> str:
     return "\n".join(lines) + "\n\n" + _compare_caption(c) + "\n"
 
 
-def comparison_table(c: "Comparison") -> Any:
-    """The comparison as a rich table with its caption (ratio direction, inputs, convention) below it."""
+def comparison_table(c: Comparison) -> Any:
+    """The comparison as a rich table with its caption (ratio direction, inputs, convention) below
+    it; where the model names do not fit as column headers they become A and B."""
     from rich.console import Group
-    from rich.table import Table
     from rich.text import Text
 
-    t = Table(title=f"{c.a.meta.get('model')} vs {c.b.meta.get('model')}")
-    for col in ("metric", str(c.a.meta.get("model")), str(c.b.meta.get("model")), "ratio", "change"):
-        t.add_column(col, justify="left" if col == "metric" else "right")
-    for r in c.rows:
-        t.add_row(*_compare_cells(r))
+    from efficient.profiler.console import Column, FitTable, number
+
+    a, b = str(c.a.meta.get("model")), str(c.b.meta.get("model"))
+    cells = [_compare_cells(r) for r in c.rows]
+    col = [[row[i] for row in cells] for i in range(5)]
+    t = FitTable([
+        Column("metric", col[0], name=True),
+        number(a, col[1], drop=2, shorter=number("A", col[1], note=f"A: {a}")),
+        number(b, col[2], drop=2, shorter=number("B", col[2], note=f"B: {b}")),
+        number("ratio", col[3]),
+        number("change", col[4], drop=3),
+    ], title=f"{a} vs {b}")
     return Group(t, Text(_compare_caption(c)))
 
 
@@ -237,7 +269,7 @@ def _wrap(text: str, width_in: float, fontsize: float, margin_in: float = 0.7) -
     return textwrap.fill(text, width=max(20, int((width_in - margin_in) * 72 / (0.55 * fontsize))))
 
 
-def _layer_energy(report: "Report") -> tuple[list[float], list[float]]:
+def _layer_energy(report: Report) -> tuple[list[float], list[float]]:
     """(MAC energy, AC energy) per compute layer, per sample, in pJ."""
     n = report.totals.get("batch_size") or 1
     e = report.meta["energy"]
@@ -252,12 +284,12 @@ def _energy_unit(peak_pj: float) -> tuple[str, float]:
     return "pJ", 1.0
 
 
-def _title(report: "Report") -> str:
+def _title(report: Report) -> str:
     label, zoo = report.meta.get("model"), report.meta.get("zoo_model")
     return f"{label} ({zoo})" if zoo and zoo != label else str(label)
 
 
-def _draw_energy(ax: Any, report: "Report", width_in: float, unit: tuple[str, float], legend: bool = True) -> None:
+def _draw_energy(ax: Any, report: Report, width_in: float, unit: tuple[str, float], legend: bool = True) -> None:
     compute = report.compute_layers
     e_mac, e_ac = _layer_energy(report)
     name, scale = unit
@@ -272,12 +304,12 @@ def _draw_energy(ax: Any, report: "Report", width_in: float, unit: tuple[str, fl
         ax.legend(fontsize=7)
 
 
-def _peak_energy(report: "Report") -> float:
+def _peak_energy(report: Report) -> float:
     e_mac, e_ac = _layer_energy(report)
     return max((m + a for m, a in zip(e_mac, e_ac)), default=0.0)
 
 
-def _draw_rates(ax: Any, report: "Report", width_in: float) -> None:
+def _draw_rates(ax: Any, report: Report, width_in: float) -> None:
     neurons = report.neurons
     if not neurons:
         ax.text(0.5, 0.5, "no spiking neurons", ha="center", va="center", transform=ax.transAxes, fontsize=9)
@@ -291,7 +323,7 @@ def _draw_rates(ax: Any, report: "Report", width_in: float) -> None:
     ax.set_xticks(xs, [nrn.name for nrn in neurons], rotation=90, fontsize=6)
 
 
-def _fit_ylim(column: Any, reports: Sequence["Report"], unit: tuple[str, float]) -> None:
+def _fit_ylim(column: Any, reports: Sequence[Report], unit: tuple[str, float]) -> None:
     """Energy (and firing-rate) axes from 0 to just above the tallest bar of any report: one scale, nothing cut off."""
     peak = max(_peak_energy(r) for r in reports) / unit[1]
     column[0].set_ylim(0, 1.08 * peak or 1.0)
@@ -309,11 +341,11 @@ def _save(fig: Any, path: Path) -> Path:
     return path
 
 
-def _column_width(report: "Report") -> float:
+def _column_width(report: Report) -> float:
     return min(20.0, max(5.0, 0.22 * max(len(report.compute_layers), len(report.neurons), 1)))
 
 
-def plot(report: "Report", path: Path) -> Path:
+def plot(report: Report, path: Path) -> Path:
     """PNG: energy per compute layer (per sample) over firing rate per neuron layer."""
     import matplotlib
 
@@ -332,7 +364,7 @@ def plot(report: "Report", path: Path) -> Path:
     return _save(fig, path)
 
 
-def plot_comparison(c: "Comparison", path: Path) -> Path:
+def plot_comparison(c: Comparison, path: Path) -> Path:
     """Both reports in two columns: energy per layer (per sample, same scale) over firing rates."""
     import matplotlib
 

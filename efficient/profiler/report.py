@@ -9,34 +9,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from efficient.errors import closest
+from efficient.profiler.layers import LayerStat
+from efficient.profiler.units import fmt_count, fmt_energy, fmt_rate
+
+__all__ = ["Report", "Comparison", "LayerStat", "TOTAL_KEYS", "PER_SAMPLE_KEYS", "COMPARE_KEYS", "ratio", "pct_change",
+           "fmt_count", "fmt_energy", "fmt_rate"]
+
 # Columns compared side by side and shown in tables, in order.
 TOTAL_KEYS = ("params", "dense_macs", "macs", "sops", "flops", "energy_pj", "energy_pj_per_sample", "mean_firing_rate")
 # Totals that grow with the profiled batch; a comparison divides them by each report's batch size.
 PER_SAMPLE_KEYS = ("dense_macs", "macs", "sops", "flops", "energy_pj")
 COMPARE_KEYS = ("params", *PER_SAMPLE_KEYS, "mean_firing_rate")
-
-
-@dataclass
-class LayerStat:
-    """One module that issued matmul/conv ops, or one spiking neuron."""
-
-    name: str
-    type: str
-    dense_macs: int = 0
-    macs: int = 0
-    sops: int = 0
-    energy_pj: float = 0.0
-    input_firing_rate: float | None = None  # nonzero fraction of the spike operand feeding SOPs
-    output_firing_rate: float | None = None  # neurons: spikes per neuron per time step
-    firing_rate_per_step: list[float] | None = None
-    neuron: str | None = None
-    ops: str = ""
-    params: int = 0
-    neuron_outputs: int = 0  # neuron-step outputs observed (weights the mean firing rate)
-
-    @property
-    def is_neuron(self) -> bool:
-        return self.neuron is not None
 
 
 @dataclass
@@ -64,8 +48,6 @@ class Report:
         for layer in self.layers:
             if layer.name == name:
                 return layer
-        from efficient.zoo import closest
-
         hint = closest(name, [layer.name for layer in self.layers])
         raise KeyError(f"no layer {name!r} in this report" + (f"; did you mean {hint[0]!r}?" if hint else ""))
 
@@ -200,29 +182,6 @@ def pct_change(a: float | None, b: float | None) -> float | None:
     if a == 0:
         return 0.0 if b == 0 else None
     return 100.0 * (b - a) / abs(a)
-
-
-def fmt_count(v: float | None) -> str:
-    if v is None:
-        return "-"
-    v = float(v)
-    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(v) >= scale:
-            return f"{v / scale:.3f} {unit}"
-    return f"{v:.0f}" if v == int(v) else f"{v:.3g}"
-
-
-def fmt_energy(pj: float | None) -> str:
-    if pj is None:
-        return "-"
-    for unit, scale in (("J", 1e12), ("mJ", 1e9), ("uJ", 1e6), ("nJ", 1e3)):
-        if abs(pj) >= scale:
-            return f"{pj / scale:.4g} {unit}"
-    return f"{pj:.4g} pJ"
-
-
-def fmt_rate(r: float | None) -> str:
-    return "-" if r is None else f"{r:.4f}"
 
 
 def _json_default(o: Any) -> Any:

@@ -195,12 +195,15 @@ def _lr(runs: Sequence[RunData]) -> str:
     return _fig(plots.curves(runs, keys, splits=("train",), ylabel=labels)) + _last_values(runs, keys, ("train",))
 
 
+def _applies(runs: Sequence[RunData], applies: Callable[[RunData], Any], why: Callable[[RunData], str]) -> tuple[list[RunData], str]:
+    """The runs a section applies to, and a note saying `why` not for each of the others."""
+    return [r for r in runs if applies(r)], "".join(_na(why(r)) for r in runs if not applies(r))
+
+
 def _profiles(runs: Sequence[RunData]) -> tuple[list[RunData], str]:
-    have = [r for r in runs if r.profile is not None]
-    notes = "".join(_na(f"{r.name}: no cost profile ({PROFILE_FILE} is missing: profile.enabled was false, or the run has "
-                        f"not finished). `efficient profile {r.path} --format json -o {r.path / PROFILE_FILE}` writes it.")
-                    for r in runs if r.profile is None)
-    return have, notes
+    return _applies(runs, lambda r: r.profile is not None,
+                    lambda r: f"{r.name}: no cost profile ({PROFILE_FILE} is missing: profile.enabled was false, or the run "
+                              f"has not finished). `efficient profile {r.path} --format json -o {r.path / PROFILE_FILE}` writes it.")
 
 
 def _per_sample(prof: dict[str, Any], v: float) -> float:
@@ -257,8 +260,9 @@ def _sops(runs: Sequence[RunData]) -> str:
 
 def _firing(runs: Sequence[RunData]) -> str:
     have, notes = _profiles(runs)
-    spiking = [r for r in have if any(x["neuron"] for x in r.profile["layers"])]
-    out = notes + "".join(_na(f"{r.name}: no spiking neurons in this model, so no firing rates.") for r in have if r not in spiking)
+    spiking, none = _applies(have, lambda r: any(x["neuron"] for x in r.profile["layers"]),
+                             lambda r: f"{r.name}: no spiking neurons in this model, so no firing rates.")
+    out = notes + none
     for r in have:
         for w in r.profile.get("warnings", []):
             out += f'<p class="warn"><b>{html.escape(r.name)}:</b> {html.escape(w)}</p>'
@@ -274,9 +278,8 @@ def _firing(runs: Sequence[RunData]) -> str:
 
 
 def _tokens(runs: Sequence[RunData]) -> str:
-    stata = [r for r in runs if r.is_stata]
-    out = "".join(_na(f"{r.name}: not a STATA run (no token selection), so every block sees every token.")
-                  for r in runs if not r.is_stata)
+    stata, out = _applies(runs, lambda r: r.is_stata,
+                          lambda r: f"{r.name}: not a STATA run (no token selection), so every block sees every token.")
     if not stata:
         return out
     with_blocks = [r for r in stata if r.profile and r.profile.get("blocks")]
@@ -294,8 +297,8 @@ def _tokens(runs: Sequence[RunData]) -> str:
 
 
 def _exits(runs: Sequence[RunData]) -> str:
-    ee = [r for r in runs if r.exit_keys or (r.profile and r.profile.get("exits"))]
-    out = "".join(_na(f"{r.name}: no early exits in this model.") for r in runs if r not in ee)
+    ee, out = _applies(runs, lambda r: r.exit_keys or (r.profile and r.profile.get("exits")),
+                       lambda r: f"{r.name}: no early exits in this model.")
     if not ee:
         return out
     dist_runs = [r for r in ee if r.profile and (r.profile.get("exits") or {}).get("distribution")]
@@ -322,9 +325,8 @@ def _exits(runs: Sequence[RunData]) -> str:
 
 
 def _robust(runs: Sequence[RunData]) -> str:
-    have = [r for r in runs if r.attacks]
-    out = "".join(_na(f"{r.name}: no attack results ({ATTACKS_FILE} is missing); `efficient attack {r.path}` adds them.")
-                  for r in runs if not r.attacks)
+    have, out = _applies(runs, lambda r: r.attacks,
+                         lambda r: f"{r.name}: no attack results ({ATTACKS_FILE} is missing); `efficient attack {r.path}` adds them.")
     if not have:
         return out
     out += _fig(plots.robust_accuracy(have), "Accuracy under each L-inf attack against its radius; eps 0 is clean accuracy.")
@@ -363,8 +365,8 @@ def _show(v: Any) -> str:
 
 def _environment(runs: Sequence[RunData]) -> str:
     envs = [(r.summary or {}).get("environment") for r in runs]
-    out = "".join(_na(f"{r.name}: environment not recorded (the run has not finished, or predates this record).")
-                  for r, e in zip(runs, envs) if not e)
+    _, out = _applies(runs, lambda r: (r.summary or {}).get("environment"),
+                      lambda r: f"{r.name}: environment not recorded (the run has not finished, or predates this record).")
     if not any(envs):
         return out
     keys = list(dict.fromkeys(k for e in envs if e for k in e))

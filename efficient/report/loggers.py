@@ -10,17 +10,40 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence
+from typing import Any, Iterator, Mapping, Protocol, Sequence
 
 from efficient.errors import ConfigError
 from efficient.io import append_jsonl
 
-if TYPE_CHECKING:
-    from efficient.profiler.report import Report
-
 LOGGERS: tuple[str, ...] = ("jsonl", "tensorboard")
 TENSORBOARD_DIR = "tensorboard"  # inside the run dir: `tensorboard --logdir RUN_DIR`
 _RECORD_KEYS = ("step", "epoch", "split")  # bookkeeping, not scalars
+
+
+class SpikingLayer(Protocol):
+    """A spiking layer of a cost profile: its name and output firing rate."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def output_firing_rate(self) -> float | None: ...
+
+
+class CostProfile(Protocol):
+    """What the loggers read of a cost profile (the profiler's `Report`): per-sample totals, the
+    spiking layers and the exit distribution."""
+
+    @property
+    def totals(self) -> Mapping[str, float]: ...
+
+    @property
+    def neurons(self) -> Sequence[SpikingLayer]: ...
+
+    @property
+    def exits(self) -> Mapping[str, Any] | None: ...
+
+    def per_sample(self, key: str) -> float | None: ...
 
 
 class MetricLogger(Protocol):
@@ -28,7 +51,7 @@ class MetricLogger(Protocol):
 
     def log(self, record: dict[str, Any]) -> None: ...
 
-    def log_profile(self, report: Report, step: int) -> None: ...
+    def log_profile(self, report: CostProfile, step: int) -> None: ...
 
     def close(self) -> None: ...
 
@@ -43,7 +66,7 @@ class JsonlLogger:
     def log(self, record: dict[str, Any]) -> None:
         append_jsonl(self.path, record)
 
-    def log_profile(self, report: Report, step: int) -> None:
+    def log_profile(self, report: CostProfile, step: int) -> None:
         pass
 
     def close(self) -> None:
@@ -73,7 +96,7 @@ class TensorBoardLogger:
             self.writer.add_scalar(tag, value, int(record["step"]))
         self.writer.flush()
 
-    def log_profile(self, report: Report, step: int) -> None:
+    def log_profile(self, report: CostProfile, step: int) -> None:
         for tag, value in profile_scalars(report):
             self.writer.add_scalar(tag, value, step)
         self.writer.flush()
@@ -92,7 +115,7 @@ class Loggers:
         for lg in self.loggers:
             lg.log(record)
 
-    def log_profile(self, report: Report, step: int) -> None:
+    def log_profile(self, report: CostProfile, step: int) -> None:
         for lg in self.loggers:
             lg.log_profile(report, step)
 
@@ -160,7 +183,7 @@ def _flatten(tag: str, value: Any) -> Iterator[tuple[str, float]]:
         yield tag, float(value)
 
 
-def profile_scalars(report: Report) -> list[tuple[str, float]]:
+def profile_scalars(report: CostProfile) -> list[tuple[str, float]]:
     """The cost profile as scalars: per-sample totals, firing rate per spiking layer, exit fractions."""
     out = []
     for key in ("dense_macs", "macs", "sops", "energy_pj"):
