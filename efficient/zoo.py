@@ -11,7 +11,6 @@ also registered into `timm.create_model` under the same name with underscores.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import fnmatch
 import importlib
 import inspect
@@ -24,7 +23,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from efficient.errors import ArtifactError, ConfigError
+from efficient.errors import ArtifactError, ConfigError, closest
 from efficient.io import check_and_load, load_weights, read_state_dict, save_model  # noqa: F401 - the zoo's weights API
 
 # Modules whose import registers models. Imported lazily on first registry access so that
@@ -279,10 +278,6 @@ def list_models(pattern: str | None = None) -> list[str]:
     if pattern:
         names = [n for n in names if fnmatch.fnmatch(n, pattern)]
     return names
-
-
-def closest(name: str, choices: list[str], n: int = 3) -> list[str]:
-    return difflib.get_close_matches(name, choices, n=n, cutoff=0.4)
 
 
 def get_entry(name: str) -> ModelEntry:

@@ -263,53 +263,51 @@ def record_in_run(args: argparse.Namespace, res: dict[str, Any]) -> Path | None:
     return target / ATTACKS_FILE
 def _print_suite(res: dict[str, Any]) -> None:
     from rich.console import Console
-    from rich.table import Table
+
+    from efficient.profiler.console import Column, FitTable, echo, number
 
     s = res["suite"]
-    table = Table(title=f"{res['model']} on {res['data']} (val, n={s['n']}), suite at eps {255 * s['eps']:.3g}/255")
-    for col, just in (("attack", "left"), ("setting", "left"), ("accuracy %", "right"), ("only it broke", "right"), ("seconds", "right")):
-        table.add_column(col, justify=just)  # type: ignore[arg-type]
-    table.add_row("clean", "-", f"{100 * s['clean']:.2f}", "-", "-")
+    rows = [("clean", "-", f"{100 * s['clean']:.2f}", "-", "-")]
     for r in s["attacks"]:
         setting = ", ".join(f"{k} {v}" for k, v in r.items() if k not in ("attack", "acc", "seconds", "unique_breaks", "skipped", "acc_first_restart"))
         if r.get("skipped"):
-            table.add_row(r["attack"], setting, "skipped", "-", r["skipped"])
+            rows.append((r["attack"], setting, "skipped", "-", r["skipped"]))
         else:
-            table.add_row(r["attack"], setting, f"{100 * r['acc']:.2f}", str(r["unique_breaks"]), f"{r['seconds']:.1f}")
-    table.add_row("worst case", "every attack", f"{100 * s['worst_case']:.2f}", "-", f"{s['seconds']:.1f} ({s['seconds_per_image']:.3f}/image)")
+            rows.append((r["attack"], setting, f"{100 * r['acc']:.2f}", str(r["unique_breaks"]), f"{r['seconds']:.1f}"))
+    rows.append(("worst case", "every attack", f"{100 * s['worst_case']:.2f}", "-", f"{s['seconds']:.1f} ({s['seconds_per_image']:.3f}/image)"))
+    attack, setting, acc, only, seconds = zip(*rows)
     console = Console()
-    console.print(table)
+    console.print(FitTable([Column("attack", attack, name=True), Column("setting", setting, wrap=True), number("accuracy %", acc),
+                            number("only it broke", only, drop=1), number("seconds", seconds, drop=2)],
+                           title=f"{res['model']} on {res['data']} (val, n={s['n']}), suite at eps {255 * s['eps']:.3g}/255"))
     if "checks" in res:
         for line in res["checks"]["lines"]:
-            console.print(line, markup=False)
-        console.print("masking checks: " + ("all passed" if res["checks"]["passed"] else "FAILED (robust accuracy not to be trusted)"), markup=False)
+            echo(line, console, indent="  ")
+        echo("masking checks: " + ("all passed" if res["checks"]["passed"] else "FAILED (robust accuracy not to be trusted)"), console)
 
 
 def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from efficient.profiler.console import Column, FitTable, echo, number
+
     res = evaluate(args)
     saved = record_in_run(args, res)
     if args.format == "json":
         print(json.dumps(res, indent=2))
         return 0
+    console = Console()
     if "suite" in res:
         _print_suite(res)
-        if saved is not None:
-            from rich.console import Console
-
-            Console().print(f"recorded in {saved} (shown by `efficient report {args.target}`)")
-        return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"{res['model']} on {res['data']} (val, n={res['n']})")
-    for col, just in (("attack", "left"), ("eps", "right"), ("steps", "right"), ("step size", "right"), ("accuracy %", "right")):
-        table.add_column(col, justify=just)  # type: ignore[arg-type]
-    table.add_row("clean", "-", "-", "-", f"{100 * res['clean']:.2f}")
-    for r in res["attacks"]:
-        step = "adaptive" if r["alpha"] is None else f"{255 * r['alpha']:.3g}/255"
-        table.add_row(r["attack"], f"{255 * r['eps']:.3g}/255", str(r["steps"]), step, f"{100 * r['acc']:.2f}")
-    console = Console()
-    console.print(table)
+    else:
+        rows = [("clean", "-", "-", "-", f"{100 * res['clean']:.2f}")]
+        for r in res["attacks"]:
+            step = "adaptive" if r["alpha"] is None else f"{255 * r['alpha']:.3g}/255"
+            rows.append((r["attack"], f"{255 * r['eps']:.3g}/255", str(r["steps"]), step, f"{100 * r['acc']:.2f}"))
+        attack, eps, steps, step, acc = zip(*rows)
+        console.print(FitTable([Column("attack", attack, name=True), number("eps", eps), number("steps", steps, drop=1),
+                                number("step size", step, drop=1), number("accuracy %", acc)],
+                               title=f"{res['model']} on {res['data']} (val, n={res['n']})"))
     if saved is not None:
-        console.print(f"recorded in {saved} (shown by `efficient report {args.target}`)")
+        echo(f"recorded in {saved} (shown by `efficient report {args.target}`)", console)
     return 0

@@ -93,9 +93,14 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"prompt": args.prompt, "text": text, "exit_layers": out.exit_layers, "exit_distribution": hist, "summary": summary}))
         return 0
-    print(args.prompt + text)
-    print(f"\nexit layer per token (exits at {model.exit_layers}):")
-    print(" ".join(str(e) for e in out.exit_layers))
-    print("exit distribution: " + ", ".join(f"layer {k}: {v:.0%}" for k, v in hist.items()))
-    print("summary: " + ", ".join(f"{k}={v}" for k, v in summary.items()))
+    from rich.console import Console
+
+    from efficient.profiler.console import echo
+
+    print(args.prompt + text)  # the generated text as it is, never re-wrapped
+    console = Console()
+    echo(f"\nexit layer per token (exits at {model.exit_layers}):", console)
+    echo(" ".join(str(e) for e in out.exit_layers), console)
+    echo("exit distribution: " + ", ".join(f"layer {k}: {v:.0%}" for k, v in hist.items()), console, indent="  ")
+    echo("summary: " + ", ".join(f"{k}={v}" for k, v in summary.items()), console, indent="  ")
     return 0
