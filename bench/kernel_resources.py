@@ -80,7 +80,7 @@ def cases() -> list[Case]:
     import torch
 
     from efficient.kernels import exit_confidence as ec
-    from efficient.kernels import leaky, lif, linear_ce, ssa, token_select as ts
+    from efficient.kernels import leaky, lif, linear_ce, spike_pack as sp, ssa, token_select as ts
 
     out = []
     # spiking self-attention: compute-bound (tl.dot); N is a runtime argument (64, 197, 1024 share a binary)
@@ -109,6 +109,13 @@ def cases() -> list[Case]:
                              {"src_ptr": f"*{dt}", "idx_ptr": "*i64", "out_ptr": f"*{dt}", "B": "i32", "N_SRC": "i32",
                               "K": "i32", "D": "i32"},
                              {"SCATTER": scatter, "BLOCK_D": min(1024, ts._next_pow2(512))}, 4, True))
+    # spike packing: elementwise over numel (runtime; i64 once it passes 2^31), a [BLOCK, 8] tile per program
+    for dt in ("fp32", "bf16"):
+        for n_type in ("i32", "i64"):
+            out.append(_case("pack_spikes", f"{dt} N:{n_type}", sp._pack_kernel,
+                             {"x_ptr": f"*{dt}", "bits_ptr": "*u8", "N": n_type}, {"BLOCK": sp.PACK_BLOCK}, sp.NUM_WARPS, True))
+            out.append(_case("unpack_spikes", f"{dt} N:{n_type}", sp._unpack_kernel,
+                             {"bits_ptr": "*u8", "out_ptr": f"*{dt}", "N": n_type}, {"BLOCK": sp.UNPACK_BLOCK}, sp.NUM_WARPS, True))
     # LIF: elementwise over N = B*C*H*W, a loop over T; the default neuron and PLIF (learned rate)
     for dt in ("fp32", "bf16"):
         for rate, label in ((False, "LIF"), (True, "PLIF")):
