@@ -4,10 +4,11 @@ Every public kernel function takes `backend="auto"` and accepts every value of `
 `"auto"` the environment variable `EFFICIENT_BACKEND` (if set to anything but "auto" or "") takes
 over. Kernels differ in which implementations they have, so each value maps to the nearest one:
 
-    value     lif (has the fused loop)                  ssa, token_select, linear_ce, exit_confidence
+    value     lif (has the fused loop)                  ssa, token_select, spike_pack, linear_ce,
+                                                        exit_confidence
     -------   ---------------------------------------   ---------------------------------------------
     auto      CUDA: triton (loop without triton).       CUDA: triton (torch without triton).
-              CPU: compile for >= compile_min_numel     CPU: torch; ssa/token_select use triton
+              CPU: compile for >= compile_min_numel     CPU: torch; ssa/token_select/spike_pack use triton
               elements (or unknown size) when a C++     when TRITON_INTERPRET=1 (the interpreter).
               compiler exists, else loop.
     triton    triton                                    triton

@@ -10,6 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import efficient.kernels.exit_confidence  # noqa: F401 - registers the ops
 import efficient.kernels.linear_ce  # noqa: F401
+import efficient.kernels.spike_pack  # noqa: F401
 import efficient.kernels.ssa  # noqa: F401
 from efficient.kernels import lif as K
 from efficient.kernels import token_select as ts
@@ -64,6 +65,9 @@ def op_cases(dtype):
          (x, v0, beta, thr, K.RESET_SUBTRACT, 1, 2.0, dtype, "loop")),
         ("leaky_backward", torch.ops.efficient.leaky_backward,
          (gs, None, hm, None, beta.detach(), thr.detach(), K.RESET_ZERO, 0, 4.0, dtype, "loop")),
+        ("pack_spikes", torch.ops.efficient.pack_spikes, (_spikes(3, 7, dtype=dtype, seed=12, grad=False), "torch")),
+        ("unpack_spikes", torch.ops.efficient.unpack_spikes,
+         (torch.tensor([5, 255, 0], dtype=torch.uint8), [3, 7], dtype, "torch")),
     ]
 
 
