@@ -16,12 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 
 from efficient.kernels import spike_pack as sp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from stata_kernels import median_ms  # noqa: E402 - one timing loop for the kernel benchmarks
 
 SHAPES = {
     "[4, 64, 64, 384]": (4, 64, 64, 384),
@@ -29,23 +32,6 @@ SHAPES = {
     "[4, 8, 197, 511] ragged": (4, 8, 197, 511),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def _ms(fn, dev: torch.device, repeats: int) -> float:
-    fn()
-    _sync(dev)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        _sync(dev)
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
 
 
 def run(dev: torch.device, shapes: dict, dtypes: list[str], repeats: int, backend: str) -> list[dict]:
@@ -61,10 +47,10 @@ def run(dev: torch.device, shapes: dict, dtypes: list[str], repeats: int, backen
             y = sp.unpack_spikes(bits, shape, dt, backend=backend)
             assert torch.equal(y, x) and y.dtype == dt, f"{name} {dn}: unpack does not restore the input"
             t = {
-                "pack_ms": _ms(lambda: sp.pack_spikes(x, backend=backend), dev, repeats),
-                "unpack_ms": _ms(lambda: sp.unpack_spikes(bits, shape, dt, backend=backend), dev, repeats),
-                "ref_pack_ms": _ms(lambda: sp.pack_spikes_ref(x), dev, repeats),
-                "ref_unpack_ms": _ms(lambda: sp.unpack_spikes_ref(bits, shape, dt), dev, repeats),
+                "pack_ms": median_ms(lambda: sp.pack_spikes(x, backend=backend), dev, repeats),
+                "unpack_ms": median_ms(lambda: sp.unpack_spikes(bits, shape, dt, backend=backend), dev, repeats),
+                "ref_pack_ms": median_ms(lambda: sp.pack_spikes_ref(x), dev, repeats),
+                "ref_unpack_ms": median_ms(lambda: sp.unpack_spikes_ref(bits, shape, dt), dev, repeats),
             }
             before, after = x.numel() * x.element_size(), bits.numel()
             rows.append({
@@ -99,8 +85,7 @@ def main() -> None:
               f"{r['ref_unpack_ms']:>10.2f} {r['speedup']:>7.1f}x {r['bytes_before'] / 2**20:>9.2f} "
               f"{r['bytes_after'] / 2**20:>8.2f} {r['compression']:>5.0f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

@@ -39,7 +39,8 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def _ms(fn, dev, repeats: int) -> float:
+def median_ms(fn, dev, repeats: int) -> float:
+    """Median wall time of `fn` in ms over `repeats` calls after one warm-up, the device synchronised."""
     fn()
     _sync(dev)
     times = []
@@ -73,10 +74,10 @@ def check_kernels(dev: torch.device, shapes: dict, dtypes: list[str], repeats: i
             z_err = (z_t - z_r).abs().max().item()
             good = y_err <= y_tol and s_err <= s_tol and same_set and z_err <= 1e-4
             ok &= good
-            t_ssa = _ms(lambda: ssa.spiking_attention(q, k, v, 0.125, anchor=True, scores=True, backend="triton"), dev, repeats)
-            t_ref = _ms(lambda: ssa.spiking_attention(q, k, v, 0.125, anchor=True, scores=True, backend="torch"), dev, repeats)
-            t_sel = _ms(lambda: ts.select_tokens(out[1], keep, backend="triton"), dev, repeats)
-            t_selr = _ms(lambda: ts.select_tokens(out[1], keep, backend="torch"), dev, repeats)
+            t_ssa = median_ms(lambda: ssa.spiking_attention(q, k, v, 0.125, anchor=True, scores=True, backend="triton"), dev, repeats)
+            t_ref = median_ms(lambda: ssa.spiking_attention(q, k, v, 0.125, anchor=True, scores=True, backend="torch"), dev, repeats)
+            t_sel = median_ms(lambda: ts.select_tokens(out[1], keep, backend="triton"), dev, repeats)
+            t_selr = median_ms(lambda: ts.select_tokens(out[1], keep, backend="torch"), dev, repeats)
             row = {"shape": name, "dtype": dn, "y_err": y_err, "y_tol": y_tol, "score_err": s_err, "score_tol": s_tol,
                    "same_kept_set": same_set, "z_err": z_err, "ok": good,
                    "ssa_triton_ms": t_ssa, "ssa_torch_ms": t_ref, "select_triton_ms": t_sel, "select_torch_ms": t_selr}

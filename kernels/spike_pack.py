@@ -30,8 +30,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from efficient.kernels import _backend
 from efficient.kernels._backend import BACKENDS  # noqa: F401 - the accepted values
+from efficient.kernels.token_select import resolve_backend  # triton or torch, as for the STATA kernels
 
 try:  # Triton is optional: the torch path covers CPU
     import triton
@@ -42,15 +42,6 @@ except ImportError:  # pragma: no cover - triton is installed with torch on Linu
     HAS_TRITON = False
 
 __all__ = ["PackedSpikes", "is_binary", "pack", "pack_spikes", "unpack_spikes"]
-
-
-def resolve_backend(backend: str, t: Tensor, kernel: str = "spike_pack") -> str:
-    """triton or torch for any documented backend value (efficient.kernels._backend); 'auto' picks
-    Triton on CUDA, and on CPU when TRITON_INTERPRET=1 asks for the interpreter."""
-    chosen = _backend.resolve_backend(backend, t.device, kernel, interpreter_auto=True)
-    if chosen == "triton" and not (HAS_TRITON and (t.is_cuda or _backend.interpreter_on())):
-        raise ValueError(f"{kernel}: backend='triton' needs a CUDA tensor (or TRITON_INTERPRET=1 on CPU); use backend='torch'")
-    return chosen
 
 
 def packed_nbytes(numel: int) -> int:
@@ -239,7 +230,7 @@ def pack_spikes(x: Tensor, backend: str = "auto") -> Tensor:
     i // 8 (little-endian in the byte); nonzero packs as 1. Reads a non-contiguous `x` in logical
     order. Not differentiable (x is detached)."""
     _check_spikes(x)
-    return _pack_op(x.detach(), resolve_backend(backend, x))
+    return _pack_op(x.detach(), resolve_backend(backend, x, "spike_pack"))
 
 
 def unpack_spikes(bits: Tensor, shape: Sequence[int], dtype: torch.dtype, backend: str = "auto") -> Tensor:
@@ -247,7 +238,7 @@ def unpack_spikes(bits: Tensor, shape: Sequence[int], dtype: torch.dtype, backen
     on the device of `bits`. `shape` must be the packed tensor's: its numel must need exactly
     `bits.numel()` bytes."""
     shape = _check_unpack(bits, shape, dtype)
-    return _unpack_op(bits, shape, dtype, resolve_backend(backend, bits))
+    return _unpack_op(bits, shape, dtype, resolve_backend(backend, bits, "spike_pack"))
 
 
 def is_binary(x: Tensor) -> bool:
