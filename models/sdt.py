@@ -53,6 +53,8 @@ class MSSPS(SPS):
 class LinearBN(nn.Module):
     """Linear -> BatchNorm over channels on `[T, B, N, C]` (a 1x1 conv + BN in the reference)."""
 
+    recompute_unit = True  # efficient.memory: keeps its input, recomputes the rest in backward
+
     def __init__(self, d_in: int, d_out: int, bias: bool = True) -> None:
         super().__init__()
         self.linear = nn.Linear(d_in, d_out, bias=bias)

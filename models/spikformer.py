@@ -53,6 +53,8 @@ DIGITS_MEAN, DIGITS_STD = (0.3,), (0.38,)
 class LinearBNLIF(nn.Module):
     """Linear -> BatchNorm over channels -> LIF, on `[T, B, N, C]` (the Spikformer 'x_linear/x_bn/x_lif' unit)."""
 
+    recompute_unit = True  # efficient.memory: keeps its input, recomputes the rest in backward
+
     def __init__(self, d_in: int, d_out: int, lif_cfg: dict, v_threshold: float = 1.0, bias: bool = True) -> None:
         super().__init__()
         self.linear = nn.Linear(d_in, d_out, bias=bias)
@@ -70,6 +72,8 @@ class SPS(nn.Module):
     conv relative-position embedding added to the tokens. `pool_stages` max-pools (on the last
     stages) set the token grid: img_size / 2**pool_stages per side. `pool_first` max-pools the
     BN output before the stage's LIF instead of its spikes after it (spikingjelly 2.0's Spikformer)."""
+
+    recompute_unit = True  # efficient.memory: the stem keeps its input image and recomputes its stages in backward
 
     def __init__(self, img_size: int, in_chans: int, dim: int, pool_stages: int, lif_cfg: dict, rpe_lif: bool = True,
                  pool_first: bool = False) -> None:
@@ -130,6 +134,9 @@ class SPS(nn.Module):
 
 class SSA(nn.Module):
     """Spiking self-attention: binary Q, K, V; A = scale * Q K^T with no softmax; LIF_0.5(A V)."""
+
+    # efficient.memory: recomputed in backward from their inputs (the residual stream; binary Q, K, V)
+    recompute_methods = ("qkv_fused", "attend")
 
     def __init__(self, dim: int, heads: int, lif_cfg: dict, scale: float = 0.125, attn_threshold: float = 0.5,
                  qkv_bias: bool = True, kernel_backend: str = "auto") -> None:

@@ -72,6 +72,8 @@ class Normalize(nn.Module):
 class ConvUnit(nn.Module):
     """3x3 conv -> BN -> spiking neuron on `[T, B, C, H, W]`."""
 
+    recompute_unit = True  # efficient.memory: keeps its input, recomputes the rest in backward
+
     def __init__(self, c_in: int, c_out: int, neuron: nn.Module) -> None:
         super().__init__()
         self.conv = nn.Conv2d(c_in, c_out, 3, padding=1)

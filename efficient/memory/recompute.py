@@ -1,0 +1,95 @@
+"""Recomputed units: a unit keeps only its input for backward and recomputes the rest there.
+
+A unit is a module whose class says `recompute_unit = True` (the zoo's Linear/Conv -> BatchNorm ->
+neuron units and spiking stems), a method a class names in `recompute_methods` (the spiking
+self-attention's fused Q/K/V projection and its attention-to-output path), or a spiking neuron
+outside any unit. Its forward (or the method) runs under
+`torch.utils.checkpoint` (non-reentrant): nothing inside is saved, the input is saved once (as bits
+when it is spikes and the bits hooks are on, see `efficient.memory.spikes`), and backward reruns the
+unit on it with the forward's RNG state and autocast. A rerun must not count twice what forward
+already counted: every buffer of the unit (BatchNorm's running statistics and batch count, any
+other running statistic) is restored after it, so the step updates them exactly once.
+
+Under `torch.compile` the same regions become the compiler's checkpoint regions (recomputed in the
+compiled backward; buffer updates happen once, in the forward graph).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from efficient.memory.spikes import is_neuron
+
+
+def is_unit(m: nn.Module) -> bool:
+    return bool(getattr(type(m), "recompute_unit", False))
+
+
+def units(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """(name, module, method) of every region recomputed at level `recompute`: declared units and
+    neurons outside them (their `forward`, outermost first; nothing inside a unit is wrapped again),
+    and the methods classes list in `recompute_methods`."""
+    found: list[tuple[str, nn.Module, str]] = []
+
+    def visit(prefix: str, m: nn.Module) -> None:
+        if m is not model and (is_unit(m) or is_neuron(m)):
+            found.append((prefix, m, "forward"))
+            return
+        found.extend((prefix, m, method) for method in getattr(type(m), "recompute_methods", ()))
+        for name, child in m.named_children():
+            visit(f"{prefix}.{name}" if prefix else name, child)
+
+    visit("", model)
+    return found
+
+
+@contextlib.contextmanager
+def _buffers_restored(module: nn.Module) -> Iterator[None]:
+    """Run a recomputation and put every buffer of `module` back as it was before it."""
+    saved = [(b, b.detach().clone()) for b in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, v in saved:
+                b.copy_(v)
+
+
+def _contexts(module: nn.Module) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    return contextlib.nullcontext(), _buffers_restored(module)
+
+
+def recomputed_forward(module: nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`forward(*args, **kwargs)` as a checkpointed region when autograd records it (training with
+    grad enabled); a plain call otherwise (evaluation, no_grad)."""
+    if not (module.training and torch.is_grad_enabled()):
+        return forward(*args, **kwargs)
+    if torch.compiler.is_compiling():
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=functools.partial(_contexts, module), **kwargs)
+
+
+def _call(module: nn.Module, method: str, *args: Any, **kwargs: Any) -> Any:
+    return recomputed_forward(module, functools.partial(getattr(type(module), method), module), *args, **kwargs)
+
+
+def is_wrapped(module: nn.Module, method: str = "forward") -> bool:
+    f = module.__dict__.get(method)
+    return isinstance(f, functools.partial) and f.func is _call
+
+
+def wrap(module: nn.Module, method: str = "forward") -> None:
+    """Make calls of `module.<method>` recomputed regions (idempotent; `unwrap` undoes it). The
+    instance attribute is a partial over the module itself, so copies of the model stay wrapped."""
+    setattr(module, method, functools.partial(_call, module, method))
+
+
+def unwrap(module: nn.Module, method: str = "forward") -> None:
+    if is_wrapped(module, method):
+        del module.__dict__[method]
