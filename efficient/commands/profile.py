@@ -8,6 +8,11 @@ report.md used), so the totals equal summary.json's "cost". Examples:
     efficient profile spikformer-stata --compare spikformer-4-384
     efficient profile runs/stata --compare runs/dense --plot compare.png
     efficient profile runs/stata --data random --input 1x8x8 --format md
+    efficient profile spikformer-4-384 --memory --batch 8      # activation memory of a training step
+
+With --memory it measures instead what one training step (forward, loss, backward) keeps for
+backward at each memory level (efficient.memory: none, bits, recompute), on a random input of the
+model's shape: the total, its ratio to level none, and the bytes per top-level block.
 """
 
 from __future__ import annotations
@@ -49,6 +54,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=40, metavar="N", help="layers shown in table/md output (default 40)")
     p.add_argument("--depth", type=int, default=1, metavar="D", help="module depth of the top-modules summary (default 1)")
     p.add_argument("-o", "--output", metavar="FILE", help="write the json/md/csv output to FILE instead of stdout")
+    p.add_argument("--memory", action="store_true",
+                   help="measure activation memory instead: the bytes one training step keeps for backward, per block, "
+                        "at each memory level, on a random input of the model's shape (--input, --batch, --timesteps apply)")
+    p.add_argument("--memory-level", metavar="LEVELS",
+                   help="levels measured with --memory, comma-separated from none, bits, recompute (default: all three)")
 
 
 def _data_batches(spec: str, batch: int, k: int) -> list[Any]:
@@ -123,6 +133,74 @@ def _profile(name: str, args: argparse.Namespace, data: list[Any] | None, pretra
                    exit_threshold=args.exit_threshold, name=label)
 
 
+def _memory_levels(spec: str | None) -> list[str]:
+    from efficient.memory import LEVELS, check_level
+
+    if spec is None:
+        return list(LEVELS)
+    levels = [lv.strip() for lv in spec.split(",") if lv.strip()]
+    if not levels:
+        raise ConfigError(f"--memory-level {spec!r}: name one or more of {', '.join(LEVELS)}, comma-separated")
+    return list(dict.fromkeys(check_level(lv, "--memory-level") for lv in levels))
+
+
+def _memory(args: argparse.Namespace) -> int:
+    """`--memory`: activation memory of one training step at each level asked."""
+    from efficient.memory import optimize
+    from efficient.memory.measure import measure_levels
+    from efficient.profiler.api import _check_input_shape, _repeat_time, _resolve_inputs, _timesteps_override
+    from efficient.profiler.run import find_run, load_run_model
+    from efficient.zoo import load
+
+    levels = _memory_levels(args.memory_level)
+    for flag, given in (("--compare", args.compare), ("--plot", args.plot), ("--exit-threshold", args.exit_threshold is not None)):
+        if given:
+            raise ConfigError(f"{flag} does not apply with --memory, which measures one model's training step")
+    if args.data not in (None, "random"):
+        raise ConfigError(f"--memory measures a step on a random input of the model's shape, not on --data {args.data}; "
+                          "give --input SHAPE to change the shape")
+    if args.format not in ("table", "json"):
+        raise ConfigError(f"--memory prints a table or --format json, not --format {args.format}")
+    run = find_run(args.model, args.checkpoint)
+    if run is not None:
+        if args.pretrained:
+            raise ConfigError(f"--pretrained applies to zoo names; {args.model} brings its own weights (pick them with --checkpoint)")
+        model, label = load_run_model(run), run.label
+    else:
+        model, label = load(args.model, pretrained=args.pretrained), args.model
+    optimize(model, "none")  # measured from level none up, whatever the model was loaded with
+    batch = args.batch or 1
+    inputs, kwargs, source = _resolve_inputs(model, None, args.input, batch, None)
+    _check_input_shape(model, inputs, kwargs, source, label)
+    with _timesteps_override(model, args.timesteps) as (t_used, repeat_input):
+        if repeat_input:
+            inputs = tuple(_repeat_time(a, args.timesteps) for a in inputs)
+        measured = measure_levels(model, kwargs or inputs, dict.fromkeys(["none", *levels]))
+    results = {lv: measured[lv] for lv in levels}
+    base = measured["none"]
+    where = source + (f", T={t_used}" if t_used else "")
+    if args.format == "json":
+        d = {"model": label, "input": where, "batch": batch, "none_total_bytes": base.total_bytes,
+             "ratio_to_none": {lv: m.ratio(base) for lv, m in results.items()},
+             "levels": {lv: m.to_dict() for lv, m in results.items()}}
+        text = json.dumps(d, indent=2)
+        if args.output:
+            from efficient.io import write_text
+
+            write_text(args.output, text + "\n")
+        else:
+            sys.stdout.write(text + "\n")
+        return 0
+    from rich.console import Console
+
+    from efficient.profiler.render import memory_tables
+
+    console = Console()
+    for t in memory_tables(results, base, f"activation memory: {label}, {where}"):
+        console.print(t)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from efficient.profiler.energy import resolve_energy
 
@@ -130,12 +208,16 @@ def run(args: argparse.Namespace) -> int:
         resolve_energy(args.energy)  # fail on a bad preset before loading anything
     if args.batch is not None and args.batch < 1:
         raise ConfigError(f"--batch must be >= 1, got {args.batch}")
+    if args.memory_level is not None and not args.memory:
+        raise ConfigError("--memory-level chooses the levels --memory measures; add --memory")
     if args.flops_per_mac is not None and not args.flops_per_mac > 0:
         raise ConfigError(f"--flops-per-mac must be a positive number, got {args.flops_per_mac}")
     if args.input:
         from efficient.profiler.api import parse_shape
 
         parse_shape(args.input)
+    if args.memory:
+        return _memory(args)
     dataset = args.data not in (None, "val", "random")
     data = _data_batches(args.data, args.batch or 1, args.data_batches) if dataset else None
     report = _profile(args.model, args, data, args.pretrained)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -167,14 +167,26 @@ class PackedSaved:
 
 class BitsHooks:
     """`torch.autograd.graph.saved_tensors_hooks` that keep tracked spikes as bits; other tensors
-    pass through untouched. `packed` / `bytes_saved` count what was packed (for reports)."""
+    pass through untouched. `packed` / `bytes_saved` count what was packed (for reports).
+
+    `observer`, when set, is called as `observer(tensor, kept)` after every pack with what autograd
+    will keep for that tensor (a `PackedSaved` or the tensor itself). Saved-tensor hooks do not nest
+    (the innermost pair alone runs), so these hooks, entered inside the model's forward, hide every
+    save there from hooks entered outside it: `efficient.memory.measure` counts through this."""
 
     def __init__(self, tracker: SpikeTracker) -> None:
         self.tracker = tracker
         self.packed = 0
         self.bytes_saved = 0
+        self.observer: Callable[[torch.Tensor, Any], None] | None = None
 
     def pack(self, t: torch.Tensor) -> Any:
+        kept = self._pack(t)
+        if self.observer is not None:
+            self.observer(t, kept)
+        return kept
+
+    def _pack(self, t: torch.Tensor) -> Any:
         if not self.tracker.is_spikes(t):
             return t
         self.packed += 1

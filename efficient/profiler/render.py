@@ -392,3 +392,40 @@ def plot_comparison(c: Comparison, path: Path) -> Path:
     fig.suptitle(head, fontsize=11)
     fig.supxlabel(_wrap(_compare_caption(c), sum(widths), 7, margin_in=0.3), fontsize=7)
     return _save(fig, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# activation memory (efficient.memory.measure)
+
+MEMORY_CAPTION = ("one training step; kept = bytes autograd keeps for backward after forward + loss, each storage once (a view counts "
+                  "its storage); parameters not counted; as bits = spikes packed 8 per byte; step = forward + "
+                  "backward wall time, measuring hooks included")
+
+
+def _memory_block_label(name: str) -> str:
+    return {"": "(model)"}.get(name, name)
+
+
+def memory_tables(results: dict[str, Any], base: Any | None, title: str) -> list[Any]:
+    """rich renderables for `ActivationMemory` results by level: the totals with the ratio to `base`
+    (level none), and bytes per top-level block, one column per level (block names stay whole)."""
+    from efficient.memory.measure import fmt_bytes
+    from efficient.profiler.console import Column, FitTable, number
+
+    levels = list(results)
+    mems = list(results.values())
+    ratio = [("-" if base is None or not base.total_bytes else f"{m.total_bytes / base.total_bytes:.3f}x") for m in mems]
+    totals = FitTable([
+        Column("level", levels, name=True),
+        number("kept", [fmt_bytes(m.total_bytes) for m in mems]),
+        number("vs none", ratio),
+        number("as bits", [fmt_bytes(m.packed_bytes) for m in mems], drop=2),
+        number("dense", [fmt_bytes(m.dense_bytes) for m in mems], drop=2),
+        number("tensors", [str(m.tensors) for m in mems], drop=3),
+        number("step", ["-" if m.step_time_s is None else f"{m.step_time_s:.2f} s" for m in mems], drop=1),
+    ], title=title, caption=MEMORY_CAPTION)
+    blocks = list(dict.fromkeys(b for m in ([base] if base is not None else []) + mems for b in m.by_block))
+    cols = [Column("block", [_memory_block_label(b) for b in blocks], name=True)]
+    cols += [number(lv, [fmt_bytes(m.by_block.get(b, 0)) for b in blocks]) for lv, m in results.items()]
+    per_block = FitTable(cols, title="kept for backward per block")
+    return [totals, per_block]

@@ -1,5 +1,5 @@
-"""`report.html`: one self-contained page per run (or two runs side by side) with its curves, costs,
-firing rates, token and exit statistics, robust accuracy, recipe and environment.
+"""`report.html`: one self-contained page per run (or two runs side by side) with its curves, activation
+memory, costs, firing rates, token and exit statistics, robust accuracy, recipe and environment.
 
 Charts are inline SVG from matplotlib and there is no script or remote resource, so the file opens
 offline anywhere. Every number a chart shows is also in a table cell whose `data-value` holds it
@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 from efficient.io import write_text
 from efficient.report import plots
-from efficient.report.rundata import ATTACKS_FILE, PROFILE_FILE, RunData, load_run, report_from_dict
+from efficient.report.rundata import ATTACKS_FILE, MEMORY_FILE, PROFILE_FILE, RunData, load_run, report_from_dict
 
 REPORT_FILE = "report.html"
 # (id, heading) of every section, in page order; each is always present and says when it does not apply
@@ -23,6 +23,7 @@ SECTIONS: tuple[tuple[str, str], ...] = (
     ("overview", "Overview"),
     ("curves", "Training and validation curves"),
     ("lr", "Learning rate and throughput"),
+    ("memory", "Activation memory"),
     ("energy", "Energy per layer"),
     ("sops", "Synaptic operations per layer"),
     ("firing", "Firing rates per layer"),
@@ -57,7 +58,7 @@ def render(runs: Sequence[RunData]) -> str:
     """The whole page for one run or two."""
     title = " vs ".join(r.name for r in runs)
     builders: dict[str, Callable[[Sequence[RunData]], str]] = {
-        "overview": _overview, "curves": _curves, "lr": _lr, "energy": _energy, "sops": _sops, "firing": _firing,
+        "overview": _overview, "curves": _curves, "lr": _lr, "memory": _memory, "energy": _energy, "sops": _sops, "firing": _firing,
         "tokens": _tokens, "exits": _exits, "robust": _robust, "recipe": _recipe, "environment": _environment,
     }
     nav = " · ".join(f'<a href="#{sid}">{html.escape(head)}</a>' for sid, head in SECTIONS)
@@ -193,6 +194,43 @@ def _lr(runs: Sequence[RunData]) -> str:
         return _na("No train lines logged yet.")
     labels = {"lr": "learning rate", "samples_per_s": "samples / s"}
     return _fig(plots.curves(runs, keys, splits=("train",), ylabel=labels)) + _last_values(runs, keys, ("train",))
+
+
+MEMORY_TOP_BLOCKS = 8  # blocks listed per run, largest first
+
+
+def _memory(runs: Sequence[RunData]) -> str:
+    from efficient.memory.measure import fmt_bytes as _bytes
+
+    have, out = _applies(runs, lambda r: r.memory is not None,
+                         lambda r: f"{r.name}: activation memory not measured ({MEMORY_FILE} is missing: the recipe does not set "
+                                   f"train.memory, or the run predates this record). `efficient profile {r.path} --memory` "
+                                   "measures it at every level.")
+    if not have:
+        return out
+    rows = [[r.name, m.get("level"), m.get("batch_size"), m.get("total_bytes"), m.get("none_bytes"), m.get("ratio_to_none")]
+            for r in have for m in [r.memory]]
+    out += _table(["run", "level", "batch", "bytes kept / step", "bytes kept at none", "ratio to none"], rows, "memory-totals")
+    for r in have:
+        m = r.memory
+        levels = m.get("levels") or {}
+        used, none = levels.get(m.get("level")) or {}, levels.get("none") or {}
+        ratio = m.get("ratio_to_none")
+        out += (f'<p class="meta">{html.escape(r.name)}: level {html.escape(str(m.get("level")))} keeps '
+                f'{_bytes(m.get("total_bytes"))} for backward per training step on {html.escape(str(m.get("input")))} '
+                f'({_bytes(used.get("packed_bytes"))} of it spikes as bits); level none keeps {_bytes(m.get("none_bytes"))}'
+                + (f", {ratio:.3f}x of it" if isinstance(ratio, (int, float)) else "")
+                + ". Bytes of every storage autograd keeps after forward + loss, each once; parameters not counted.</p>")
+        by_block = used.get("by_block") or {}
+        total = used.get("total_bytes") or 0
+        top = sorted(by_block.items(), key=lambda kv: -kv[1])[:MEMORY_TOP_BLOCKS]
+        if top:
+            rows = [[b or "(model)", n, (none.get("by_block") or {}).get(b), 100 * n / total if total else None] for b, n in top]
+            out += (f"<details open><summary>{html.escape(r.name)}: blocks keeping the most (level "
+                    f"{html.escape(str(m.get('level')))})</summary>"
+                    + _table(["block", f"bytes at {m.get('level')}", "bytes at none", "share %"], rows, "memory-blocks")
+                    + "</details>")
+    return out
 
 
 def _applies(runs: Sequence[RunData], applies: Callable[[RunData], Any], why: Callable[[RunData], str]) -> tuple[list[RunData], str]:

@@ -1,5 +1,6 @@
-"""A run dir's artifacts, read once for the report: recipe, metric lines, summary, cost profile and
-`efficient attack` results. A file that is there but unreadable is an error naming it."""
+"""A run dir's artifacts, read once for the report: recipe, metric lines, summary, cost profile,
+activation memory of a step and `efficient attack` results. A file that is there but unreadable is
+an error naming it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 from efficient.errors import ConfigError
 from efficient.io import read_json, read_text
+from efficient.memory.measure import MEMORY_FILE  # what a step keeps at the run's train.memory level and at none
 
 ATTACKS_FILE = "attacks.jsonl"  # one line per `efficient attack RUN_DIR` (efficient/commands/attack.py)
 PROFILE_FILE = "profile.json"  # the run's cost profile, whole (Report.to_json)
@@ -18,7 +20,7 @@ PROFILE_FILE = "profile.json"  # the run's cost profile, whole (Report.to_json)
 @dataclass
 class RunData:
     """What one run left: `train` lines (with lr), `val` lines, the resolved recipe (text and dict),
-    summary.json, profile.json and attack results (None / empty when the run has none)."""
+    summary.json, profile.json, memory.json and attack results (None / empty when the run has none)."""
 
     path: Path
     name: str
@@ -29,6 +31,7 @@ class RunData:
     summary: dict[str, Any] | None = None
     profile: dict[str, Any] | None = None
     attacks: list[dict[str, Any]] = field(default_factory=list)
+    memory: dict[str, Any] | None = None  # memory.json: bytes a step keeps at the run's memory level and at none
     skipped_lines: list[int] = field(default_factory=list)  # metrics.jsonl lines that were not JSON (a kill mid-write)
 
     def series(self, split: str, key: str) -> tuple[list[int], list[float]]:
@@ -91,6 +94,8 @@ def load_run(path: str | Path) -> RunData:
         run.summary = read_json(p / "summary.json", "run summary")
     if (p / PROFILE_FILE).exists():
         run.profile = read_json(p / PROFILE_FILE, "cost profile")
+    if (p / MEMORY_FILE).exists():
+        run.memory = read_json(p / MEMORY_FILE, "activation memory record")
     if (p / ATTACKS_FILE).exists():
         for i, line in enumerate(read_text(p / ATTACKS_FILE, "attack log").splitlines(), 1):
             if line.strip():
