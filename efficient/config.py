@@ -117,6 +117,9 @@ class TrainConfig:
     eval_every: int = _opt(_positive, default=1)
     checkpoint_every: int | None = _opt(_positive, default=None)
     compile: bool = False
+    # activation memory of a step (efficient.memory): none | bits (spikes saved as bits, same gradients)
+    # | recompute (units keep only their inputs and recompute the rest in backward)
+    memory: Literal["none", "bits", "recompute"] = "none"
     deterministic: bool = False
     threads: int | None = _opt(_positive, default=None)
     out_dir: str = "runs"

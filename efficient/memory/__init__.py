@@ -40,10 +40,13 @@ class MemoryPlan:
     neurons: list[str] = field(default_factory=list)
     units: list[str] = field(default_factory=list)
     hooks: BitsHooks | None = None
+    note: str = ""
 
     def summary(self) -> str:
         if self.level == "none":
             return "memory: none (every activation kept dense)"
+        if self.note:
+            return f"memory: {self.level}: {self.note}"
         text = f"memory: {self.level}: outputs of {len(self.neurons)} neurons kept as bits"
         if self.level == "recompute":
             text += f", {len(self.units)} units recomputed in backward"
@@ -99,16 +102,17 @@ def optimize(model: nn.Module, level: Level | str = "bits") -> MemoryPlan:
     if level == "none":
         return MemoryPlan("none")
     neurons = [name for name, _ in iter_neurons(model)]
-    if not neurons:
-        raise ConfigError(f"memory level {level!r}: {type(model).__name__} has no spiking neuron this toolkit knows "
-                          "(ours, spikingjelly's nodes, snntorch's neurons); there are no spikes to keep as bits")
+    regions = units(model) if level == "recompute" else []
+    if not neurons and not regions:
+        return MemoryPlan(level, note=f"nothing to do: {type(model).__name__} has no spiking neuron this toolkit knows "
+                                      "(ours, spikingjelly's, snntorch's) and no recompute unit")
     tracker = SpikeTracker()
     tracker.watch(model)
     hooks = BitsHooks(tracker)
     wrapped: list[tuple[nn.Module, str]] = []
     plan = MemoryPlan(level, neurons, hooks=hooks)
     if level == "recompute":
-        for name, m, method in units(model):
+        for name, m, method in regions:
             if not is_wrapped(m, method):
                 wrap(m, method)
                 wrapped.append((m, method))

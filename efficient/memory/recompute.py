@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from typing import Any, Callable, Iterator
 
 import torch
@@ -65,14 +66,29 @@ def _contexts(module: nn.Module) -> tuple[contextlib.AbstractContextManager, con
     return contextlib.nullcontext(), _buffers_restored(module)
 
 
+_region = threading.local()  # how deep the running code is inside recomputed regions
+
+
+def _inside(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    _region.depth = getattr(_region, "depth", 0) + 1
+    try:
+        return forward(*args, **kwargs)
+    finally:
+        _region.depth -= 1
+
+
 def recomputed_forward(module: nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """`forward(*args, **kwargs)` as a checkpointed region when autograd records it (training with
-    grad enabled); a plain call otherwise (evaluation, no_grad)."""
+    grad enabled); a plain call otherwise (evaluation, no_grad) and inside another region, whose
+    rerun already recomputes it (a nested region would be recomputed twice)."""
     if not (module.training and torch.is_grad_enabled()):
         return forward(*args, **kwargs)
     if torch.compiler.is_compiling():
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-    return checkpoint(forward, *args, use_reentrant=False, context_fn=functools.partial(_contexts, module), **kwargs)
+    if getattr(_region, "depth", 0):
+        return forward(*args, **kwargs)
+    return checkpoint(functools.partial(_inside, forward), *args, use_reentrant=False,
+                      context_fn=functools.partial(_contexts, module), **kwargs)
 
 
 def _call(module: nn.Module, method: str, *args: Any, **kwargs: Any) -> Any:

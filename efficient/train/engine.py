@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Sampler
 
-from efficient import zoo
+from efficient import memory, zoo
 from efficient.config import Recipe, check_global_batch, load_recipe
 from efficient.data import DataBundle, build_data
 from efficient.errors import ArtifactError, ConfigError
@@ -231,6 +231,7 @@ class Trainer:
 
     def _setup_model(self) -> None:
         self.model = build_model(self.recipe, self.data).to(self.device)
+        self.memory_plan = memory.optimize(self.model, self.recipe.train.memory)  # before DDP and compile wrap it
 
     def _setup_objective(self) -> None:
         """The loss and metrics; training-time measures are checked by name before any step runs."""
@@ -503,6 +504,14 @@ class Trainer:
         return value > best if self.objective.higher_is_better else value < best
 
     # ----------------------------------------------------------------- finish
+    def record_memory(self) -> None:
+        """memory.json: activation bytes one training step keeps at this run's level and at `none`
+        (one batch of the training data; `efficient report` shows it)."""
+        from efficient.memory.measure import write_run_memory
+
+        batch = to_device(next(iter(self.train_loader(self.state.epoch, 0))), self.device)
+        write_run_memory(self.run_dir, self.model, batch, self.memory_plan.level)
+
     def finish(self, val: dict[str, float], train_time: float) -> dict[str, Any]:
         """Write summary.json, report.md and report.html (with the cost profile, also kept whole in
         profile.json, when `profile.enabled`); return the summary."""
@@ -514,6 +523,7 @@ class Trainer:
             "val": val,
             "best": {self.objective.primary_metric: self.state.best},
             "params": zoo.count_params(self.model),
+            "memory": {"level": self.memory_plan.level, "summary": self.memory_plan.summary()},
             "environment": environment(self.device),
         }
         report_md = ""
@@ -522,6 +532,8 @@ class Trainer:
             summary["cost"], report_md = dict(rep.totals), rep.to_markdown()
             rep.to_json(self.run_dir / "profile.json")
             self.loggers.log_profile(rep, self.state.global_step)
+        if self.memory_plan.level != "none" and not self.memory_plan.note:
+            self.record_memory()
         write_json(self.run_dir / "summary.json", summary)
         write_text(self.run_dir / "report.md", render_report_md(self.recipe, summary, report_md))
         from efficient.report.html import write_run_report
