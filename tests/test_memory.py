@@ -172,3 +172,84 @@ def test_recipes_without_spikes_accept_every_level(recipe: str) -> None:
     net = create(model, **({"n_embd": 32, "n_head": 2, "mlp_hidden": 64} if model.startswith("ee-gpt") else {}))
     plan = memory.optimize(net, "recompute")
     assert plan.units == [] and "nothing to do" in plan.summary()
+
+
+@pytest.mark.slow
+def test_levels_under_ddp(tiny_recipe: Path, tmp_path: Path) -> None:
+    """Two processes (DDP over gloo) at each level: bits ends on the weights of none bit for bit,
+    recompute within rounding (the gradient all-reduce sees the same gradients, hooks included)."""
+    from test_distributed import efficient as run_cli
+
+    weights = {}
+    for level in ("none", "bits", "recompute"):
+        out = tmp_path / level
+        r = run_cli("train", str(tiny_recipe), "--out", str(out), "--nproc", "2", "train.max_steps=2", "optim.name=sgd",
+                    "optim.lr=0.5", f"train.memory={level}")
+        assert r.returncode == 0, r.stderr[-3000:]
+        weights[level] = load_file(str(out / "checkpoint" / "last" / "model.safetensors"))
+    for k, v in weights["none"].items():
+        assert torch.equal(weights["bits"][k], v), k
+        torch.testing.assert_close(weights["recompute"][k], v, rtol=1e-4, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- the peers' models
+
+def _grads_of(model: nn.Module, x: torch.Tensor, reset) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    reset(model)
+    model.zero_grad(set_to_none=True)
+    out = model(x)
+    out = out[0] if isinstance(out, tuple) else out
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
+    (out * w).sum().backward()
+    return out.detach().clone(), {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+def _sj_net():
+    from spikingjelly.activation_based import functional, layer, neuron
+
+    net = nn.Sequential(
+        layer.Conv2d(1, 8, 3, padding=1), layer.BatchNorm2d(8), neuron.LIFNode(), layer.MaxPool2d(2),
+        layer.Conv2d(8, 8, 3, padding=1), layer.BatchNorm2d(8), neuron.LIFNode(), layer.Flatten(), layer.Linear(8 * 4 * 4, 10),
+    )
+    functional.set_step_mode(net, "m")
+    return net, functional.reset_net
+
+
+def _snn_net():
+    import snntorch as snn
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.lif1 = nn.Linear(64, 32), snn.Leaky(beta=0.9)
+            self.fc2, self.lif2 = nn.Linear(32, 10), snn.Leaky(beta=0.8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, B, 64]
+            m1, m2, out = self.lif1.init_leaky(), self.lif2.init_leaky(), []
+            for t in range(x.shape[0]):
+                s1, m1 = self.lif1(self.fc1(x[t]), m1)
+                s2, m2 = self.lif2(self.fc2(s1), m2)
+                out.append(s2)
+            return torch.stack(out)
+
+    return Net(), lambda m: None
+
+
+@pytest.mark.parametrize("build,shape", [(_sj_net, (4, 2, 1, 8, 8)), (_snn_net, (4, 2, 64))], ids=["spikingjelly", "snntorch"])
+@pytest.mark.parametrize("accelerated", [False, True])
+def test_peer_models_keep_their_gradients_at_every_level(build, shape, accelerated: bool) -> None:
+    import efficient
+
+    torch.manual_seed(0)
+    net, reset = build()
+    if accelerated:
+        net, _ = efficient.accelerate(net)
+    x = (torch.rand(shape, generator=torch.Generator().manual_seed(1)) * 3).requires_grad_(False)
+    out0, g0 = _grads_of(net, x, reset)
+    for level in ("bits", "recompute"):
+        plan = memory.optimize(net, level)
+        assert plan.neurons and plan.units == []  # their neurons carry state between calls: bits, no rerun
+        out, g = _grads_of(net, x, reset)
+        assert torch.equal(out, out0) and all(torch.equal(g[k], g0[k]) for k in g0), level
+        assert plan.hooks.packed > 0, "no spike tensor was kept as bits"
+    memory.optimize(net, "none")

@@ -2,8 +2,8 @@
 
 A unit is a module whose class says `recompute_unit = True` (the zoo's Linear/Conv -> BatchNorm ->
 neuron units and spiking stems), a method a class names in `recompute_methods` (the spiking
-self-attention's fused Q/K/V projection and its attention-to-output path), or a spiking neuron
-outside any unit. Its forward (or the method) runs under
+self-attention's fused Q/K/V projection and its attention-to-output path), or one of our (stateless)
+spiking neurons outside any unit. Its forward (or the method) runs under
 `torch.utils.checkpoint` (non-reentrant): nothing inside is saved, the input is saved once (as bits
 when it is spikes and the bits hooks are on, see `efficient.memory.spikes`), and backward reruns the
 unit on it with the forward's RNG state and autocast. A rerun must not count twice what forward
@@ -32,6 +32,15 @@ def is_unit(m: nn.Module) -> bool:
     return bool(getattr(type(m), "recompute_unit", False))
 
 
+def _stateless(m: nn.Module) -> bool:
+    """Our neurons start every call from rest, so a rerun sees what forward saw. spikingjelly's and
+    snntorch's carry their membrane between calls (a rerun would start from forward's end state):
+    they keep their outputs as bits but are not rerun."""
+    from efficient.models.neurons import SpikingNeuron
+
+    return isinstance(m, SpikingNeuron)
+
+
 def units(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
     """(name, module, method) of every region recomputed at level `recompute`: declared units and
     neurons outside them (their `forward`, outermost first; nothing inside a unit is wrapped again),
@@ -39,7 +48,7 @@ def units(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
     found: list[tuple[str, nn.Module, str]] = []
 
     def visit(prefix: str, m: nn.Module) -> None:
-        if m is not model and (is_unit(m) or is_neuron(m)):
+        if m is not model and (is_unit(m) or (is_neuron(m) and _stateless(m))):
             found.append((prefix, m, "forward"))
             return
         found.extend((prefix, m, method) for method in getattr(type(m), "recompute_methods", ()))
