@@ -42,8 +42,7 @@ class MSSPS(SPS):
         T, B = x.shape[:2]
         x = x.flatten(0, 1)
         for i in range(3):
-            x = self.bns[i](self.convs[i](x))
-            x = self.pools[i](self.lifs[i](x.reshape(T, B, *x.shape[1:])).flatten(0, 1))
+            x = self.pools[i](self.norm_fire(i, self.convs[i](x), T))
         feat = self.pools[3](self.bns[3](self.convs[3](x)))  # real-valued
         x = self.lifs[3](feat.reshape(T, B, *feat.shape[1:])).flatten(0, 1)
         x = self.rpe_bn(self.rpe_conv(x)) + feat

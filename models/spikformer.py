@@ -73,7 +73,9 @@ class SPS(nn.Module):
     stages) set the token grid: img_size / 2**pool_stages per side. `pool_first` max-pools the
     BN output before the stage's LIF instead of its spikes after it (spikingjelly 2.0's Spikformer)."""
 
-    recompute_unit = True  # efficient.memory: the stem keeps its input image and recomputes its stages in backward
+    # efficient.memory: each stage keeps its conv output and recomputes BatchNorm and the neuron in
+    # backward (the convs, most of a stem's time, are not rerun)
+    recompute_methods = ("norm_fire",)
 
     def __init__(self, img_size: int, in_chans: int, dim: int, pool_stages: int, lif_cfg: dict, rpe_lif: bool = True,
                  pool_first: bool = False) -> None:
@@ -114,15 +116,19 @@ class SPS(nn.Module):
             res = pooled
         return peak
 
+    def norm_fire(self, i: int, x: torch.Tensor, T: int) -> torch.Tensor:
+        """Stage `i` after its conv: BatchNorm (then max-pool, with `pool_first`) -> LIF, on `[T*B, C, H, W]`."""
+        x = self.bns[i](x)
+        if self.pool_first:
+            x = self.pools[i](x)
+        return self.lifs[i](x.reshape(T, -1, *x.shape[1:])).flatten(0, 1)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`[T, B, C, H, W]` -> tokens `[T, B, N, D]`."""
         T, B = x.shape[:2]
         x = x.flatten(0, 1)
-        for conv, bn, lif, pool in zip(self.convs, self.bns, self.lifs, self.pools):
-            x = bn(conv(x))
-            if self.pool_first:
-                x = pool(x)
-            x = lif(x.reshape(T, B, *x.shape[1:])).flatten(0, 1)
+        for i, (conv, pool) in enumerate(zip(self.convs, self.pools)):
+            x = self.norm_fire(i, conv(x), T)
             if not self.pool_first:
                 x = pool(x)
         feat = x
