@@ -253,3 +253,34 @@ def test_peer_models_keep_their_gradients_at_every_level(build, shape, accelerat
         assert torch.equal(out, out0) and all(torch.equal(g[k], g0[k]) for k in g0), level
         assert plan.hooks.packed > 0, "no spike tensor was kept as bits"
     memory.optimize(net, "none")
+
+
+def test_a_recomputed_unit_replays_its_random_draws_and_counts_batch_statistics_once() -> None:
+    """Dropout inside a unit draws the same mask in the rerun as in forward (RNG state replayed), and
+    BatchNorm's running statistics and batch count move once per step, not twice."""
+    from efficient.models.neurons import LIF
+
+    class Unit(nn.Module):
+        recompute_unit = True
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.bn, self.drop, self.lif = nn.Linear(12, 12), nn.BatchNorm1d(12), nn.Dropout(0.3), LIF(backend="torch")
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, B, 12]
+            T, B, _ = x.shape
+            return self.lif(self.drop(self.bn(self.fc(x.flatten(0, 1)))).reshape(T, B, -1))
+
+    def step(level: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        torch.manual_seed(0)
+        net = nn.Sequential(Unit(), Unit())
+        memory.optimize(net, level)
+        torch.manual_seed(1)
+        x = torch.rand(4, 3, 12, generator=torch.Generator().manual_seed(2)) * 4
+        (net(x) * torch.arange(12.0)).sum().backward()
+        return ({k: p.grad for k, p in net.named_parameters()}, {k: b.clone() for k, b in net.named_buffers()})
+
+    g0, b0 = step("none")
+    g1, b1 = step("recompute")
+    assert all(torch.equal(g1[k], g0[k]) for k in g0)
+    assert all(torch.equal(b1[k], b0[k]) for k in b0) and int(b1["0.bn.num_batches_tracked"]) == 1
