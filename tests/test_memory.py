@@ -1,49 +1,26 @@
-"""Activation-memory levels (`efficient.memory`): `bits` keeps the spikes autograd saves as bits and
-must give bitwise the gradients, buffers and STATA statistics of `none`; `recompute` reruns units in
-backward and must agree with `none` within the zoo reference's tolerance (in float64 it is exact on
-this CPU; the tolerance covers reordered sums elsewhere). Every zoo model with spiking neurons, in
-every mode of the zoo reference (train before / during / after STATA's warm-up, eval)."""
+"""Activation-memory levels (`efficient.memory`) in training: 20 steps of the digits STATA recipe per
+level, resume, bad levels, models without neurons, the peers' models, random draws and BatchNorm
+statistics in recomputed units. Every zoo model: test_memory_zoo.py; every recipe and DDP:
+test_memory_recipes.py."""
 
 from __future__ import annotations
 
-import copy
+import json
+from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT
+from safetensors.torch import load_file
+from test_engine import _interrupt_after
 from torch import nn
 
-import zoo_reference as zr
 from efficient import memory
+from efficient.config import load_recipe
 from efficient.errors import ConfigError
-from efficient.memory.recompute import units
-from efficient.memory.spikes import SpikeTracker
-
-SPIKING_CASES = [c for c in zr.CASES if c.name.startswith(("spikformer", "sdt", "stable-snn"))]
-
-
-def _optimized(level: str):
-    return lambda model: memory.optimize(model, level)
-
-
-@pytest.mark.parametrize("case", SPIKING_CASES, ids=[c.id for c in SPIKING_CASES])
-def test_levels_keep_what_a_step_computes(case: zr.Case) -> None:
-    none = zr.compute_case(case)
-    bits = zr.compute_case(case, perturb=_optimized("bits"))
-    assert bits == none, "bits changed a value: spikes are not restored bit for bit"
-    recompute = zr.compute_case(case, perturb=_optimized("recompute"))
-    zr.compare(none, recompute, rtol=case.rtol)
-
+from efficient.train.engine import Trainer
 
 # --------------------------------------------------------------------------- training runs
-
-from pathlib import Path  # noqa: E402
-
-from conftest import ROOT  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
-from test_engine import _interrupt_after  # noqa: E402
-
-from efficient.config import load_recipe  # noqa: E402
-from efficient.train.engine import Trainer  # noqa: E402
 
 # the digits STATA recipe at 20 steps of 16 samples: the keep ratio warms up inside the run
 STATA_DIGITS = ["train.max_steps=20", "train.epochs=1", "data.batch_size=16", "model.keep_warmup_epochs=0.3",
@@ -53,8 +30,6 @@ STATA_DIGITS = ["train.max_steps=20", "train.epochs=1", "data.batch_size=16", "m
 def _train(tmp: Path, level: str, extra: list[str] = ()) -> tuple[dict, dict[str, torch.Tensor], list[dict]]:
     run = tmp / level
     summary = Trainer(load_recipe(ROOT / "recipes" / "stata_digits.yaml", [*STATA_DIGITS, f"train.memory={level}", *extra]), run).fit()
-    import json
-
     logs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return summary, load_file(str(run / "checkpoint" / "last" / "model.safetensors")), logs
 
@@ -67,8 +42,6 @@ def test_twenty_steps_of_the_digits_stata_recipe_per_level(tmp_path: Path) -> No
     s_rec, w_rec, log_rec = _train(tmp_path, "recompute")
     assert s_none["steps"] == s_bits["steps"] == s_rec["steps"] == 20
     assert s_bits["memory"]["level"] == "bits" and "kept as bits" in s_bits["memory"]["summary"]
-    import json
-
     for level in ("bits", "recompute"):  # the run records what its level keeps per step, against none
         rec = json.loads((tmp_path / level / "memory.json").read_text())
         assert rec["level"] == level and 0 < rec["ratio_to_none"] < 1, rec
@@ -111,85 +84,6 @@ def test_a_bad_level_is_named_with_the_choices(tmp_path: Path) -> None:
 def test_a_model_without_neurons_is_left_alone_and_says_so() -> None:
     plan = memory.optimize(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), "recompute")
     assert plan.units == [] and "nothing to do" in plan.summary()
-
-
-# --------------------------------------------------------------------------- every shipped recipe
-
-import yaml  # noqa: E402
-from test_events import make_cifar10_dvs, make_gesture  # noqa: E402
-
-RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml"))
-SHORT = ["train.max_steps=1", "train.progress=false", "profile.enabled=false", "eval.max_batches=1", "eval.batch_size=2"]
-
-
-def _recipe_model(name: str) -> tuple[str, str]:
-    cfg = yaml.safe_load((ROOT / "recipes" / f"{name}.yaml").read_text())
-    return cfg["model"]["name"], cfg["data"]["name"]
-
-
-def _spiking(model: str) -> bool:
-    return model.startswith(("spikformer", "sdt", "stable-snn"))
-
-
-SPIKING_RECIPES = [r for r in RECIPES if _spiking(_recipe_model(r)[0])]
-
-
-def _data_overrides(data: str, tmp: Path, fake_cifar) -> list[str]:
-    if data in ("cifar10", "cifar100"):
-        return [f"data.root={fake_cifar(data)}", "data.batch_size=2", "data.num_workers=0"]
-    if data == "dvs_gesture":
-        return [f"data.root={make_gesture(tmp / 'events')}", "data.batch_size=2", "data.num_workers=0"]
-    if data == "cifar10_dvs":
-        return [f"data.root={make_cifar10_dvs(tmp / 'events')}", "data.batch_size=2", "data.num_workers=0"]
-    if data == "cluttered_digits":
-        return ["data.batch_size=2", "data.train_per_digit=1", "data.val_per_digit=1"]
-    return ["data.batch_size=2"]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("level", ["bits", "recompute"])
-@pytest.mark.parametrize("recipe", SPIKING_RECIPES)
-def test_every_spiking_recipe_trains_at_each_level(recipe: str, level: str, tmp_path: Path, fake_cifar) -> None:
-    model, data = _recipe_model(recipe)
-    r = load_recipe(ROOT / "recipes" / f"{recipe}.yaml", [*SHORT, *_data_overrides(data, tmp_path, fake_cifar), f"train.memory={level}"])
-    trainer = Trainer(r, tmp_path / "run")
-    assert trainer.memory_plan.level == level and trainer.memory_plan.neurons
-    summary = trainer.fit()
-    assert summary["steps"] == 1 and summary["memory"]["level"] == level
-    assert all(torch.isfinite(torch.tensor(float(v))) for v in summary["val"].values())
-
-
-@pytest.mark.parametrize("recipe", [r for r in RECIPES if r not in SPIKING_RECIPES])
-def test_recipes_without_spikes_accept_every_level(recipe: str) -> None:
-    """Models without spiking neurons (the GPTs, MLPs, BiLipNet) have nothing to keep as bits: each
-    level validates, and the plan says it leaves the model alone."""
-    from efficient.zoo import create
-
-    model, _ = _recipe_model(recipe)
-    for level in memory.LEVELS:
-        r = load_recipe(ROOT / "recipes" / f"{recipe}.yaml", [f"train.memory={level}"])
-        assert r.train.memory == level
-    net = create(model, **({"n_embd": 32, "n_head": 2, "mlp_hidden": 64} if model.startswith("ee-gpt") else {}))
-    plan = memory.optimize(net, "recompute")
-    assert plan.units == [] and "nothing to do" in plan.summary()
-
-
-@pytest.mark.slow
-def test_levels_under_ddp(tiny_recipe: Path, tmp_path: Path) -> None:
-    """Two processes (DDP over gloo) at each level: bits ends on the weights of none bit for bit,
-    recompute within rounding (the gradient all-reduce sees the same gradients, hooks included)."""
-    from test_distributed import efficient as run_cli
-
-    weights = {}
-    for level in ("none", "bits", "recompute"):
-        out = tmp_path / level
-        r = run_cli("train", str(tiny_recipe), "--out", str(out), "--nproc", "2", "train.max_steps=2", "optim.name=sgd",
-                    "optim.lr=0.5", f"train.memory={level}")
-        assert r.returncode == 0, r.stderr[-3000:]
-        weights[level] = load_file(str(out / "checkpoint" / "last" / "model.safetensors"))
-    for k, v in weights["none"].items():
-        assert torch.equal(weights["bits"][k], v), k
-        torch.testing.assert_close(weights["recompute"][k], v, rtol=1e-4, atol=1e-5)
 
 
 # --------------------------------------------------------------------------- the peers' models
