@@ -1,0 +1,834 @@
+"""Training that fits: the bytes one training step keeps for backward, its peak memory and its time,
+for our memory levels (`efficient.memory.optimize`: none, bits, recompute) against spikingjelly 2.0
+plain and spikingjelly 2.0 with `memopt.optimize_memory(level=1, compress=True)`.
+
+    python bench/memory.py                                   # the issue's grid (long: run on an idle machine)
+    python bench/memory.py --quick                           # batch 2, T 2 and 4, 8-512 at 64 px: a smoke test
+    python bench/memory.py --probes memory.json              # reuse an earlier run's checks and probes
+    python bench/memory.py --json memory.json --plot memory_vs_T.png --budget-gb 16 --max-gb 18
+
+A step is forward + cross-entropy of the logits (averaged over T where a model returns them per
+step) + backward, with the parameters' gradients set to None before it (as `zero_grad` does), no
+optimizer. Architectures (ours from the zoo, the peer from spikingjelly's model zoo, matched as its
+builders allow; the run prints what differs): spikformer-4-384 (32 px, batch 64), spikformer-8-512
+(224 px, batch 8), sdt-2-512 (32 px, batch 64), stable-snn-vgg11 (32 px, batch 64), each at T=4 and
+T=16.
+
+Saved bytes: `efficient.memory.measure.activation_memory(model, x, loss_fn=cross-entropy,
+backward=False)`, the same call on both libraries' models. Its saved-tensor hooks see every tensor
+autograd keeps during forward + loss and count each storage once (`nbytes`; views and repeated saves
+of one tensor count once), leaving out parameters and buffers; a spike our `bits`/`recompute` levels
+keep as bits counts its packed record (the level's own hooks report it, since saved-tensor hooks do
+not nest). spikingjelly's memopt keeps its compressed inputs as ordinary uint8 tensors saved by
+`torch.utils.checkpoint`, which the outer hooks see.
+
+Peak memory. Each (architecture, implementation, T, batch) runs in a fresh subprocess: build the
+model (and memopt's own probe forward), allocate the inputs, run one warm-up step (one-off
+allocations: lazily compiled kernels, allocator growth), free the gradients, `gc` and `malloc_trim`,
+reset the kernel's peak-RSS mark (`/proc/self/clear_refs` "5" resets VmHWM, Linux >= 4.0), read RSS
+(the baseline: model, its inputs, the interpreter), run one step and report VmHWM - baseline. Where
+clear_refs cannot be written, the first step is measured instead from `ru_maxrss`, and the cell says
+so. A watchdog thread stops the case if RSS passes --max-gb.
+
+Step time: the measured step and `--steps - 1` more, the median (after the warm-up step). The
+saved bytes of a cell are counted in one further forward (the counting hook slows a step, so no
+timed step has it).
+
+Cells that cannot run here (estimated peak over --max-gb, or an estimated step over --max-step-s)
+are not run; their saved bytes are exact all the same. A probe process per implementation measures
+the saved bytes at batch 2, 3 and 4 and at three T; saved bytes are affine in the batch (a fixed part:
+BatchNorm's per-channel batch statistics, memopt's cloned buffers; the rest per sample) and in T. The
+script checks both with exact integers (batch 4 against the line through 2 and 3; the middle T against
+the line through the other two; for our `none` a batch mismatch stops the run) and extrapolates along
+them: a cell not run shows "(scaled)", or "(probe)" where the probe measured that very point. Batch 1
+is left out: there an image repeated over T can stay a stride-0 view where a larger batch copies it.
+A cell that runs counts its saved bytes again and shows any difference from the probe's figure. The
+estimated peak of a cell is 1.25 x its saved bytes + its weights and gradients + 1 GiB (interpreter
+and libraries); its estimated time scales the probe's step time (batch 3) by T x batch.
+
+"What it buys": for spikformer-4-384 at batch 64 and spikformer-8-512 at batch 32, the largest T whose
+saved bytes fit --budget-gb (GiB), per implementation, from the affine fit in T; --plot draws saved
+GiB against T with the budget line. Weights, gradients and optimizer state come on top of the budget.
+
+Correctness, before any timing, per architecture at batch 2: our `bits` gives the loss and every
+gradient of `none` bitwise; `recompute` within 1e-5 relative (each gradient's largest difference over
+its own largest value, floored at 1e-3 of the largest gradient of the pass, since a bias that feeds
+BatchNorm has a gradient of rounding noise); spikingjelly memopt against spikingjelly plain likewise.
+
+spikingjelly's memopt levels 2-4 search split points by measuring peak CUDA memory
+(`torch.cuda.max_memory_allocated`) and refuse a CPU model; they are left out. Level 1 is
+`optimize_memory(model, targets, lambda m: m(example), level=1, compress=True)`, with the default
+`checkpoint_budget="memory"` (every outermost module of a target type is checkpointed). It runs the
+example forward once and decides per module whether its first input is binary (all 0/1 on that
+example); those inputs are then kept as bits for good. So the decision depends on the example: an
+all-zero dummy makes every input look binary (on spikformer-4-384 all 9 checkpointed modules then
+pack their input, real-valued block inputs included, against 4 with images), and an input that is all
+zeros on the example (behind a layer silent at initialisation) is judged binary and packed even when it
+later carries other values (on the VGG, the classifier's second Linear and its LIF: packed or not
+depending on which random batch is the example). The example
+here is one fixed batch of 4 random images, the same in every process, so that a cell and its probe
+make the same decisions; the count of packed inputs is printed. Targets per architecture are in PEERS
+below: the model's own block type where it has one (as spikingjelly's Spikformer builder does) and
+the stem's conv-BN-LIF units, whose spike inputs are what compression acts on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, Callable
+
+LEVELS = ("none", "bits", "recompute")
+IMPLS = ("none", "bits", "recompute", "sj", "sj-memopt")
+LABEL = {"none": "ours none", "bits": "ours bits", "recompute": "ours recompute", "sj": "spikingjelly",
+         "sj-memopt": "spikingjelly memopt L1"}
+MiB, GiB = 2**20, 2**30
+RESULT = "RESULT "  # a child's last line: RESULT <json>
+
+
+# ----------------------------------------------------------------------------- architectures
+
+
+@dataclass(frozen=True)
+class Arch:
+    ours: str            # zoo name
+    batch: int           # the table's batch
+    peer: str | None     # key into PEERS, None: no peer model
+
+
+ARCHS: dict[str, Arch] = {
+    "spikformer-4-384": Arch("spikformer-4-384", 64, "spikformer-4-384"),
+    "spikformer-8-512": Arch("spikformer-8-512", 8, "spikformer-8-512"),
+    "sdt-2-512": Arch("sdt-2-512", 64, "sdt-2-512"),
+    "stable-snn-vgg11": Arch("stable-snn-vgg11", 64, "stable-snn-vgg11"),
+}
+BUYS = {"spikformer-4-384": 64, "spikformer-8-512": 32}  # "what it buys": architecture -> batch
+QUICK_IMG = {"spikformer-8-512": 64}  # --quick runs the 224-px model on 64-px images (4x4 tokens)
+
+
+def _sj_spikformer_cifar(T: int, img: int):
+    from spikingjelly.activation_based.model.spikformer import spikformer_cifar10
+    return spikformer_cifar10(T=T, num_classes=10)
+
+
+def _sj_spikformer_imagenet(T: int, img: int):
+    from spikingjelly.activation_based.model.spikformer import Spikformer
+    return Spikformer(T=T, img_size_h=img, img_size_w=img, patch_size=16, num_classes=1000, embed_dims=512,
+                      num_heads=8, mlp_ratio=4.0, depths=8)
+
+
+def _sj_sdt(T: int, img: int):
+    from spikingjelly.activation_based.model.spike_driven_transformer import SpikeDrivenTransformer
+    return SpikeDrivenTransformer(T=T, num_classes=10, embed_dims=512, num_heads=8, depths=2, mlp_ratio=4.0,
+                                  pooling_stat="0011")
+
+
+def _sj_vgg11(T: int, img: int):
+    from spikingjelly.activation_based import functional, neuron
+    from spikingjelly.activation_based.model.spiking_vgg import SpikingVGG
+    net = SpikingVGG(cfg=[64, "M", 128, 256, "M", 512, 512, 512, "M", 512, 512], batch_norm=True, num_classes=10,
+                     spiking_neuron=neuron.LIFNode)
+    functional.set_step_mode(net, "m")
+    return net
+
+
+def _targets_spikformer():
+    from spikingjelly.activation_based.model.spikformer import SpikformerBlock, SpikformerConv2dBNLIF
+    return (SpikformerConv2dBNLIF, SpikformerBlock)
+
+
+def _targets_sdt():
+    from torch import nn
+    from spikingjelly.activation_based.model.spike_driven_transformer import _Block
+    return (nn.Sequential, _Block)
+
+
+def _targets_vgg():
+    from spikingjelly.activation_based import layer, neuron
+    return (layer.Conv2d, layer.BatchNorm2d, neuron.BaseNode, layer.MaxPool2d, layer.Linear)
+
+
+@dataclass(frozen=True)
+class Peer:
+    build: Callable[[int, int], Any]  # (T, image side) -> spikingjelly model
+    call: str                       # how it is built, as printed
+    seq_input: bool                 # the model takes [T, B, C, H, W] (we repeat the image), else [B, C, H, W]
+    targets: Callable[[], tuple]    # memopt level-1 target types
+    targets_text: str
+    differs: str
+
+
+PEERS: dict[str, Peer] = {
+    "spikformer-4-384": Peer(
+        _sj_spikformer_cifar, "spikformer_cifar10(T=T, num_classes=10)", False, _targets_spikformer,
+        "(SpikformerConv2dBNLIF, SpikformerBlock): the stem's conv-BN-LIF stages and the blocks",
+        "same depth 4, D 384, 12 heads, 4x4 patches, 8x8 tokens; its q/k/v convs have no bias (ours: bias, "
+        "as the reference CIFAR code); LIFNode (torch backend on CPU) instead of our fused LIF op; its head "
+        "is per-timestep, averaged over T here"),
+    "spikformer-8-512": Peer(
+        _sj_spikformer_imagenet, "Spikformer(T=T, img_size 224, patch_size=16, embed_dims=512, num_heads=8, depths=8, "
+        "num_classes=1000)", False, _targets_spikformer,
+        "(SpikformerConv2dBNLIF, SpikformerBlock): the stem's conv-BN-LIF stages and the blocks",
+        "same depth 8, D 512, 8 heads, 224 px, 14x14 tokens, bias-free q/k/v; LIFNode instead of our fused LIF "
+        "op; per-timestep head averaged over T"),
+    "sdt-2-512": Peer(
+        _sj_sdt, "SpikeDrivenTransformer(T=T, embed_dims=512, num_heads=8, depths=2, pooling_stat='0011', "
+        "num_classes=10)", False, _targets_sdt,
+        "(nn.Sequential, _Block): the stem's conv-BN-LIF(-pool) stages and the blocks",
+        "same depth 2, D 512, 8 heads, pools on the last two stem stages (8x8 tokens); "
+        "spikingjelly's SDT v1 layers (conv 1x1 q/k/v, its SDSA) against ours; LIFNode instead of our LIF op"),
+    "stable-snn-vgg11": Peer(
+        _sj_vgg11, "SpikingVGG(cfg=[64,M,128,256,M,512,512,512,M,512,512], batch_norm=True, num_classes=10, "
+        "spiking_neuron=LIFNode), multi-step", True, _targets_vgg,
+        "(Conv2d, BatchNorm2d, BaseNode, MaxPool2d, Linear): every layer of the flat VGG (it has no unit module)",
+        "our layer plan and widths, but max-pools for our average pools; a fixed 7x7 adaptive pool, so its first "
+        "FC takes 25088 features (ours 8192) and the model has 2x the parameters; dropout in the classifier; "
+        "LIFNode (tau 2, its builder passes no neuron options to the conv layers) instead of our DLIF (leak 0.99, "
+        "learnable per-step input scale)"),
+}
+
+
+# ----------------------------------------------------------------------------- what runs in a child
+
+
+def _proc_status(key: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _rss() -> int:
+    v = _proc_status("VmRSS")
+    return v if v is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _reset_peak() -> bool:
+    """Reset VmHWM to the current RSS; False where the kernel does not let us."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    hwm, rss = _proc_status("VmHWM"), _proc_status("VmRSS")
+    return hwm is not None and rss is not None and hwm <= rss + 4 * MiB
+
+
+def _trim() -> None:
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _watchdog(max_bytes: int) -> None:
+    def watch() -> None:
+        while True:
+            rss = _rss()
+            if rss > max_bytes:
+                print(RESULT + json.dumps({"error": f"stopped: RSS {rss / GiB:.1f} GiB passed --max-gb {max_bytes / GiB:g}"}),
+                      flush=True)
+                os._exit(3)
+            time.sleep(0.05)
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _peer_module(arch: str, T: int, img: int):
+    """spikingjelly's model in a wrapper that takes the images [B, C, H, W], resets the neurons'
+    state (its neurons carry membrane potential across calls) and returns logits [B, classes]."""
+    from torch import nn
+    from spikingjelly.activation_based import functional
+
+    peer = PEERS[arch]
+
+    class PeerModel(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = peer.build(T, img)
+
+        def forward(self, x):
+            functional.reset_net(self.net)
+            if peer.seq_input:
+                x = x.unsqueeze(0).repeat(T, *([1] * x.dim()))
+            out = self.net(x)
+            return out.mean(0) if out.dim() == 3 else out
+
+    return PeerModel()
+
+
+def _img(arch: str, img: int | None) -> int:
+    from efficient import zoo
+
+    return img or zoo.get_entry(ARCHS[arch].ours).input_spec.shape[-1]
+
+
+def _inputs(arch: str, B: int, seed: int = 0, img: int | None = None):
+    import torch
+    from efficient import zoo
+
+    spec = zoo.get_entry(ARCHS[arch].ours).input_spec
+    g = torch.Generator().manual_seed(seed)
+    shape = (spec.shape[0], _img(arch, img), _img(arch, img))
+    return torch.rand(B, *shape, generator=g), torch.randint(0, spec.num_classes, (B,), generator=g)
+
+
+MEMOPT_EXAMPLE = (4, 2)  # batch, seed of the images memopt probes (the same in every process)
+
+
+def _memopt(model, arch: str, img: int | None) -> dict:
+    """spikingjelly's level-1 memopt on `model`, probed on fixed images; what it did."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from spikingjelly.activation_based import memopt
+
+    example = _inputs(arch, MEMOPT_EXAMPLE[0], seed=MEMOPT_EXAMPLE[1], img=img)[0]
+    memopt.optimize_memory(model, PEERS[arch].targets(), lambda cur: cur(example), level=1, compress=True)
+    wrapped = [w for w in model.modules() if isinstance(w, CheckpointWrapper)]
+    return {"checkpointed": len(wrapped), "compressed": sum(w.checkpoint_fn.keywords.get("compressor") is not None for w in wrapped)}
+
+
+def build(arch: str, impl: str, T: int, img: int | None = None) -> tuple[Any, Any, dict]:
+    """The model of `impl` at T (training mode), its memory plan (ours) and what was done to it."""
+    import torch
+
+    torch.manual_seed(0)
+    if impl in LEVELS:
+        import efficient
+        from efficient import memory
+
+        m = efficient.load(ARCHS[arch].ours, timesteps=T, **({"img_size": img} if img else {})).train()
+        plan = memory.optimize(m, impl)
+        return m, plan, {"summary": plan.summary()}
+    m = _peer_module(arch, T, _img(arch, img)).train()
+    info: dict[str, Any] = {}
+    if impl == "sj-memopt":
+        info = _memopt(m, arch, img)
+    return m, None, info
+
+
+def _loss(model, x, y):
+    import torch.nn.functional as F
+
+    return F.cross_entropy(model(x), y)
+
+
+def train_step(model, x, y) -> float:
+    for p in model.parameters():
+        p.grad = None
+    loss = _loss(model, x, y)
+    loss.backward()
+    return float(loss.detach())
+
+
+def count_saved(model, x, y) -> dict[str, Any]:
+    """What forward + loss keep for backward (`efficient.memory.measure`, no backward run)."""
+    import torch.nn.functional as F
+    from efficient.memory.measure import activation_memory
+
+    mem = activation_memory(model, x, loss_fn=lambda out: F.cross_entropy(out, y), backward=False)
+    return {"saved": mem.total_bytes, "dense": mem.dense_bytes, "packed": mem.packed_bytes, "tensors": mem.tensors,
+            "by_block": mem.by_block}
+
+
+def _param_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def run_case(spec: dict) -> dict:
+    """One cell in this (fresh) process: see the module docstring for the protocol."""
+    import torch
+
+    _watchdog(int(spec["max_gb"] * GiB))
+    arch, impl, T, B, steps, img = spec["arch"], spec["impl"], spec["T"], spec["batch"], spec["steps"], spec["img"]
+    x, y = _inputs(arch, B, img=img)
+    model, plan, info = build(arch, impl, T, img)
+    _trim()
+    base0, hwm0 = _rss(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    times = []
+    t0 = time.perf_counter()
+    train_step(model, x, y)  # warm-up
+    warm = time.perf_counter() - t0
+    for p in model.parameters():
+        p.grad = None
+    _trim()
+    if _reset_peak():
+        base = _rss()
+        t0 = time.perf_counter()
+        train_step(model, x, y)
+        times.append(time.perf_counter() - t0)
+        peak, how = _proc_status("VmHWM") - base, "VmHWM after clear_refs, second step"
+    else:  # the first step, from ru_maxrss (a lower bound when it did not pass the process's earlier peak)
+        hwm1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        peak, how = hwm1 - base0, "ru_maxrss, first step" + (" (lower bound)" if hwm1 <= hwm0 else "")
+    for _ in range(steps - len(times)):
+        t0 = time.perf_counter()
+        train_step(model, x, y)
+        times.append(time.perf_counter() - t0)
+    saved = count_saved(model, x, y)
+    return {"arch": arch, "impl": impl, "T": T, "batch": B, "peak_bytes": peak, "peak_how": how,
+            "step_s": statistics.median(times), "times_s": times, "warmup_s": warm, "threads": torch.get_num_threads(),
+            "param_bytes": _param_bytes(model), **saved, **info}
+
+
+def _grads(model) -> list:
+    return [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+
+
+def _rel_err(a: list, b: list) -> float:
+    """Largest per-gradient max|a - b| / max|b|, floored at 1e-3 of the largest gradient of the pass."""
+    floor = 1e-3 * max((float(g.abs().max()) for g in b if g is not None and g.numel()), default=0.0)
+    worst = 0.0
+    for ga, gb in zip(a, b):
+        if ga is None or gb is None:
+            if (ga is None) != (gb is None):
+                return math.inf
+            continue
+        scale = max(float(gb.abs().max()), floor)
+        d = float((ga - gb).abs().max())
+        worst = max(worst, d / scale if scale > 0 else (0.0 if d == 0 else math.inf))
+    return worst
+
+
+def _check(arch: str, T: int, B: int, img: int | None) -> dict:
+    """Loss and gradients of bits == none bitwise, recompute within 1e-5; memopt against plain."""
+    import copy
+    import torch
+    from efficient import memory
+
+    x, y = _inputs(arch, B, seed=1, img=img)
+    out: dict[str, Any] = {"T": T, "batch": B}
+    m, _, _ = build(arch, "none", T, img)
+    ref = None
+    for level in LEVELS:
+        memory.optimize(m, level)
+        torch.manual_seed(0)
+        loss = train_step(m, x, y)
+        g = _grads(m)
+        if ref is None:
+            ref = (loss, g)
+            continue
+        bitwise = loss == ref[0] and all((a is None and b is None) or torch.equal(a, b) for a, b in zip(g, ref[1]))
+        out[level] = {"bitwise": bitwise, "loss": ref[0], "loss_diff": abs(loss - ref[0]), "grad_rel": _rel_err(g, ref[1])}
+    memory.optimize(m, "none")
+    if ARCHS[arch].peer:
+        plain, _, _ = build(arch, "sj", T, img)
+        opt = copy.deepcopy(plain)
+        _memopt(opt, arch, img)
+        res = []
+        for model in (plain, opt):
+            torch.manual_seed(0)
+            res.append((train_step(model, x, y), _grads(model)))
+        out["sj-memopt"] = {"bitwise": res[0][0] == res[1][0] and all(torch.equal(a, b) for a, b in zip(res[0][1], res[1][1])),
+                            "loss": res[0][0], "loss_diff": abs(res[0][0] - res[1][0]), "grad_rel": _rel_err(res[1][1], res[0][1])}
+    return out
+
+
+def run_check(spec: dict) -> dict:
+    _watchdog(int(spec["max_gb"] * GiB))
+    t0 = time.perf_counter()
+    out = _check(spec["arch"], spec["Ts"][0], 2, spec["img"])
+    out["check_s"] = time.perf_counter() - t0
+    return out
+
+
+def run_probe(spec: dict) -> dict:
+    """One implementation of one architecture: saved bytes at (T, batch) points, one timed step,
+    parameter counts."""
+    _watchdog(int(spec["max_gb"] * GiB))
+    arch, impl, (Ta, Tb, Tc), (b1, b2, b3), img = spec["arch"], spec["impl"], spec["Ts"], spec["batches"], spec["img"]
+    rec: dict[str, Any] = {"saved": {}}
+    t_start = time.perf_counter()
+    for T, batches in {Ta: (b1, b2, b3), Tb: (b1, b2), Tc: (b1,)}.items():
+        model, plan, info = build(arch, impl, T, img)
+        for B in batches:
+            x, y = _inputs(arch, B, img=img)
+            rec["saved"][f"{T},{B}"] = count_saved(model, x, y)
+        if T == Ta:
+            x, y = _inputs(arch, b2, img=img)
+            train_step(model, x, y)
+            t0 = time.perf_counter()
+            train_step(model, x, y)
+            rec["step_s"] = {"T": T, "batch": b2, "s": time.perf_counter() - t0}
+            rec["params"] = sum(p.numel() for p in model.parameters())
+            rec["param_bytes"] = _param_bytes(model)
+            rec["info"] = info
+        del model, plan
+        _trim()
+    rec["probe_s"] = time.perf_counter() - t_start
+    return rec
+
+
+def _child(kind: str, spec: dict, timeout: float) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, json.dumps(spec)]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"stopped after {timeout:.0f} s"}
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith(RESULT)]
+    if lines:
+        return json.loads(lines[-1][len(RESULT):])
+    tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
+    return {"error": f"exit {r.returncode}: " + " | ".join(tail)}
+
+
+# ----------------------------------------------------------------------------- fits (pure)
+
+
+def affine_at(v1: int, v2: int, x1: int, x2: int, x: int) -> Fraction:
+    """The value at x of the line through (x1, v1), (x2, v2), exactly."""
+    return Fraction(v1) + Fraction(v2 - v1, x2 - x1) * (x - x1)
+
+
+def largest_fitting(v1: float, v2: float, x1: int, x2: int, budget: float) -> int:
+    """The largest integer x >= 0 with the affine value at x within `budget` (-1: none fits; a
+    non-increasing line fits every x: returns a large sentinel, 10**9)."""
+    slope = (v2 - v1) / (x2 - x1)
+    base = v1 - slope * x1
+    if slope <= 0:
+        return 10**9 if base <= budget else -1
+    return math.floor((budget - base) / slope) if base <= budget else -1
+
+
+class Fits:
+    """Saved bytes of one (arch, impl) as a function of (T, batch), from its probe's points."""
+
+    def __init__(self, rec: dict, Ts: tuple[int, int, int], batches: tuple[int, int, int]) -> None:
+        self.s = {tuple(int(v) for v in k.split(",")): d["saved"] for k, d in rec["saved"].items()}
+        self.Ta, self.Tb, self.Tc = Ts
+        self.b1, self.b2, self.b3 = batches
+
+    def at(self, T: int, B: int) -> Fraction:
+        """Exact at the probed T (affine in the batch); affine in T between Ta and Tb otherwise."""
+        def per_T(t: int) -> Fraction:
+            return affine_at(self.s[(t, self.b1)], self.s[(t, self.b2)], self.b1, self.b2, B)
+        if T in (self.Ta, self.Tb):
+            return per_T(T)
+        return affine_at(per_T(self.Ta), per_T(self.Tb), self.Ta, self.Tb, T)  # type: ignore[arg-type]
+
+    def batch_check(self) -> tuple[bool, int]:
+        pred = affine_at(self.s[(self.Ta, self.b1)], self.s[(self.Ta, self.b2)], self.b1, self.b2, self.b3)
+        meas = self.s[(self.Ta, self.b3)]
+        return pred == meas, int(meas - pred)
+
+    def T_check(self) -> tuple[bool, float]:
+        pred = affine_at(self.s[(self.Ta, self.b1)], self.s[(self.Tb, self.b1)], self.Ta, self.Tb, self.Tc)
+        meas = self.s[(self.Tc, self.b1)]
+        return pred == meas, float(meas - pred)
+
+    def fixed_part(self) -> Fraction:
+        """The batch-independent part at Ta (BatchNorm statistics and the like)."""
+        return affine_at(self.s[(self.Ta, self.b1)], self.s[(self.Ta, self.b2)], self.b1, self.b2, 0)
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _mib(v: float) -> str:
+    return f"{float(v) / MiB:,.1f}"
+
+
+def _load() -> str:
+    try:
+        return " ".join(f"{v:.2f}" for v in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="batch 2, T 2 and 4, spikformer-8-512 on 64-px images: a smoke test")
+    ap.add_argument("--archs", nargs="*", default=list(ARCHS), choices=list(ARCHS))
+    ap.add_argument("--impls", nargs="*", default=list(IMPLS), choices=list(IMPLS))
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per cell after the warm-up (default 3; 1 with --quick)")
+    ap.add_argument("--max-gb", type=float, default=18.0, help="largest RSS (GiB) a cell may reach; cells estimated above it are not run")
+    ap.add_argument("--max-step-s", type=float, default=180.0, help="cells whose step is estimated longer are not run")
+    ap.add_argument("--budget-gb", type=float, default=16.0, help="activation budget (GiB) for 'what it buys'")
+    ap.add_argument("--json", type=Path, help="write every measurement here")
+    ap.add_argument("--plot", type=Path, help="PNG of saved GiB against T with the budget line")
+    ap.add_argument("--probes", type=Path, help="reuse the checks and probes of an earlier --json file (same --quick)")
+    ap.add_argument("--child", nargs=2, metavar=("KIND", "SPEC"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args.child:
+        kind, spec = args.child[0], json.loads(args.child[1])
+        res = {"case": run_case, "check": run_check, "probe": run_probe}[kind](spec)
+        print(RESULT + json.dumps(res), flush=True)
+        return 0
+
+    Ts = (2, 4, 3) if args.quick else (4, 16, 8)      # table T, table T, T-linearity check
+    batches = (2, 3, 4)                               # probe batches: fit, fit, check (not 1: see the docstring)
+    steps = args.steps or (1 if args.quick else 3)
+    imgs = QUICK_IMG if args.quick else {}
+    import torch  # versions only; the parent does no tensor work
+    try:
+        from importlib.metadata import version
+        sj_version = version("spikingjelly")
+    except Exception:
+        sj_version = "?"
+    started, load0 = time.time(), _load()
+    print(f"# bench/memory.py {'--quick ' if args.quick else ''}-- {datetime.date.today()}, {platform.machine()} "
+          f"{os.cpu_count()} cores, torch {torch.__version__}, spikingjelly {sj_version}, load before {load0}")
+    print(f"# command: python bench/memory.py {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip())
+
+    probes: dict[str, dict] = {}
+    if args.probes:
+        old = json.loads(args.probes.read_text())
+        if tuple(old.get("Ts", ())) != Ts or tuple(old.get("probe_batches", ())) != batches:
+            print(f"{args.probes}: its probes are at T {old.get('Ts')} and batches {old.get('probe_batches')}, this run needs "
+                  f"T {Ts} and batches {batches}: run it with the same --quick setting")
+            return 2
+        probes = old["probes"]
+    for arch in args.archs:
+        if arch in probes:
+            continue
+        t0 = time.time()
+        spec = {"arch": arch, "Ts": Ts, "batches": batches, "max_gb": args.max_gb, "img": imgs.get(arch)}
+        probes[arch] = {"check": _child("check", spec, timeout=3600), "probes": {}}
+        for impl in args.impls:
+            if impl in LEVELS or ARCHS[arch].peer:
+                probes[arch]["probes"][impl] = _child("probe", {**spec, "impl": impl}, timeout=3600)
+        for what, res in [("check", probes[arch]["check"]), *probes[arch]["probes"].items()]:
+            if "error" in res:
+                print(f"# {arch}: {what} failed: {res['error']}")
+        print(f"# {arch}: check and probes in {time.time() - t0:.0f} s")
+    header = {"date": str(datetime.date.today()), "machine": f"{platform.machine()} {os.cpu_count()} cores",
+              "torch": torch.__version__, "spikingjelly": sj_version, "load_before": load0, "quick": args.quick, "Ts": Ts,
+              "probe_batches": batches, "budget_gb": args.budget_gb, "max_gb": args.max_gb, "max_step_s": args.max_step_s,
+              "steps": steps}
+    if args.json:  # the probes alone first: a later failure keeps them (--probes reuses them)
+        _write_json(args.json, {**header, "probes": probes})
+
+    # correctness
+    print("\n## correctness (batch 2, T=%d)\n" % Ts[0])
+    print("| architecture | ours bits vs none | ours recompute vs none | spikingjelly memopt vs plain |")
+    print("|---|---|---|---|")
+    failed: set[str] = set()  # architectures whose levels do not reproduce `none`: not timed
+    for arch in args.archs:
+        c = probes[arch]["check"]
+        if "error" in c:
+            failed.add(arch)
+            print(f"| {arch} | check failed: {c['error']} | | |")
+            continue
+        cells = []
+        for key, want_bitwise in (("bits", True), ("recompute", False), ("sj-memopt", False)):
+            if key not in c:
+                cells.append("no peer model")
+                continue
+            r = c[key]
+            good = r["bitwise"] if want_bitwise else (r["bitwise"] or (r["grad_rel"] <= 1e-5 and r["loss_diff"] <= 1e-5 * abs(r["loss"])))
+            if not good and key != "sj-memopt":
+                failed.add(arch)
+            cells.append(("bitwise equal" if r["bitwise"] else f"loss diff {r['loss_diff']:.1e}, grad rel {r['grad_rel']:.1e}")
+                         + ("" if good else " FAILS"))
+        print(f"| {arch} | " + " | ".join(cells) + " |")
+    if failed:
+        print(f"\nour levels do not reproduce `none` on {', '.join(sorted(failed))}: not timed")
+
+    # fits
+    fits: dict[tuple[str, str], Fits] = {}
+    print("\n## saved bytes are affine in the batch and in T (probe batches %s, T %s)\n" % (batches, Ts))
+    print("| architecture | impl | batch-independent part KiB | per sample at T=%d MiB | batch %d as predicted | T=%d as predicted |" % (Ts[0], batches[2], Ts[2]))
+    print("|---|---|---|---|---|---|")
+    for arch in args.archs:
+        for impl, rec in probes[arch]["probes"].items():
+            if "error" in rec:
+                print(f"| {arch} | {LABEL[impl]} | probe failed: {rec['error']} | | | |")
+                continue
+            f = fits[(arch, impl)] = Fits(rec, Ts, batches)
+            bok, bdev = f.batch_check()
+            tok, tdev = f.T_check()
+            if impl == "none":
+                assert bok, f"{arch} none: saved bytes are not affine in the batch (off by {bdev} B at batch {batches[2]})"
+            per = f.at(Ts[0], 1) - f.fixed_part()
+            print(f"| {arch} | {LABEL[impl]} | {float(f.fixed_part()) / 1024:,.1f} | {_mib(per)} | "
+                  f"{'exact' if bok else f'off by {bdev} B'} | {'exact' if tok else f'off by {tdev:.0f} B'} |")
+
+    # peers
+    print("\n## peer models (spikingjelly %s)\n" % sj_version)
+    for arch in args.archs:
+        p = ARCHS[arch].peer
+        ours_rec = probes[arch]["probes"].get("none")
+        if not p:
+            print(f"- {arch}: no peer model")
+            continue
+        peer, sjr = PEERS[p], probes[arch]["probes"].get("sj-memopt") or probes[arch]["probes"].get("sj")
+        params = f"params ours {ours_rec['params'] / 1e6:.2f} M" if ours_rec and "params" in ours_rec else ""
+        if sjr and "params" in sjr:
+            params += f", spikingjelly {sjr['params'] / 1e6:.2f} M"
+        mo = probes[arch]["probes"].get("sj-memopt", {}).get("info", {})
+        memo = f"; memopt L1 targets {peer.targets_text}: {mo.get('checkpointed', '?')} modules checkpointed, {mo.get('compressed', '?')} with inputs kept as bits" if mo else ""
+        print(f"- {arch}: `{peer.call}`; {params}. Differs: {peer.differs}{memo}.")
+
+    # cells
+    rows: list[dict] = []
+    print(f"\n# cells (each a fresh process; --max-gb {args.max_gb:g}, --max-step-s {args.max_step_s:g}, {steps} timed step(s))")
+    for arch in args.archs:
+        B = 2 if args.quick else ARCHS[arch].batch
+        for T in Ts[:2]:
+            for impl in args.impls:
+                row: dict[str, Any] = {"arch": arch, "T": T, "batch": B, "impl": impl}
+                rows.append(row)
+                rec = probes[arch]["probes"].get(impl)
+                if rec is None:
+                    row["status"] = "no peer model"
+                    continue
+                if "error" in rec:
+                    row["status"] = "probe failed"
+                    continue
+                f = fits[(arch, impl)]
+                saved = f.at(T, B)
+                row["saved_scaled"] = float(saved)
+                est_peak = 1.25 * float(saved) + 2 * rec["param_bytes"] + GiB  # + weights, gradients, interpreter
+                st = rec["step_s"]
+                est_time = st["s"] * (T * B) / (st["T"] * st["batch"])
+                row.update(est_peak_bytes=est_peak, est_step_s=est_time)
+                if arch in failed:
+                    row["status"] = "not timed (check failed)"
+                    continue
+                if est_peak > args.max_gb * GiB:
+                    row["status"] = f"not run (needs ~{est_peak / GiB:.0f} GB)" if est_peak >= 2 * GiB else f"not run (needs ~{est_peak / GiB:.1f} GB)"
+                    continue
+                if est_time > args.max_step_s:
+                    row["status"] = f"not run (~{est_time:.0f} s/step)"
+                    continue
+                t0 = time.time()
+                res = _child("case", {"arch": arch, "impl": impl, "T": T, "batch": B, "steps": steps, "max_gb": args.max_gb,
+                                      "img": imgs.get(arch)},
+                             timeout=max(900.0, 4 * (steps + 1) * max(est_time, args.max_step_s)))
+                if "error" in res:
+                    row["status"] = res["error"]
+                    print(f"#   {arch} T={T} b={B} {impl}: {res['error']}")
+                    continue
+                row.update(res, status="ran")
+                if res["saved"] != saved:
+                    row["saved_mismatch"] = int(res["saved"] - saved)
+                print(f"#   {arch} T={T} b={B} {LABEL[impl]}: {time.time() - t0:.0f} s "
+                      f"(est. step {est_time:.1f} s, measured {res['step_s']:.1f} s; peak {_mib(res['peak_bytes'])} MiB)")
+
+    print(f"\n## one training step (forward + CE + backward), {datetime.date.today()}\n")
+    print("| architecture | T | batch | impl | saved MiB | vs ours none | peak MiB | step s | time vs ours none |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    base = {(r["arch"], r["T"]): r for r in rows if r["impl"] == "none"}
+    for r in rows:
+        if "saved_scaled" not in r:  # no peer model, or its probe failed
+            print(f"| {r['arch']} | {r['T']} | {r['batch']} | {LABEL[r['impl']]} | {r['status']} | | | | |")
+            continue
+        b = base.get((r["arch"], r["T"]))
+        ran = r["status"] == "ran"
+        saved = r["saved"] if ran else r["saved_scaled"]
+        probed = r["batch"] in {Ts[0]: batches, Ts[1]: batches[:2]}.get(r["T"], ())
+        s_txt = _mib(saved) + ("" if ran else " (probe)" if probed else " (scaled)") + (f" [probe fit off by {r['saved_mismatch']} B]" if r.get("saved_mismatch") else "")
+        b_saved = None if b is None else (b["saved"] if b["status"] == "ran" else b.get("saved_scaled"))
+        ratio = f"{saved / b_saved:.3f}" if b_saved else ""
+        peak = _mib(r["peak_bytes"]) + (" (first step)" if "first" in r.get("peak_how", "") else "") if ran else r["status"]
+        tsec = f"{r['step_s']:.2f}" if ran else r["status"]
+        tr = f"{r['step_s'] / b['step_s']:.2f}" if ran and b is not None and b["status"] == "ran" else ""
+        print(f"| {r['arch']} | {r['T']} | {r['batch']} | {LABEL[r['impl']]} | {s_txt} | {ratio} | {peak} | {tsec} | {tr} |")
+
+    # what it buys
+    buys: list[dict] = []
+    budget = args.budget_gb * GiB
+    print(f"\n## what it buys: the largest T whose saved bytes fit {args.budget_gb:g} GiB\n")
+    print("| architecture | batch | impl | saved GiB at T=%d | MiB per extra timestep | largest T | vs ours none |" % Ts[0])
+    print("|---|---|---|---|---|---|---|")
+    for arch, B in BUYS.items():
+        if arch not in args.archs:
+            continue
+        tmax_none = None
+        for impl in args.impls:
+            if (arch, impl) not in fits:
+                continue
+            f = fits[(arch, impl)]
+            va, vb = float(f.at(Ts[0], B)), float(f.at(Ts[1], B))
+            tmax = largest_fitting(va, vb, Ts[0], Ts[1], budget)
+            slope = (vb - va) / (Ts[1] - Ts[0])
+            if impl == "none":
+                tmax_none = tmax
+            buys.append({"arch": arch, "batch": B, "impl": impl, "saved_at_Ta": va, "per_T": slope, "largest_T": tmax,
+                         "line": [va - slope * Ts[0], slope]})
+            t_txt = "none fits" if tmax < 1 else ("any" if tmax >= 10**9 else str(tmax))
+            rel = f"{tmax / tmax_none:.1f}x" if tmax_none and tmax_none > 0 and 0 < tmax < 10**9 else ""
+            print(f"| {arch} | {B} | {LABEL[impl]} | {va / GiB:.2f} | {slope / MiB:,.1f} | {t_txt} | {rel} |")
+    print("\nSaved bytes are affine in T as checked above (T=%d predicted from T=%d and T=%d at batch %d); weights, "
+          "gradients and optimizer state come on top of the budget." % (Ts[2], Ts[0], Ts[1], batches[0]))
+    if imgs:
+        print("--quick: " + ", ".join(f"{a} at {v} px" for a, v in imgs.items()) + ".")
+
+    if args.plot and buys:
+        _plot(args.plot, buys, budget, args.budget_gb)
+        print(f"plot: {args.plot}")
+    load1 = _load()
+    print(f"\n# done in {time.time() - started:.0f} s; load before {load0}, after {load1}")
+    if args.json:
+        _write_json(args.json, {**header, "load_after": load1, "probes": probes, "cells": rows, "what_it_buys": buys})
+    return 0
+
+
+def _write_json(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=1, default=str))
+    tmp.replace(path)
+
+
+def _plot(path: Path, buys: list[dict], budget: float, budget_gb: float) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    archs = list(dict.fromkeys(b["arch"] for b in buys))
+    fig, axes = plt.subplots(1, len(archs), figsize=(6 * len(archs), 4.2), squeeze=False)
+    style = {"none": ("C0", "-"), "bits": ("C1", "-"), "recompute": ("C2", "-"), "sj": ("0.5", ":"), "sj-memopt": ("C3", "--")}
+    for ax, arch in zip(axes[0], archs):
+        mine = [b for b in buys if b["arch"] == arch]
+        fitting = [b["largest_T"] for b in mine if 0 < b["largest_T"] < 10**9]
+        t_hi = min(4096, max(64, 2 * max(fitting, default=32)))
+        ts = sorted({round(2 ** (k / 8)) for k in range(0, 8 * int(math.log2(t_hi)) + 1)})
+        for b in mine:
+            c, ls = style[b["impl"]]
+            a0, a1 = b["line"]
+            ax.plot(ts, [max(a0 + a1 * t, 1.0) / GiB for t in ts], color=c, ls=ls, label=LABEL[b["impl"]])
+            if 0 < b["largest_T"] < 10**9:
+                ax.plot([b["largest_T"]], [budget / GiB], "o", color=c, ms=4)
+                if b["impl"] in ("none", "recompute"):  # the comparison the section is about
+                    ax.annotate(f"T={b['largest_T']}", (b["largest_T"], budget / GiB), textcoords="offset points",
+                                xytext=(4, 6), fontsize=8, color=c)
+        ax.axhline(budget / GiB, color="k", lw=0.8)
+        ax.text(1.1, budget / GiB * 1.08, f"budget {budget_gb:g} GiB", fontsize=8)
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.set_yscale("log")
+        ax.set_xlim(1, t_hi)
+        ax.set_ylim(budget / GiB / 2000, budget / GiB * 8)
+        ax.set_xlabel("timesteps T")
+        ax.set_ylabel("saved for backward per step, GiB")
+        ax.set_title(f"{arch}, batch {mine[0]['batch']}")
+        ax.grid(True, which="major", lw=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
