@@ -126,9 +126,9 @@ def _profile(name: str, args: argparse.Namespace, data: list[Any] | None, pretra
                        flops_per_mac=flops_per_mac, name=label)
     import torch
 
-    from efficient.profiler.api import _first_input
+    from efficient.data import first_input
 
-    inputs = torch.cat([_first_input(b) for b in data])  # all K batches in one pass
+    inputs = torch.cat([first_input(b) for b in data])  # all K batches in one pass
     return profile(model, inputs=inputs, timesteps=args.timesteps, energy=energy, data=data, flops_per_mac=flops_per_mac,
                    exit_threshold=args.exit_threshold, name=label)
 

@@ -6,6 +6,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+import torch
 from torch.utils.data import Dataset
 
 from efficient.errors import ConfigError, did_you_mean
@@ -69,3 +70,18 @@ def build_data(cfg: dict[str, Any]) -> DataBundle:
     """Build from a validated `data` section (loader keys are ignored here)."""
     kwargs = {k: v for k, v in cfg.items() if k != "name" and k not in DATA_LOADER_KEYS}
     return get_dataset_builder(cfg["name"])(**kwargs)
+
+
+def first_input(batch: Any) -> Any:
+    """The model input of a data batch: the tensor itself, the first of an (inputs, targets) pair, or
+    the input entry of a dict batch."""
+    if isinstance(batch, torch.Tensor):
+        return batch
+    if isinstance(batch, dict):
+        for k in ("input", "inputs", "x", "input_ids", "image", "images"):
+            if k in batch:
+                return batch[k]
+        raise ConfigError(f"data batch is a dict with keys {sorted(batch)}; expected one of input/inputs/x/input_ids/image")
+    if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor):
+        return batch[0]
+    raise ConfigError(f"data batches must be tensors, (inputs, targets) pairs or dicts; got {type(batch).__name__}")

@@ -48,7 +48,8 @@ from torch import nn
 
 from efficient.memory import LEVELS, check_level, optimize
 from efficient.memory.recompute import is_wrapped, units
-from efficient.memory.spikes import PackedSaved
+from efficient.memory.spikes import PackedSaved, tensors_in as _tensors
+from efficient.data import first_input
 
 MEMORY_FILE = "memory.json"  # in a run dir: `write_run_memory`'s record, shown by `efficient report`
 LOSS = "(loss)"  # saves outside the model's forward: what loss_fn kept
@@ -234,17 +235,6 @@ def eager_module(model: nn.Module) -> nn.Module:
     return model
 
 
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for o in obj:
-            yield from _tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _tensors(o)
-
-
 def default_loss(out: Any) -> torch.Tensor:
     """Sum of every floating-point output that requires grad. Its backward keeps no tensor, so
     what the step keeps is the model's alone."""
@@ -394,21 +384,6 @@ def measure_levels(model: nn.Module, inputs: Any, levels: Any = LEVELS, loss_fn:
 
 # ---------------------------------------------------------------------------------------------
 # a run's record
-
-
-def first_input(batch: Any) -> Any:
-    """The model input of a data batch: the tensor itself, the first of an (inputs, targets) pair, or
-    the input entry of a dict batch."""
-    if isinstance(batch, torch.Tensor):
-        return batch
-    if isinstance(batch, dict):
-        for k in ("input", "inputs", "x", "input_ids", "image", "images"):
-            if k in batch:
-                return batch[k]
-        raise ValueError(f"batch is a dict with keys {sorted(batch)}; expected one of input/inputs/x/input_ids/image")
-    if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor):
-        return batch[0]
-    raise ValueError(f"batches must be tensors, (inputs, targets) pairs or dicts; got {type(batch).__name__}")
 
 
 def _to(x: Any, device: torch.device) -> Any:

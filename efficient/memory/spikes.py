@@ -115,12 +115,16 @@ SPIKE_PRESERVING = frozenset({
 })
 
 
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in `obj`, a tensor or a (nested) tuple, list or dict of them."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, (tuple, list)):
         for o in obj:
-            yield from _tensors(o)
+            yield from tensors_in(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from tensors_in(o)
 
 
 class SpikePropagation(TorchFunctionMode):
@@ -135,9 +139,9 @@ class SpikePropagation(TorchFunctionMode):
         out = func(*args, **(kwargs or {}))
         name = getattr(func, "__name__", "")
         if name in SPIKE_PRESERVING:
-            inputs = [t for t in _tensors(args) if t.is_floating_point()]
+            inputs = [t for t in tensors_in(args) if t.is_floating_point()]
             if inputs and all(self.tracker.is_spikes(t) for t in inputs):
-                for t in _tensors(out):
+                for t in tensors_in(out):
                     if t.is_floating_point():
                         self.tracker.add(t)
         return out

@@ -13,6 +13,7 @@ from typing import Any, Iterable, Literal, Sequence
 import torch
 from torch import nn
 
+from efficient.data import first_input
 from efficient.errors import ConfigError
 from efficient.profiler.counting import UNATTRIBUTED, CountingMode, ModuleStack
 from efficient.profiler.energy import EnergyModel, EnergySpec, resolve_energy
@@ -196,19 +197,6 @@ def _device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _first_input(batch: Any) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch
-    if isinstance(batch, dict):
-        for k in ("input", "inputs", "x", "input_ids", "image", "images"):
-            if k in batch:
-                return batch[k]
-        raise ConfigError(f"data batch is a dict with keys {sorted(batch)}; expected one of input/inputs/x/input_ids/image")
-    if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor):
-        return batch[0]
-    raise ConfigError(f"data batches must be tensors, (inputs, targets) pairs or dicts; got {type(batch).__name__}")
-
-
 def _resolve_inputs(model: nn.Module, inputs: Any, input_shape: Any, batch: int,
                     data_batches: list[Any] | None, random: str = "normal") -> tuple[tuple, dict, str]:
     dev = _device(model)
@@ -218,7 +206,7 @@ def _resolve_inputs(model: nn.Module, inputs: Any, input_shape: Any, batch: int,
         args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
         return args, {}, "inputs: " + ", ".join(_shape(a) for a in args)
     if data_batches:
-        x = _first_input(data_batches[0]).to(dev)
+        x = first_input(data_batches[0]).to(dev)
         return (x,), {}, f"data: first batch {_shape(x)}"
     spec = built_input_spec(model)
     if input_shape is not None:
