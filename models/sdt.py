@@ -103,6 +103,9 @@ class SDTMLP(nn.Module):
 class SDTBlock(nn.Module):
     """x += SDSA(LIF(x)); [prune]; x += MLP(LIF(x)) -- the pruning interface of `spikformer.Block`."""
 
+    # efficient.memory: a block keeps only its input (the residual stream) and reruns in backward
+    recompute_unit = True
+
     def __init__(self, dim: int, heads: int, mlp_ratio: float, lif_cfg: dict, reference_params: bool = False) -> None:
         super().__init__()
         self.attn = SDSA(dim, heads, lif_cfg, reference_params)

@@ -73,9 +73,8 @@ class SPS(nn.Module):
     stages) set the token grid: img_size / 2**pool_stages per side. `pool_first` max-pools the
     BN output before the stage's LIF instead of its spikes after it (spikingjelly 2.0's Spikformer)."""
 
-    # efficient.memory: each stage keeps its conv output and recomputes BatchNorm and the neuron in
-    # backward (the convs, most of a stem's time, are not rerun)
-    recompute_methods = ("norm_fire",)
+    # efficient.memory: the stem keeps only its input image and reruns in backward
+    recompute_unit = True
 
     def __init__(self, img_size: int, in_chans: int, dim: int, pool_stages: int, lif_cfg: dict, rpe_lif: bool = True,
                  pool_first: bool = False) -> None:
@@ -241,6 +240,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """x += SSA(x); [prune]; x += MLP(x). `step` (a `PruneStep` from the model's pruner, or None)
     gathers the kept tokens after the attention or after the block; `anchor`: token 0 is STATA's anchor."""
+
+    # efficient.memory: a block keeps only its input (the residual stream) and reruns in backward
+    recompute_unit = True
 
     def __init__(self, dim: int, heads: int, mlp_ratio: float, lif_cfg: dict, qkv_bias: bool = True,
                  reference_norms: bool = False, kernel_backend: str = "auto") -> None:

@@ -127,7 +127,7 @@ def test_levels_keep_less_in_order_and_the_model_is_left_as_it_was(tiny: nn.Modu
     assert list(res) == ["none", "bits", "recompute"]
     none, bits, rec = res.values()
     assert rec.total_bytes < bits.total_bytes < none.total_bytes
-    assert none.packed_bytes == 0 < rec.packed_bytes and bits.packed_bytes > 0
+    assert none.packed_bytes == 0 and bits.packed_bytes > 0  # recompute may keep no spikes at all (whole blocks rerun)
     assert (as_is.total_bytes, as_is.by_module, as_is.level) == (bits.total_bytes, bits.by_module, "bits")
     assert set(none.by_block) == {"patch_embed", "blocks.0", "blocks.1", "head"}
     assert all(any(k == b or k.startswith(b + ".") for b in none.by_block) for k in none.by_module)
