@@ -6,8 +6,9 @@ Levels (recipe key `train.memory`):
 - `none`: every saved activation dense, as autograd keeps it.
 - `bits`: binary spike tensors saved for backward are kept packed 8 per byte and unpacked exactly
   in backward (`spikes.py`): gradients are bitwise those of `none`.
-- `recompute`: `bits`, and every unit (Linear/Conv -> BatchNorm -> neuron, a spiking stem, a neuron
-  on its own) keeps only its input and recomputes the rest in backward (`recompute.py`): gradients
+- `recompute`: `bits`, and every unit (a spiking transformer block, a spiking stem, a Linear/Conv ->
+  BatchNorm -> neuron unit, a neuron on its own) keeps only its input and recomputes the rest in
+  backward (`recompute.py`): gradients
   equal `none`'s up to floating-point rounding; BatchNorm running statistics update once per step.
 
 Works on any model whose neurons are ours, spikingjelly's or snntorch's (a plain `nn.Module`

@@ -1,7 +1,7 @@
 """Recomputed units: a unit keeps only its input for backward and recomputes the rest there.
 
-A unit is a module whose class says `recompute_unit = True` (the zoo's Linear/Conv -> BatchNorm ->
-neuron units and spiking stems), a method a class names in `recompute_methods` (the spiking
+A unit is a module whose class says `recompute_unit = True` (the zoo's spiking transformer blocks,
+spiking stems and Linear/Conv -> BatchNorm -> neuron units), a method a class names in `recompute_methods` (the spiking
 self-attention's fused Q/K/V projection and its attention-to-output path), or one of our (stateless)
 spiking neurons outside any unit. Its forward (or the method) runs under
 `torch.utils.checkpoint` (non-reentrant): nothing inside is saved, the input is saved once (as bits
