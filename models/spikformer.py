@@ -140,9 +140,6 @@ class SPS(nn.Module):
 class SSA(nn.Module):
     """Spiking self-attention: binary Q, K, V; A = scale * Q K^T with no softmax; LIF_0.5(A V)."""
 
-    # efficient.memory: recomputed in backward from their inputs (the residual stream; binary Q, K, V)
-    recompute_methods = ("qkv_fused", "attend")
-
     def __init__(self, dim: int, heads: int, lif_cfg: dict, scale: float = 0.125, attn_threshold: float = 0.5,
                  qkv_bias: bool = True, kernel_backend: str = "auto") -> None:
         super().__init__()

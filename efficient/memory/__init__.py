@@ -57,7 +57,7 @@ class MemoryPlan:
 class _State:
     """What `optimize` attached to a model, so that a second call (or level `none`) undoes it."""
 
-    def __init__(self, tracker: SpikeTracker, hooks: BitsHooks, handles: list[Any], wrapped: list[tuple[nn.Module, str]]) -> None:
+    def __init__(self, tracker: SpikeTracker, hooks: BitsHooks, handles: list[Any], wrapped: list[nn.Module]) -> None:
         self.tracker, self.hooks, self.handles, self.wrapped = tracker, hooks, handles, wrapped
         self.active: list[Any] = []
 
@@ -81,8 +81,8 @@ class _State:
         for h in self.handles:
             h.remove()
         self.tracker.close()
-        for m, method in self.wrapped:
-            unwrap(m, method)
+        for m in self.wrapped:
+            unwrap(m)
 
 
 def check_level(level: str, where: str = "memory level") -> str:
@@ -110,14 +110,14 @@ def optimize(model: nn.Module, level: Level | str = "bits") -> MemoryPlan:
     tracker = SpikeTracker()
     tracker.watch(model)
     hooks = BitsHooks(tracker)
-    wrapped: list[tuple[nn.Module, str]] = []
+    wrapped: list[nn.Module] = []
     plan = MemoryPlan(level, neurons, hooks=hooks)
     if level == "recompute":
-        for name, m, method in regions:
-            if not is_wrapped(m, method):
-                wrap(m, method)
-                wrapped.append((m, method))
-                plan.units.append(name if method == "forward" else f"{name}.{method}")
+        for name, m in regions:
+            if not is_wrapped(m):
+                wrap(m)
+                wrapped.append(m)
+                plan.units.append(name)
     state = _State(tracker, hooks, [], wrapped)
     state.handles.append(model.register_forward_pre_hook(state.enter))
     state.handles.append(model.register_forward_hook(state.exit, always_call=True))

@@ -220,7 +220,7 @@ def applied_level(model: nn.Module) -> str:
     model = eager_module(model)
     if getattr(model, "_efficient_memory", None) is None:
         return "none"
-    return "recompute" if any(is_wrapped(m, method) for _, m, method in units(model)) else "bits"
+    return "recompute" if any(is_wrapped(m) for _, m in units(model)) else "bits"
 
 
 def eager_module(model: nn.Module) -> nn.Module:

@@ -1,9 +1,8 @@
 """Recomputed units: a unit keeps only its input for backward and recomputes the rest there.
 
 A unit is a module whose class says `recompute_unit = True` (the zoo's spiking transformer blocks,
-spiking stems and Linear/Conv -> BatchNorm -> neuron units), a method a class names in `recompute_methods` (the spiking
-self-attention's fused Q/K/V projection and its attention-to-output path), or one of our (stateless)
-spiking neurons outside any unit. Its forward (or the method) runs under
+spiking stems and Linear/Conv -> BatchNorm -> neuron units), or one of our (stateless) spiking
+neurons outside any unit. Its forward runs under
 `torch.utils.checkpoint` (non-reentrant): nothing inside is saved, the input is saved once (as bits
 when it is spikes and the bits hooks are on, see `efficient.memory.spikes`), and backward reruns the
 unit on it with the forward's RNG state and autocast. A rerun must not count twice what forward
@@ -41,17 +40,15 @@ def _stateless(m: nn.Module) -> bool:
     return isinstance(m, SpikingNeuron)
 
 
-def units(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
-    """(name, module, method) of every region recomputed at level `recompute`: declared units and
-    neurons outside them (their `forward`, outermost first; nothing inside a unit is wrapped again),
-    and the methods classes list in `recompute_methods`."""
-    found: list[tuple[str, nn.Module, str]] = []
+def units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every unit recomputed at level `recompute`: declared units and neurons
+    outside them, outermost first (nothing inside a unit is wrapped again)."""
+    found: list[tuple[str, nn.Module]] = []
 
     def visit(prefix: str, m: nn.Module) -> None:
         if m is not model and (is_unit(m) or (is_neuron(m) and _stateless(m))):
-            found.append((prefix, m, "forward"))
+            found.append((prefix, m))
             return
-        found.extend((prefix, m, method) for method in getattr(type(m), "recompute_methods", ()))
         for name, child in m.named_children():
             visit(f"{prefix}.{name}" if prefix else name, child)
 
@@ -100,21 +97,21 @@ def recomputed_forward(module: nn.Module, forward: Callable[..., Any], *args: An
                       context_fn=functools.partial(_contexts, module), **kwargs)
 
 
-def _call(module: nn.Module, method: str, *args: Any, **kwargs: Any) -> Any:
-    return recomputed_forward(module, functools.partial(getattr(type(module), method), module), *args, **kwargs)
+def _call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return recomputed_forward(module, functools.partial(type(module).forward, module), *args, **kwargs)
 
 
-def is_wrapped(module: nn.Module, method: str = "forward") -> bool:
-    f = module.__dict__.get(method)
+def is_wrapped(module: nn.Module) -> bool:
+    f = module.__dict__.get("forward")
     return isinstance(f, functools.partial) and f.func is _call
 
 
-def wrap(module: nn.Module, method: str = "forward") -> None:
-    """Make calls of `module.<method>` recomputed regions (idempotent; `unwrap` undoes it). The
-    instance attribute is a partial over the module itself, so copies of the model stay wrapped."""
-    setattr(module, method, functools.partial(_call, module, method))
+def wrap(module: nn.Module) -> None:
+    """Make calls of `module` recomputed regions (`unwrap` undoes it). The instance's `forward` is a
+    partial over the module itself, so copies of the model stay wrapped."""
+    module.forward = functools.partial(_call, module)  # type: ignore[method-assign]
 
 
-def unwrap(module: nn.Module, method: str = "forward") -> None:
-    if is_wrapped(module, method):
-        del module.__dict__[method]
+def unwrap(module: nn.Module) -> None:
+    if is_wrapped(module):
+        del module.__dict__["forward"]
