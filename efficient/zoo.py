@@ -31,6 +31,7 @@ from efficient.io import check_and_load, load_weights, read_state_dict, save_mod
 MODEL_MODULES: list[str] = [
     "efficient.models.spikformer",
     "efficient.models.sdt",
+    "efficient.models.qkformer",
     "efficient.models.ee_gpt",
     "efficient.models.stable_snn",
     "efficient.models.mlp",
@@ -457,7 +458,7 @@ def load_pretrained(model: nn.Module, weights: Path, allow_pickle: bool = False)
     kind = type(model).__name__
     if kind != layout.family:
         name = getattr(model, "zoo_name", kind)
-        other = "spikformer-4-384" if layout.family == "Spikformer" else "sdt-2-512"
+        other = {"Spikformer": "spikformer-4-384", "QKFormer": "qkformer-4-384"}.get(layout.family, "sdt-2-512")
         raise ArtifactError(f"{weights}: a {layout.family} checkpoint in the layout of {layout.description}, but {name!r} is a {kind}; "
                             f"load it into a {layout.family} entry (e.g. efficient.load({other!r}, pretrained=...))")
     cfg = dict(getattr(model, "zoo_cfg", {}) or {})

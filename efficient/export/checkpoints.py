@@ -14,6 +14,9 @@ detects its layout from the keys and maps names and shapes onto our model:
   into the BatchNorm running means; the unused talking-heads weights of `sdt-*` load as zeros).
 * `sdt`: the official Spike-driven Transformer code (`block.N.attn.q_conv` 1x1 Conv2d,
   `talking_heads`, `mlp.fc1_conv`), whose `lif` spike mode without `dvs_mode` matches `sdt-*`.
+* `qkformer-cifar`, `qkformer-imagenet`, `qkformer-dvs`: the official QKFormer code's three
+  models (`patch_embedN.proj*_conv`, `stageN.B.tssa.q_conv`, SSA as `ssa` or `attn`, MLP units
+  `mlp1_conv` or `fc1_conv`); the model is rebuilt with that code's stem and QKTA stage depths.
 
 Max-pools leave no trace in a state dict: the zoo entry's `pool_stages` must equal the number of
 pooled stem stages of the checkpoint (the trailing 1s of the SDT code's `pooling_stat`, e.g. "0011" = 2).
@@ -256,6 +259,48 @@ LAYOUTS: dict[str, Layout] = {
         "sdt", "the official Spike-driven Transformer code (module/ms_conv.py, module/sps.py)", "SpikeDrivenTransformer", SDT,
         lambda sd: _has(sd, r"block\.\d+\.attn\.q_conv\.weight", dim=4) or _has(sd, r"block\.\d+\.attn\.talking_heads\.weight")),
 }
+
+
+def _qkformer(stem_convs: int, qkta_stages: int, embed_convs: tuple[str, str], ssa: str, mlp: str) -> list[Rule]:
+    """The official QKFormer code (`patch_embed1`, `stage1`, ..., `patch_embedS`, `stageS`) -> ours
+    (`patch_embed`, `stages.i.blocks` + `stages.i.downsample`, `blocks`): `stem_convs` stem units
+    `proj{,1,2,3}_conv`, the downsampling embeddings' two units `embed_convs`, the SSA module's name
+    and the MLP's unit prefix. Its q/k/v/proj are 1x1 Conv1d, its MLP 1x1 Conv2d."""
+    def embed(theirs: str, ours: str, convs: list[str]) -> list[Rule]:
+        rules = [r for i, c in enumerate(convs) for r in (Rule(f"{theirs}.{c}_conv.weight", f"{ours}.convs.{i}.weight"),
+                                                          Rule(f"{theirs}.{c}_bn.{{x}}", f"{ours}.bns.{i}.{{x}}"))]
+        return rules + [Rule(f"{theirs}.proj_res_conv.weight", f"{ours}.res_conv.weight"),
+                        Rule(f"{theirs}.proj_res_bn.{{x}}", f"{ours}.res_bn.{{x}}")]
+
+    def block(theirs: str, ours: str, attn: str, units: str) -> list[Rule]:
+        return [Rule(f"{theirs}.{attn}.{{p}}_conv.{{w}}", f"{ours}.attn.{{p}}.linear.{{w}}", "conv1d", {"p": units}),
+                Rule(f"{theirs}.{attn}.{{p}}_bn.{{x}}", f"{ours}.attn.{{p}}.bn.{{x}}", groups={"p": units}),
+                Rule(f"{theirs}.mlp.{mlp}{{n}}_conv.{{w}}", f"{ours}.mlp.fc{{n}}.linear.{{w}}", "conv2d"),
+                Rule(f"{theirs}.mlp.{mlp}{{n}}_bn.{{x}}", f"{ours}.mlp.fc{{n}}.bn.{{x}}")]
+
+    rules = embed("patch_embed1", "patch_embed", ["proj" + ("" if i == 0 else str(i)) for i in range(stem_convs)])
+    for s in range(qkta_stages):
+        rules += block(f"stage{s + 1}.{{b}}", f"stages.{s}.blocks.{{b}}", "tssa", "q|k|proj")
+        rules += embed(f"patch_embed{s + 2}", f"stages.{s}.downsample", list(embed_convs))
+    return rules + block(f"stage{qkta_stages + 1}.{{b}}", "blocks.{b}", ssa, "q|k|v|proj") + [Rule("head.{w}", "head.{w}")]
+
+
+LAYOUTS.update({
+    "qkformer-cifar": Layout(
+        "qkformer-cifar", "the official QKFormer code (cifar10/model.py, cifar100/model.py)", "QKFormer",
+        _qkformer(2, 2, ("proj3", "proj4"), "ssa", "mlp"), lambda sd: _has(sd, r"stage3\.\d+\.ssa\.q_conv\.weight"),
+        {"stem": "cifar", "qkta_depths": [1, 1]}),
+    "qkformer-imagenet": Layout(
+        "qkformer-imagenet", "the official QKFormer code (imagenet/qkformer.py)", "QKFormer",
+        _qkformer(3, 2, ("proj3", "proj4"), "attn", "fc"), lambda sd: _has(sd, r"stage3\.\d+\.attn\.q_conv\.weight"),
+        {"stem": "imagenet", "qkta_depths": [1, 2]}),
+    "qkformer-dvs": Layout(
+        "qkformer-dvs", "the official QKFormer code (cifar10-dvs/model.py, dvs128-gesture/model.py)", "QKFormer",
+        _qkformer(4, 1, ("proj", "proj4"), "ssa", "mlp"), lambda sd: _has(sd, r"stage2\.\d+\.ssa\.q_conv\.weight"),
+        {"stem": "dvs", "qkta_depths": [1]}),
+})
+
+
 def strip_ddp(sd: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Without the `module.` prefix DistributedDataParallel adds to every key (unless the model's own keys have it)."""
     if sd and all(k.startswith("module.") for k in sd) and not any(k.startswith("module.") for k in own):
