@@ -178,7 +178,7 @@ class _Recorder:
         if not self.recording:
             return
         packed = isinstance(kept, PackedSaved)
-        data = kept.bits if packed else kept if isinstance(kept, torch.Tensor) else t
+        data = kept.data if packed else kept if isinstance(kept, torch.Tensor) else t
         key, nbytes = _storage(data)
         if not packed and key in self.skip:
             return

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from efficient.memory.spikes import is_neuron
+from efficient.memory.spikes import region_state, in_region, is_neuron
 
 
 def is_unit(m: nn.Module) -> bool:
@@ -72,15 +71,12 @@ def _contexts(module: nn.Module) -> tuple[contextlib.AbstractContextManager, con
     return contextlib.nullcontext(), _buffers_restored(module)
 
 
-_region = threading.local()  # how deep the running code is inside recomputed regions
-
-
 def _inside(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    _region.depth = getattr(_region, "depth", 0) + 1
+    region_state.depth = getattr(region_state, "depth", 0) + 1
     try:
         return forward(*args, **kwargs)
     finally:
-        _region.depth -= 1
+        region_state.depth -= 1
 
 
 def recomputed_forward(module: nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -91,7 +87,7 @@ def recomputed_forward(module: nn.Module, forward: Callable[..., Any], *args: An
         return forward(*args, **kwargs)
     if torch.compiler.is_compiling():
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-    if getattr(_region, "depth", 0):
+    if in_region():
         return forward(*args, **kwargs)
     return checkpoint(functools.partial(_inside, forward), *args, use_reentrant=False,
                       context_fn=functools.partial(_contexts, module), **kwargs)

@@ -12,6 +12,7 @@ tensor freed after the forward drops out, so its memory, if reused, is never mis
 
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -54,11 +55,17 @@ def _storage_key(t: torch.Tensor) -> tuple[str, int]:
     return (str(t.device), t.untyped_storage().data_ptr())
 
 
+def _trackable(t: torch.Tensor) -> bool:
+    return t.is_floating_point() and t.numel() > 0 and t.layout == torch.strided
+
+
 class SpikeTracker:
-    """Which live storages hold spikes. `watch(model)` hooks its neurons; `is_spikes(t)` answers."""
+    """Which live storages hold spikes or small counts of them. `watch(model)` hooks its neurons;
+    `bound(t)` answers with the largest value `t` can hold (1 for spikes; every tracked tensor holds
+    non-negative integers up to its bound), or None for a tensor that is not tracked."""
 
     def __init__(self) -> None:
-        self._live: dict[tuple[str, int], weakref.ref[torch.Tensor]] = {}
+        self._live: dict[tuple[str, int], tuple[list[weakref.ref[torch.Tensor]], int]] = {}
         self._handles: list[Any] = []
 
     def watch(self, model: nn.Module) -> int:
@@ -77,21 +84,40 @@ class SpikeTracker:
         if s is not None:
             self.add(s)
 
-    def add(self, s: torch.Tensor) -> None:
-        if s.is_floating_point() and s.numel() and s.layout == torch.strided:
-            self._live[_storage_key(s)] = weakref.ref(s)
+    def add(self, s: torch.Tensor, bound: int = 1) -> None:
+        if not _trackable(s):
+            return
+        key = _storage_key(s)
+        refs = self._alive(key)
+        if refs:  # another view of a tracked storage: any live view keeps the record
+            self._live[key] = ([*refs, weakref.ref(s)], max(self._live[key][1], bound))
+        else:
+            self._live[key] = ([weakref.ref(s)], bound)
+
+    def _alive(self, key: tuple[str, int]) -> list[weakref.ref[torch.Tensor]]:
+        """The live references recorded for `key` whose tensor still holds that storage (a
+        storage freed and reallocated at the same address is another tensor's memory)."""
+        entry = self._live.get(key)
+        if entry is None:
+            return []
+        refs = [r for r in entry[0] if (t := r()) is not None and t.untyped_storage().data_ptr() == key[1]]
+        if not refs:
+            del self._live[key]
+        return refs
+
+    def discard(self, t: torch.Tensor) -> None:
+        """Forget `t`'s storage: something wrote into it that may break its bound."""
+        if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+            self._live.pop(_storage_key(t), None)
+
+    def bound(self, t: torch.Tensor) -> int | None:
+        if not _trackable(t):
+            return None
+        key = _storage_key(t)
+        return self._live[key][1] if self._alive(key) else None
 
     def is_spikes(self, t: torch.Tensor) -> bool:
-        if not t.is_floating_point() or not t.numel() or t.layout != torch.strided:
-            return False
-        ref = self._live.get(_storage_key(t))
-        if ref is None:
-            return False
-        s = ref()
-        if s is None or s.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
-            del self._live[_storage_key(t)]
-            return False
-        return True
+        return self.bound(t) == 1
 
     def forget(self) -> None:
         """Drop every record (between steps: the tensors are gone anyway)."""
@@ -104,15 +130,23 @@ class SpikeTracker:
         self._live.clear()
 
 
-# Functions whose output is spikes when every tensor they take is: views and copies, casts to another
-# float dtype, max-pooling, gathers and concatenation of spikes, and products of spikes (AND).
-SPIKE_PRESERVING = frozenset({
+# Functions whose output holds only values of their tensor inputs: views and copies, casts to another
+# float dtype, max-pooling, gathers and concatenation. Spikes in, spikes out; counts in, counts out.
+VALUE_PRESERVING = frozenset({
     "reshape", "view", "view_as", "reshape_as", "flatten", "unflatten", "transpose", "permute", "movedim", "contiguous",
     "clone", "squeeze", "unsqueeze", "expand", "expand_as", "repeat", "narrow", "flip", "roll", "split", "chunk",
     "unbind", "__getitem__", "to", "float", "half", "bfloat16", "double", "type_as", "cat", "concat", "stack",
     "max_pool1d", "max_pool2d", "max_pool3d", "max_pool2d_with_indices", "adaptive_max_pool1d", "adaptive_max_pool2d",
-    "gather", "index_select", "take_along_dim", "mul", "__mul__", "__rmul__", "logical_and", "token_gather",
+    "gather", "index_select", "take_along_dim", "token_gather",
 })
+# Products of non-negative integers (spikes AND spikes stay spikes) and sums of them (a residual
+# stream that adds spikes holds counts: Spikformer's, SEW-ResNet's).
+PRODUCTS = frozenset({"mul", "__mul__", "__rmul__", "mul_", "__imul__"})
+SUMS = frozenset({"add", "__add__", "__radd__", "add_", "__iadd__"})
+# Matrix products of counts are counts (bound: the operands' bounds times the contraction length).
+MATMULS = frozenset({"matmul", "__matmul__", "bmm"})
+# The largest bound kept as integers: any float rounding of an integer up to it fits int16.
+MAX_BOUND = 16383
 
 
 def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
@@ -127,41 +161,193 @@ def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
             yield from tensors_in(o)
 
 
+def _count(x: Any) -> int | None:
+    """A Python number usable in a bound: a non-negative integer (True counts as 1), else None."""
+    if isinstance(x, bool):
+        return int(x)
+    if isinstance(x, int) and x >= 0:
+        return x
+    if isinstance(x, float) and x >= 0 and x.is_integer():
+        return int(x)
+    return None
+
+
+def _operands(tracker: SpikeTracker, name: str, args: tuple, kwargs: dict) -> int | None:
+    """The bound of `name(*args, **kwargs)`'s output, or None when it is not a tracked count."""
+    bounds: list[int] = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if not a.is_floating_point():
+                if name in VALUE_PRESERVING:  # an index, a mask
+                    continue
+                return None
+            b = tracker.bound(a)
+            if b is None:
+                return None
+            bounds.append(b)
+        elif isinstance(a, (tuple, list)) and name in VALUE_PRESERVING:
+            for t in tensors_in(a):
+                if t.is_floating_point():
+                    b = tracker.bound(t)
+                    if b is None:
+                        return None
+                    bounds.append(b)
+        elif name in PRODUCTS or name in SUMS:
+            c = _count(a)
+            if c is None:
+                return None
+            bounds.append(c)
+    if not bounds:
+        return None
+    if name in VALUE_PRESERVING:
+        return max(bounds)
+    if name in PRODUCTS:
+        out = 1
+        for b in bounds:
+            out *= b
+        return out
+    alpha = _count(kwargs.get("alpha", 1))
+    if alpha is None or len(bounds) != 2:
+        return None
+    return bounds[0] + alpha * bounds[1]
+
+
+# In-place methods that leave values as they are.
+_NO_VALUE_WRITE = frozenset({"requires_grad_", "detach_", "share_memory_", "record_stream", "retain_grad"})
+
+
+def _written(name: str, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """Tensors that `name(*args, **kwargs)` writes into: `self` of an in-place method, an `out=`
+    argument, the input of a functional called with `inplace=True`."""
+    written = list(tensors_in(kwargs.get("out")))
+    if name in _NO_VALUE_WRITE:
+        return written
+    inplace = (name.endswith("_") and not name.startswith("__")) or name.startswith("__i") or name == "__setitem__"
+    if (inplace or kwargs.get("inplace") is True) and args and isinstance(args[0], torch.Tensor):
+        written.append(args[0])
+    return written
+
+
+class _SpikeMaxPool2d(torch.autograd.Function):
+    """2-D max-pool of spikes that keeps only its input (as bits, through the saved-tensor hooks) and
+    finds the argmax positions again in backward. autograd's own max-pool keeps int64 indices, 16
+    bits per input element where the spikes take 1; the recomputed indices are the same, and the
+    same aten backward kernel routes the gradient, so it is bitwise autograd's."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, *pool: Any) -> torch.Tensor:
+        out, _ = torch.ops.aten.max_pool2d_with_indices(x, *pool)
+        ctx.save_for_backward(x)
+        ctx.pool = pool
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (x,) = ctx.saved_tensors
+        _, idx = torch.ops.aten.max_pool2d_with_indices(x, *ctx.pool)
+        gx = torch.ops.aten.max_pool2d_with_indices_backward(grad, x, *ctx.pool, idx)
+        return (gx, *([None] * len(ctx.pool)))
+
+
+def _pool2d_args(args: tuple, kwargs: dict) -> tuple | None:
+    """`F.max_pool2d`'s arguments as aten's (kernel, stride, padding, dilation, ceil_mode), or None
+    when indices are asked for (the caller keeps them anyway)."""
+    from torch.nn.modules.utils import _pair
+
+    names = ("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
+    given = {**dict(zip(names, args[1:])), **kwargs}
+    if given.get("return_indices"):
+        return None
+    kernel = _pair(given["kernel_size"])
+    stride = given.get("stride")
+    stride = kernel if stride is None or stride == [] else _pair(stride)
+    return (list(kernel), list(stride), list(_pair(given.get("padding", 0))), list(_pair(given.get("dilation", 1))),
+            bool(given.get("ceil_mode", False)))
+
+
 class SpikePropagation(TorchFunctionMode):
-    """Follows spikes through the ops that keep them binary (`SPIKE_PRESERVING`): a max-pool of
-    spikes, a reshape that copies, a gather of spike tokens are spikes too, and are tracked as such."""
+    """Follows spikes and counts of spikes through the ops that keep them non-negative integers: a
+    max-pool of spikes or a gather of spike tokens is spikes, a sum of spikes is a count. A tensor
+    something writes into (an in-place op, `out=`) keeps its bound only when the write provably
+    keeps it; otherwise it is no longer tracked, so a scaled or shifted spike tensor is never packed.
+
+    Two ops are given what autograd should keep: a matrix product of tracked operands multiplies
+    contiguous copies (made here, so they are tracked; `matmul` would otherwise copy a strided
+    operand itself and keep that untracked copy dense), and a 2-D max-pool of spikes keeps its
+    input as bits instead of int64 indices (`_SpikeMaxPool2d`)."""
 
     def __init__(self, tracker: SpikeTracker) -> None:
         super().__init__()
         self.tracker = tracker
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if name in SPIKE_PRESERVING:
-            inputs = [t for t in tensors_in(args) if t.is_floating_point()]
-            if inputs and all(self.tracker.is_spikes(t) for t in inputs):
-                for t in tensors_in(out):
-                    if t.is_floating_point():
-                        self.tracker.add(t)
+        written = _written(name, args, kwargs)
+        bound = None
+        if name in VALUE_PRESERVING or name in PRODUCTS or name in SUMS:
+            bound = _operands(self.tracker, name, args, {k: v for k, v in kwargs.items() if k != "out"})
+        elif name == "__setitem__" and len(args) == 3:
+            target, value = self.tracker.bound(args[0]), args[2]
+            v = self.tracker.bound(value) if isinstance(value, torch.Tensor) else _count(value)
+            bound = max(target, v) if target is not None and v is not None else None
+        if in_region():  # nothing in a recomputed region is saved, and its rerun runs outside this mode
+            pass
+        elif name in MATMULS and not written and len(args) == 2:
+            out = self._matmul(func, *args)
+            if out is not None:
+                return out
+        elif name == "max_pool2d" and args and (b := self.tracker.bound(args[0])) == 1 and args[0].requires_grad \
+                and torch.is_grad_enabled() and (pool := _pool2d_args(args, kwargs)) is not None:
+            out = _SpikeMaxPool2d.apply(args[0], *pool)
+            self.tracker.add(out, b)
+            return out
+        out = func(*args, **kwargs)
+        for t in written:
+            self.tracker.discard(t)
+        if bound is not None and bound <= MAX_BOUND:
+            targets = written if written else [t for t in tensors_in(out)]
+            for t in targets:
+                if t.is_floating_point():
+                    self.tracker.add(t, bound)
+        return out
+
+
+    def _matmul(self, func: Any, a: Any, b: Any) -> torch.Tensor | None:
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() < 2 or b.dim() < 2:
+            return None
+        ba, bb = self.tracker.bound(a), self.tracker.bound(b)
+        if ba is None or bb is None:
+            return None
+        a, b = a.contiguous(), b.contiguous()
+        self.tracker.add(a, ba)
+        self.tracker.add(b, bb)
+        out = func(a, b)
+        if ba * bb * a.shape[-1] <= MAX_BOUND:
+            self.tracker.add(out, ba * bb * a.shape[-1])
         return out
 
 
 @dataclass(frozen=True)
 class PackedSaved:
-    """A saved spike tensor as bits, with what it takes to rebuild it exactly (shape, strides, dtype)."""
+    """A saved spike tensor (`bound` 1) as bits, or a saved tensor of small counts as uint8/int16,
+    with what it takes to rebuild it exactly (shape, strides, dtype)."""
 
-    bits: torch.Tensor
+    data: torch.Tensor
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
+    bound: int = 1
 
     @property
     def nbytes(self) -> int:
-        return self.bits.numel()
+        return self.data.numel() * self.data.element_size()
 
     def unpack(self) -> torch.Tensor:
-        dense = unpack_spikes(self.bits, self.shape, self.dtype)
+        if self.bound == 1:
+            dense = unpack_spikes(self.data, self.shape, self.dtype)
+        else:
+            dense = self.data.to(self.dtype).view(self.shape)
         if dense.stride() == self.stride or dense.numel() <= 1:
             return dense
         # the same strides as the saved tensor, so backward's kernels see the layout forward gave them
@@ -169,9 +355,18 @@ class PackedSaved:
         return out.copy_(dense)
 
 
+def pack_counts(t: torch.Tensor, bound: int) -> PackedSaved:
+    """`t` (non-negative integers up to `bound`) as bits, uint8 or int16, whichever holds it."""
+    if bound == 1:
+        return PackedSaved(pack_spikes(t), tuple(t.shape), tuple(t.stride()), t.dtype)
+    small = torch.uint8 if bound <= 255 else torch.int16
+    return PackedSaved(t.contiguous().to(small).view(-1), tuple(t.shape), tuple(t.stride()), t.dtype, bound)
+
+
 class BitsHooks:
-    """`torch.autograd.graph.saved_tensors_hooks` that keep tracked spikes as bits; other tensors
-    pass through untouched. `packed` / `bytes_saved` count what was packed (for reports).
+    """`torch.autograd.graph.saved_tensors_hooks` that keep tracked spikes as bits and tracked counts
+    as uint8/int16 (exact: both are integers); other tensors pass through untouched. `packed` /
+    `bytes_saved` count what was packed (for reports).
 
     `observer`, when set, is called as `observer(tensor, kept)` after every pack with what autograd
     will keep for that tensor (a `PackedSaved` or the tensor itself). Saved-tensor hooks do not nest
@@ -191,11 +386,12 @@ class BitsHooks:
         return kept
 
     def _pack(self, t: torch.Tensor) -> Any:
-        if not self.tracker.is_spikes(t):
-            return t
+        bound = self.tracker.bound(t)
+        if bound is None or (bound > 1 and t.element_size() <= (1 if bound <= 255 else 2)):
+            return t  # untracked, or already as small as its counts allow
         self.packed += 1
         self.bytes_saved += t.numel() * t.element_size()
-        return PackedSaved(pack_spikes(t), tuple(t.shape), tuple(t.stride()), t.dtype)
+        return pack_counts(t, bound)
 
     @staticmethod
     def unpack(saved: Any) -> torch.Tensor:
@@ -203,6 +399,13 @@ class BitsHooks:
 
     def context(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+region_state = threading.local()  # how deep the running code is inside recomputed regions (`recompute.py`)
+
+
+def in_region() -> bool:
+    return getattr(region_state, "depth", 0) > 0
 
 
 def iter_neurons(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:

@@ -1,0 +1,123 @@
+"""What the `bits` level may pack: outputs of neurons (bits), counts of spikes (residual sums,
+integer multiples: uint8/int16), products of them, and nothing a later op made non-integer. Each
+case checks the gradients against the dense path bitwise and what autograd kept."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from efficient import memory
+from efficient.memory.spikes import PackedSaved
+from efficient.models.neurons import LIF
+
+
+class Probe(nn.Module):
+    """Two LIF layers over one input, and `body(s1, s2, self)` after them, read out linearly."""
+
+    def __init__(self, body: Callable[..., torch.Tensor], d: int = 16) -> None:
+        super().__init__()
+        self.a, self.b, self.out = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, 3)
+        self.n1, self.n2 = LIF(), LIF()
+        self.body = body
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.body(self.n1(self.a(x)), self.n2(self.b(x)), self))
+
+
+def _run(body: Callable[..., torch.Tensor], level: str, shape=(4, 3, 16)) -> tuple[dict, list]:
+    """Gradients of one backward at `level`, and what autograd kept for each saved tensor."""
+    torch.manual_seed(0)
+    model = Probe(body, shape[-1])
+    plan = memory.optimize(model, level)
+    kept: list = []
+    if plan.hooks is not None:
+        plan.hooks.observer = lambda t, k: kept.append(k)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 2
+    model(x).square().sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, kept
+
+
+def _same_grads(body: Callable[..., torch.Tensor], shape=(4, 3, 16)) -> list:
+    dense, _ = _run(body, "none", shape)
+    packed, kept = _run(body, "bits", shape)
+    for n in dense:
+        assert torch.equal(dense[n], packed[n]), n
+    return kept
+
+
+def _packed(kept: list) -> list[PackedSaved]:
+    return [k for k in kept if isinstance(k, PackedSaved)]
+
+
+def test_spikes_scaled_by_a_fraction_are_not_packed() -> None:
+    # 0.5 * spikes is not binary: packing it as bits would give the next layer 1s for 0.5s
+    kept = _same_grads(lambda s1, s2, m: s1 * 0.5)
+    assert not _packed(kept)
+
+
+def test_a_sum_of_spikes_is_kept_as_small_integers() -> None:
+    kept = _same_grads(lambda s1, s2, m: s1 + s2 + 2 * s1)  # a residual stream: counts up to 4
+    packed = _packed(kept)
+    assert [p.bound for p in packed] == [4] and packed[0].data.dtype == torch.uint8
+
+
+def test_a_large_count_is_kept_as_int16() -> None:
+    kept = _same_grads(lambda s1, s2, m: s1 * 300 + s2)
+    assert [(p.bound, p.data.dtype) for p in _packed(kept)] == [(301, torch.int16)]
+
+
+def test_spikes_as_they_are_are_bits() -> None:
+    kept = _same_grads(lambda s1, s2, m: s1.transpose(0, 1).reshape(3, 4, -1).transpose(0, 1) * s2)
+    assert {p.bound for p in _packed(kept)} == {1}  # an AND of spikes is spikes (and so are its operands)
+
+
+def _sigmoid_into(s: torch.Tensor) -> None:
+    with torch.no_grad():  # `out=` does not record autograd
+        torch.sigmoid(s.clone(), out=s)
+
+
+@pytest.mark.parametrize("write", [
+    lambda s: s.add_(0.25), lambda s: s.mul_(-1.0), lambda s: s.__setitem__((0, 0), 0.5),
+    _sigmoid_into, lambda s: F.relu(s.sub_(0.5), inplace=True),
+], ids=["add_", "mul_", "setitem", "out=", "inplace="])
+def test_a_write_that_breaks_the_bound_ends_tracking(write) -> None:
+    def body(s1: torch.Tensor, s2: torch.Tensor, m: nn.Module) -> torch.Tensor:
+        s = s1.clone()
+        write(s)
+        return s
+    assert not _packed(_same_grads(body))
+
+
+def test_a_write_that_keeps_integers_updates_the_bound() -> None:
+    def body(s1: torch.Tensor, s2: torch.Tensor, m: nn.Module) -> torch.Tensor:
+        s = s1.clone()
+        s += s2  # counts up to 2 now: still exact as uint8, no longer bits
+        return s
+    assert [p.bound for p in _packed(_same_grads(body))] == [2]
+
+
+def test_a_max_pool_of_spikes_keeps_bits_not_int64_indices() -> None:
+    def body(s1: torch.Tensor, s2: torch.Tensor, m: nn.Module) -> torch.Tensor:
+        img = (s1 + 0 * s2).reshape(12, 1, 4, 4)  # spikes as [T*B, C, H, W]
+        return F.max_pool2d(img, 3, 2, 1).reshape(4, 3, -1).repeat(1, 1, 4)
+
+    kept = _same_grads(body)
+    assert not [k for k in kept if isinstance(k, torch.Tensor) and k.dtype == torch.int64]
+    assert any(p.bound == 1 and p.shape == (12, 1, 4, 4) for p in _packed(kept))
+
+
+def test_a_matmul_of_strided_spike_views_keeps_them_as_bits() -> None:
+    def body(s1: torch.Tensor, s2: torch.Tensor, m: nn.Module) -> torch.Tensor:
+        q = s1.reshape(4, 3, 4, 4).transpose(2, 3)  # heads split off: a strided view
+        k = s2.reshape(4, 3, 4, 4).transpose(2, 3)
+        return (q @ (k.transpose(-2, -1) @ q) * 0.125).transpose(2, 3).reshape(4, 3, 16)
+
+    kept = _same_grads(body)
+    dense_float = [k for k in kept if isinstance(k, torch.Tensor) and k.is_floating_point() and k.dim() >= 3]
+    assert not dense_float  # q, k and k^T q (counts up to 4) are all packed
+    assert sorted(p.bound for p in _packed(kept)) == [1, 1, 1, 4]
