@@ -15,6 +15,7 @@ SUBCOMMANDS: dict[str, str] = {
     "validate": "efficient.commands.validate",
     "zoo": "efficient.commands.zoo",
     "profile": "efficient.commands.profile",
+    "check": "efficient.commands.check",
     "generate": "efficient.commands.generate",
     "attack": "efficient.commands.attack",
     "merge": "efficient.commands.merge",

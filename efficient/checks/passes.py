@@ -1,0 +1,359 @@
+"""The machinery the checks share: finding spiking layers, running observed passes (hooks that
+record each spiking layer's input and spikes and may change its input first), keeping the model as
+it was, random inputs and currents, and relative differences between passes."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import Tensor, nn
+
+def spiking_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """name -> spiking neuron module of `model` (ours, spikingjelly's, snntorch's), the outermost
+    where one neuron holds another, in module order."""
+    from efficient.profiler.neurons import is_spiking_neuron
+
+    out: dict[str, nn.Module] = {}
+    for name, m in model.named_modules():
+        if is_spiking_neuron(m) and not any(name.startswith(p + ".") for p in out if p):
+            out[name] = m
+    return out
+
+
+def _is_multi_step(m: nn.Module) -> bool:
+    from efficient.profiler.neurons import neuron_kind
+
+    return "multi" in neuron_kind(m)
+
+
+def _rest(model: nn.Module, reset: Callable[[nn.Module], Any] | None) -> None:
+    """Peers' neurons back to rest (spikingjelly `reset()`, snntorch `reset_mem()`), then `reset`."""
+    from efficient.profiler.neurons import neuron_library
+
+    for m in model.modules():
+        if type(m).__module__.startswith("spikingjelly") and callable(getattr(m, "reset", None)):
+            m.reset()
+        elif neuron_library(m) == "snntorch" and callable(getattr(m, "reset_mem", None)):
+            m.reset_mem()
+    if reset is not None:
+        reset(model)
+
+
+def _snapshot(model: nn.Module) -> list[tuple[nn.Module, str, Tensor, Tensor]]:
+    return [(m, k, b, b.detach().clone()) for m in model.modules() for k, b in m._buffers.items() if b is not None]
+
+
+def _restore(buffers: list[tuple[nn.Module, str, Tensor, Tensor]]) -> None:
+    with torch.no_grad():
+        for m, k, b, saved in buffers:
+            if m._buffers.get(k) is b and b.shape == saved.shape:
+                b.copy_(saved)
+            else:
+                m._buffers[k] = saved.clone()
+
+
+@contextlib.contextmanager
+def _kept_as_it_was(model: nn.Module) -> Iterator[list[tuple[nn.Module, str, Tensor, Tensor]]]:
+    """Restore every module's mode and every buffer after the checks (train-mode passes move
+    BatchNorm statistics), and leave peers' neurons at rest. On CPU our neurons with backend "auto"
+    run their eager reference meanwhile: the same spikes, without a compile per shape. Yields the
+    buffers as they were, for restoring between passes."""
+    from efficient.profiler.api import _eager_neurons_on_cpu
+
+    modes = [(m, m.training) for m in model.modules()]
+    buffers = _snapshot(model)
+    try:
+        with _eager_neurons_on_cpu(model):
+            yield buffers
+    finally:
+        _restore(buffers)
+        for m, mode in modes:
+            m.training = mode
+        _rest(model, None)
+
+
+@contextlib.contextmanager
+def _batch_norm_on_running_stats() -> Iterator[None]:
+    """Meanwhile, BatchNorm normalises with its running statistics in training too (and leaves them
+    as they are), through `torch.nn.functional.batch_norm`, which BatchNorm modules and functional
+    code (e.g. a fused q/k/v unit) call: batch statistics couple samples by design."""
+    import torch.nn.functional as F
+
+    original = F.batch_norm
+
+    def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor | None, weight: Tensor | None = None,
+                   bias: Tensor | None = None, training: bool = False, momentum: float = 0.1, eps: float = 1e-5) -> Tensor:
+        if running_mean is not None and running_var is not None:
+            training = False
+        return original(input, running_mean, running_var, weight, bias, training, momentum, eps)
+
+    F.batch_norm = batch_norm
+    try:
+        yield
+    finally:
+        F.batch_norm = original
+
+
+def _set_mode(model: nn.Module, train: bool) -> None:
+    """Train or eval; in train mode BatchNorm layers keep to their running statistics (frozen)."""
+    model.train(train)
+    if train:
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.eval()
+
+
+def _tensors(out: Any) -> list[Tensor]:
+    """The tensors of a model output: a tensor, or those inside tuples, lists and dicts."""
+    if isinstance(out, Tensor):
+        return [out]
+    if isinstance(out, dict):
+        return [t for v in out.values() for t in _tensors(v)]
+    if isinstance(out, (tuple, list)):
+        return [t for v in out for t in _tensors(v)]
+    return []
+
+
+def _spikes_of(out: Any) -> Tensor | None:
+    ts = _tensors(out)
+    return ts[0] if ts else None
+
+
+Inject = Callable[[str, int, Tensor], Tensor]
+
+
+@dataclass
+class _Pass:
+    out: list[Tensor]
+    calls: dict[str, list[tuple[Tensor | None, Tensor | None]]]  # layer -> per call (input, spikes)
+    order: list[str]  # layers in the order they were first called
+
+
+class _Tap:
+    """Hooks on the spiking layers that record each call's input and spikes, and optionally change
+    the input first (`inject(layer, call index, input) -> input`)."""
+
+    def __init__(self, layers: dict[str, nn.Module], inject: Inject | None = None, keep_graph: bool = False) -> None:
+        self.layers, self.inject, self.keep_graph = layers, inject, keep_graph
+        self.calls: dict[str, list[tuple[Tensor | None, Tensor | None]]] = {}
+        self.order: list[str] = []
+        self._pending: dict[str, list[Tensor | None]] = {}
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> _Tap:
+        for name, m in self.layers.items():
+            self._handles.append(m.register_forward_pre_hook(self._pre(name)))
+            self._handles.append(m.register_forward_hook(self._post(name)))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._handles:
+            h.remove()
+
+    def _keep(self, t: Tensor) -> Tensor:
+        return t if self.keep_graph else t.detach().clone()
+
+    def _pre(self, name: str) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: tuple) -> tuple | None:
+            x = args[0] if args and isinstance(args[0], Tensor) else None
+            if x is not None and self.inject is not None:
+                x = self.inject(name, len(self.calls.get(name, [])), x)
+                args = (x, *args[1:])
+            self._pending.setdefault(name, []).append(None if x is None else self._keep(x))
+            return args if self.inject is not None else None
+        return hook
+
+    def _post(self, name: str) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: tuple, out: Any) -> None:
+            x = self._pending[name].pop() if self._pending.get(name) else None
+            s = _spikes_of(out)
+            if name not in self.calls:
+                self.calls[name] = []
+                self.order.append(name)
+            self.calls[name].append((x, None if s is None else self._keep(s)))
+        return hook
+
+
+@dataclass
+class _Setup:
+    model: nn.Module
+    layers: dict[str, nn.Module]
+    multi: dict[str, bool]
+    x: Tensor  # the check batch (n samples)
+    n: int
+    batch_dim: int  # of the example: 1 when time-major, else 0
+    time_major: bool
+    T: int | None
+    reset: Callable[[nn.Module], Any] | None
+    seed: int
+    rtol: float
+    buffers: list[tuple[nn.Module, str, Tensor, Tensor]] = field(default_factory=list)  # as they were
+    prime: bool = False  # set once the state check finds state kept across calls
+
+
+def _run(s: _Setup, x: Tensor, train: bool, inject: Inject | None = None, rest: bool = True,
+         clean: Tensor | None = None) -> _Pass:
+    """One pass without gradients, from rest unless `rest=False` (then only `reset` runs first).
+    Once the model is known to keep state across calls (`s.prime`), a pass first runs on its clean
+    input `clean` (default x), so two passes compared start from the same leftover state."""
+    if rest:
+        _rest(s.model, s.reset)
+    elif s.reset is not None:
+        s.reset(s.model)
+    _set_mode(s.model, train)
+    frozen = _batch_norm_on_running_stats() if train else contextlib.nullcontext()
+    try:
+        with _seeded(s.seed, x.device), torch.no_grad(), frozen:
+            if s.prime and rest:
+                s.model(x if clean is None else clean)
+                if s.reset is not None:
+                    s.reset(s.model)
+            with _Tap(s.layers, inject) as tap:
+                out = s.model(x)
+    finally:
+        if train:  # what a training pass moves (statistics, counters) is put back before the next pass
+            _restore(s.buffers)
+    return _Pass([t.detach().clone() for t in _tensors(out)], tap.calls, tap.order)
+
+
+@contextlib.contextmanager
+def _seeded(seed: int, device: torch.device) -> Iterator[None]:
+    """The same random numbers (dropout masks) in every pass, without touching the caller's RNG."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _random_like(x: Tensor, g: torch.Generator) -> Tensor:
+    """Values like x's but unrelated to them: binary stays binary, integers stay in x's range,
+    floats are uniform over x's range (or normal when x is constant)."""
+    if x.dtype == torch.bool:
+        return torch.rand(x.shape, generator=g).to(x.device) < 0.5
+    if not x.is_floating_point():
+        lo, hi = int(x.min()), int(x.max())
+        return torch.randint(lo, hi + 1, x.shape, generator=g).to(x.device, x.dtype)
+    xf = x.detach().float()
+    lo, hi = float(xf.min()), float(xf.max())
+    if bool(((xf == 0) | (xf == 1)).all()):
+        p = max(float(xf.mean()), 0.1)
+        return (torch.rand(x.shape, generator=g) < p).to(x.device, x.dtype)
+    if hi > lo:
+        return (torch.rand(x.shape, generator=g) * (hi - lo) + lo).to(x.device, x.dtype)
+    return (torch.randn(x.shape, generator=g) + lo).to(x.device, x.dtype)
+
+
+def _current_like(x: Tensor, g: torch.Generator) -> Tensor:
+    """Random input currents of x's size: normal around x's mean with three times x's spread (at
+    least 3), strong enough to make a neuron with a threshold near 1 (or near x's scale) fire."""
+    xf = x.detach().float()
+    std = float(xf.std()) if xf.numel() > 1 else 0.0
+    scale = max(3.0 * std, 3.0) if math.isfinite(std) else 3.0
+    mean = float(xf.mean()) if xf.numel() else 0.0
+    return (torch.randn(x.shape, generator=g) * scale + (mean if math.isfinite(mean) else 0.0)).to(x.device, x.dtype)
+
+
+def _scale(t: Tensor) -> float:
+    m = float(t.detach().abs().max()) if t.numel() and t.is_floating_point() else 0.0
+    return m if m > 0 and math.isfinite(m) else 1.0
+
+
+def _rel(a: Tensor | None, b: Tensor | None, scale: float) -> float:
+    """max |a - b| / scale; for integer tensors the fraction of entries that differ."""
+    if a is None or b is None:
+        return 0.0 if a is None and b is None else math.inf
+    if a.shape != b.shape:
+        return math.inf
+    if a.numel() == 0:
+        return 0.0
+    if not (a.is_floating_point() or b.is_floating_point()):
+        return float((a != b).float().mean())
+    d = (a.double() - b.double()).abs()
+    both_nan = torch.isnan(a) & torch.isnan(b)
+    d = torch.where(both_nan, torch.zeros_like(d), d)
+    m = float(d.max())
+    return m / scale if math.isfinite(m) else math.inf
+
+
+def _batch_dim(t: Tensor | None, s: _Setup, multi: bool) -> int | None:
+    """The batch axis of a spiking layer's tensor: 1 for a multi-step layer's `[T, B, ...]`, 0 for `[B, ...]`."""
+    if t is None or t.dim() == 0:
+        return None
+    if multi and t.dim() >= 2 and t.shape[1] == s.n and (s.T is None or t.shape[0] == s.T):
+        return 1
+    return 0 if t.shape[0] == s.n else None
+
+
+def _batch_part(t: Tensor | None, s: _Setup, multi: bool, keep: Tensor) -> Tensor | None:
+    """The entries of samples `keep` in a spiking layer's tensor: `[T, B, ...]` (multi-step),
+    `[B, ...]`, or `[T*B, ...]` (time and batch flattened, as a buggy caller passes it)."""
+    d = _batch_dim(t, s, multi)
+    if d is not None:
+        return t.index_select(d, keep)
+    if t is not None and t.dim() >= 1 and multi and s.T and t.shape[0] == s.T * s.n:
+        return t.reshape(s.T, s.n, *t.shape[1:]).index_select(1, keep)
+    return None
+
+
+def _out_batch_dim(t: Tensor, s: _Setup) -> int | None:
+    if t.dim() >= 2 and t.shape[1] == s.n and (s.time_major or t.shape[0] != s.n):
+        return 1
+    if t.dim() >= 1 and t.shape[0] == s.n:
+        return 0
+    return None
+
+
+@dataclass
+class _Diff:
+    where: str  # "output" or "<layer> input" / "<layer> spikes"
+    layer: str | None
+    rel: float
+
+
+def _layer_diffs(s: _Setup, a: _Pass, b: _Pass, part: Callable[[str, int, Tensor | None], Tensor | None]) -> list[_Diff]:
+    """Per spiking layer (in call order), the largest relative change of its input and of its
+    spikes between passes a and b, over the entries `part` selects."""
+    out: list[_Diff] = []
+    for name in a.order:
+        ca, cb = a.calls.get(name, []), b.calls.get(name, [])
+        for what, i in (("input", 0), ("spikes", 1)):
+            worst = 0.0
+            seen = False
+            for k, (pa, pb) in enumerate(zip(ca, cb)):
+                ta, tb = part(name, k, pa[i]), part(name, k, pb[i])
+                if ta is None and tb is None:
+                    continue
+                seen = True
+                worst = max(worst, _rel(ta, tb, _scale(pa[i]) if pa[i] is not None else 1.0))
+            if len(ca) != len(cb):
+                seen, worst = True, math.inf
+            if seen:
+                out.append(_Diff(f"{name} {what}", name, worst))
+    return out
+
+
+def _culprit(diffs: list[_Diff], rtol: float) -> str:
+    """Where a change first shows: the first spiking layer whose spikes changed while its input did
+    not (it mixes them itself), else the first input that changed (an op before it does)."""
+    by_layer: dict[str, dict[str, float]] = {}
+    for d in diffs:
+        if d.layer is not None:
+            by_layer.setdefault(d.layer, {})[d.where.rsplit(" ", 1)[1]] = d.rel
+    for layer, v in by_layer.items():
+        if v.get("input", 0.0) <= rtol < v.get("spikes", 0.0):
+            return f"first seen in the spikes of {layer}, whose input did not change: the layer itself does it"
+        if v.get("input", 0.0) > rtol:
+            return f"first seen in the input of {layer}: an op before it does it"
+    return "no spiking layer shows it: it happens after the last one (or where the axes could not be told)"
+
+
+def _worst(diffs: list[_Diff]) -> _Diff | None:
+    return max(diffs, key=lambda d: d.rel, default=None)
