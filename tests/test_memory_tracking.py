@@ -121,3 +121,56 @@ def test_a_matmul_of_strided_spike_views_keeps_them_as_bits() -> None:
     dense_float = [k for k in kept if isinstance(k, torch.Tensor) and k.is_floating_point() and k.dim() >= 3]
     assert not dense_float  # q, k and k^T q (counts up to 4) are all packed
     assert sorted(p.bound for p in _packed(kept)) == [1, 1, 1, 4]
+
+
+# --------------------------------------------------------------------------- AMP and FSDP2
+
+def _spikformer_grads(level: str, amp: bool) -> dict[str, torch.Tensor]:
+    from efficient import zoo
+
+    torch.manual_seed(0)
+    model = zoo.create("spikformer-tiny-stata", timesteps=2, img_size=16, num_classes=4).train()
+    memory.optimize(model, level)
+    x = torch.randn(3, 1, 16, 16, generator=torch.Generator().manual_seed(2))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        out = model(x)
+        loss = F.cross_entropy(out.float(), torch.tensor([0, 1, 3]))
+    loss.backward()
+    return {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16-autocast"])
+def test_levels_under_autocast(amp: bool) -> None:
+    """bf16 autocast saves bf16 tensors: spikes and counts in bf16 pack as exactly as in fp32."""
+    dense, bits, recomputed = (_spikformer_grads(level, amp) for level in ("none", "bits", "recompute"))
+    assert dense.keys() == bits.keys() == recomputed.keys() and dense
+    for n in dense:
+        assert torch.equal(dense[n], bits[n]), n
+        scale = max(g.abs().max() for g in dense.values())
+        tol = 2e-2 if amp else 1e-5  # bf16 keeps 8 bits of mantissa; a rerun may round its sums differently
+        assert (recomputed[n] - dense[n]).abs().max() <= tol * scale, n
+
+
+@pytest.mark.slow
+def test_levels_under_fsdp2(tmp_path) -> None:
+    """Two ranks shard the model with FSDP2 after `optimize`: bits gives none's gradients bitwise,
+    recompute within rounding (a block's rerun in backward sees its unsharded parameters)."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    out = tmp_path / "grads.pt"
+    worker = Path(__file__).with_name("_memory_fsdp_worker.py")
+    r = subprocess.run([sys.executable, str(worker), str(out), port], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    grads = torch.load(out, weights_only=True)
+    dense = grads["none"]
+    assert dense and dense.keys() == grads["bits"].keys() == grads["recompute"].keys()
+    scale = max(g.abs().max() for g in dense.values())
+    for n, g in dense.items():
+        assert torch.equal(grads["bits"][n], g), n
+        assert (grads["recompute"][n] - g).abs().max() <= 1e-5 * scale, n
