@@ -7,10 +7,11 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Literal
 
 import torch
 from torch import Tensor, nn
+
 
 def spiking_layers(model: nn.Module) -> dict[str, nn.Module]:
     """name -> spiking neuron module of `model` (ours, spikingjelly's, snntorch's), the outermost
@@ -123,24 +124,72 @@ def _spikes_of(out: Any) -> Tensor | None:
     return ts[0] if ts else None
 
 
-Inject = Callable[[str, int, Tensor], Tensor]
+Inject = Callable[[str, int, Tensor], Tensor]  # (layer, call index, input) -> the input it gets instead
+Part = Callable[[str, int, Tensor], "Tensor | None"]  # (layer, call index, tensor) -> the entries compared
+Record = Literal["store", "graph", "compare", "count"]
+
+
+@dataclass
+class _Diff:
+    """The largest relative change of one thing between two passes: the model output (layer None),
+    or a spiking layer's input or spikes over all its calls."""
+
+    layer: str | None
+    what: str  # "output", "input" or "spikes"
+    rel: float
+
+    @property
+    def where(self) -> str:
+        return "output" if self.layer is None else f"{self.layer} {self.what}"
+
+
+@dataclass
+class _Counts:
+    """A spiking layer's spikes over one pass: nonzero entries, entries, entries neither 0 nor 1."""
+
+    nonzero: int = 0
+    numel: int = 0
+    off: int = 0
+    examples: list[float] = field(default_factory=list)  # a few of the values neither 0 nor 1
 
 
 @dataclass
 class _Pass:
+    """What one pass saw: the model output's tensors, the spiking layers in call order, and by the
+    way it was recorded, their calls (input, spikes) or per part the changes against another pass,
+    or per layer the counts of its spikes."""
+
     out: list[Tensor]
-    calls: dict[str, list[tuple[Tensor | None, Tensor | None]]]  # layer -> per call (input, spikes)
-    order: list[str]  # layers in the order they were first called
+    order: list[str]
+    calls: dict[str, list[tuple[Tensor | None, Tensor | None]]] = field(default_factory=dict)
+    diffs: dict[str, list[_Diff]] = field(default_factory=dict)
+    counts: dict[str, _Counts] = field(default_factory=dict)
+
+
+def _compact(t: Tensor) -> Tensor:
+    """A detached copy; binary spikes as bool (an eighth of fp64, a quarter of fp32; exact)."""
+    t = t.detach()
+    if t.is_floating_point() and t.numel() and bool(((t == 0) | (t == 1)).all()):
+        return t.to(torch.bool)
+    return t.clone()
 
 
 class _Tap:
-    """Hooks on the spiking layers that record each call's input and spikes, and optionally change
-    the input first (`inject(layer, call index, input) -> input`)."""
+    """Hooks on the spiking layers that see each call's input (after `inject` changed it, if given)
+    and spikes, and record them as `record` says: "store" compact copies, "graph" the tensors
+    themselves (for autograd), "compare" only their largest relative change against the same call
+    of pass `against` over each of `parts` (nothing kept), "count" only their spike counts."""
 
-    def __init__(self, layers: dict[str, nn.Module], inject: Inject | None = None, keep_graph: bool = False) -> None:
-        self.layers, self.inject, self.keep_graph = layers, inject, keep_graph
+    def __init__(self, layers: dict[str, nn.Module], inject: Inject | None = None, record: Record = "store",
+                 against: _Pass | None = None, parts: dict[str, Part] | None = None) -> None:
+        if record == "compare" and (against is None or not parts):
+            raise ValueError("record='compare' needs a pass to compare against and the parts to compare")
+        self.layers, self.inject, self.record, self.against, self.parts = layers, inject, record, against, parts or {}
         self.calls: dict[str, list[tuple[Tensor | None, Tensor | None]]] = {}
+        self.ncalls: dict[str, int] = {}
         self.order: list[str] = []
+        self.worst: dict[tuple[str, str, str], float] = {}  # (part, layer, what) -> largest change
+        self.counts: dict[str, _Counts] = {}
         self._pending: dict[str, list[Tensor | None]] = {}
         self._handles: list[Any] = []
 
@@ -154,16 +203,13 @@ class _Tap:
         for h in self._handles:
             h.remove()
 
-    def _keep(self, t: Tensor) -> Tensor:
-        return t if self.keep_graph else t.detach().clone()
-
     def _pre(self, name: str) -> Callable[..., Any]:
         def hook(module: nn.Module, args: tuple) -> tuple | None:
             x = args[0] if args and isinstance(args[0], Tensor) else None
             if x is not None and self.inject is not None:
-                x = self.inject(name, len(self.calls.get(name, [])), x)
+                x = self.inject(name, self.ncalls.get(name, 0), x)
                 args = (x, *args[1:])
-            self._pending.setdefault(name, []).append(None if x is None else self._keep(x))
+            self._pending.setdefault(name, []).append(x)
             return args if self.inject is not None else None
         return hook
 
@@ -171,21 +217,74 @@ class _Tap:
         def hook(module: nn.Module, args: tuple, out: Any) -> None:
             x = self._pending[name].pop() if self._pending.get(name) else None
             s = _spikes_of(out)
-            if name not in self.calls:
-                self.calls[name] = []
+            k = self.ncalls.get(name, 0)
+            if k == 0:
                 self.order.append(name)
-            self.calls[name].append((x, None if s is None else self._keep(s)))
+            self.ncalls[name] = k + 1
+            if self.record == "graph":
+                self.calls.setdefault(name, []).append((x, s))
+            elif self.record == "store":
+                self.calls.setdefault(name, []).append((None if x is None else _compact(x), None if s is None else _compact(s)))
+            elif self.record == "count":
+                self._count(name, s)
+            else:
+                self._compare(name, k, x, s)
         return hook
+
+    def _count(self, name: str, s: Tensor | None) -> None:
+        if s is None:
+            return
+        c = self.counts.setdefault(name, _Counts())
+        s = s.detach()
+        c.nonzero += int(torch.count_nonzero(s))
+        c.numel += s.numel()
+        off = (s != 0) & (s != 1)
+        c.off += int(off.sum())
+        if len(c.examples) < 3 and c.off:
+            c.examples += [float(v) for v in s[off].reshape(-1)[: 3 - len(c.examples)]]
+
+    def _compare(self, name: str, k: int, x: Tensor | None, s: Tensor | None) -> None:
+        base = self.against.calls.get(name, []) if self.against is not None else []
+        for what, new, old in (("input", x, base[k][0] if k < len(base) else None),
+                               ("spikes", s, base[k][1] if k < len(base) else None)):
+            scale = _scale(old) if old is not None else 1.0
+            for part, pick in self.parts.items():
+                pa = pick(name, k, old) if old is not None else None
+                pb = pick(name, k, new) if new is not None else None
+                if pa is None and pb is None:
+                    continue
+                rel = _rel(pa, pb, scale)
+                key = (part, name, what)
+                self.worst[key] = max(self.worst.get(key, 0.0), rel)
+
+    def result(self, out: Any) -> _Pass:
+        p = _Pass([t.detach() if self.record == "graph" else t.detach().clone() for t in _tensors(out)], list(self.order),
+                  calls=self.calls, counts=self.counts)
+        if self.record == "compare" and self.against is not None:
+            names = self.order + [n for n in self.against.order if n not in self.ncalls]
+            for part in self.parts:
+                diffs: list[_Diff] = []
+                for name in names:
+                    moved = len(self.against.calls.get(name, [])) != self.ncalls.get(name, 0)
+                    for what in ("input", "spikes"):
+                        rel = math.inf if moved else self.worst.get((part, name, what))
+                        if rel is not None:
+                            diffs.append(_Diff(name, what, rel))
+                p.diffs[part] = diffs
+        return p
 
 
 @dataclass
 class _Setup:
+    """What every check needs: the model, its spiking layers (multi-step or not), the check batch
+    `x` of `n` samples and its batch axis, T, the caller's reset, the seed and the tolerance."""
+
     model: nn.Module
     layers: dict[str, nn.Module]
     multi: dict[str, bool]
-    x: Tensor  # the check batch (n samples)
+    x: Tensor
     n: int
-    batch_dim: int  # of the example: 1 when time-major, else 0
+    batch_dim: int  # of x: 1 when time-major, else 0
     time_major: bool
     T: int | None
     reset: Callable[[nn.Module], Any] | None
@@ -195,11 +294,13 @@ class _Setup:
     prime: bool = False  # set once the state check finds state kept across calls
 
 
-def _run(s: _Setup, x: Tensor, train: bool, inject: Inject | None = None, rest: bool = True,
-         clean: Tensor | None = None) -> _Pass:
-    """One pass without gradients, from rest unless `rest=False` (then only `reset` runs first).
-    Once the model is known to keep state across calls (`s.prime`), a pass first runs on its clean
-    input `clean` (default x), so two passes compared start from the same leftover state."""
+def _run(s: _Setup, x: Tensor, train: bool, inject: Inject | None = None, *, rest: bool = True,
+         clean: Tensor | None = None, record: Record = "store", against: _Pass | None = None,
+         parts: dict[str, Part] | None = None) -> _Pass:
+    """One pass without gradients, from rest unless `rest=False` (then only `reset` runs first),
+    recorded as `_Tap` says. Once the model is known to keep state across calls (`s.prime`), a pass
+    first runs on its clean input `clean` (default x), so two passes compared start from the same
+    leftover state. A train pass puts back the buffers it moved."""
     if rest:
         _rest(s.model, s.reset)
     elif s.reset is not None:
@@ -212,12 +313,12 @@ def _run(s: _Setup, x: Tensor, train: bool, inject: Inject | None = None, rest: 
                 s.model(x if clean is None else clean)
                 if s.reset is not None:
                     s.reset(s.model)
-            with _Tap(s.layers, inject) as tap:
+            with _Tap(s.layers, inject, record, against, parts) as tap:
                 out = s.model(x)
     finally:
-        if train:  # what a training pass moves (statistics, counters) is put back before the next pass
+        if train:
             _restore(s.buffers)
-    return _Pass([t.detach().clone() for t in _tensors(out)], tap.calls, tap.order)
+    return tap.result(out)
 
 
 @contextlib.contextmanager
@@ -262,23 +363,23 @@ def _current_like(x: Tensor, g: torch.Generator) -> Tensor:
 
 
 def _scale(t: Tensor) -> float:
-    m = float(t.detach().abs().max()) if t.numel() and t.is_floating_point() else 0.0
+    """max |t|, or 1 where t is all zero (or empty): what a difference is relative to."""
+    if t.dtype == torch.bool or not t.numel():
+        return 1.0
+    m = float(t.detach().abs().max())
     return m if m > 0 and math.isfinite(m) else 1.0
 
 
 def _rel(a: Tensor | None, b: Tensor | None, scale: float) -> float:
-    """max |a - b| / scale; for integer tensors the fraction of entries that differ."""
+    """max |a - b| / scale (inf when one is missing or the shapes differ; NaN where both are NaN is equal)."""
     if a is None or b is None:
         return 0.0 if a is None and b is None else math.inf
     if a.shape != b.shape:
         return math.inf
     if a.numel() == 0:
         return 0.0
-    if not (a.is_floating_point() or b.is_floating_point()):
-        return float((a != b).float().mean())
-    d = (a.double() - b.double()).abs()
-    both_nan = torch.isnan(a) & torch.isnan(b)
-    d = torch.where(both_nan, torch.zeros_like(d), d)
+    a, b = a.double(), b.double()
+    d = torch.where(torch.isnan(a) & torch.isnan(b), torch.zeros_like(a), (a - b).abs())
     m = float(d.max())
     return m / scale if math.isfinite(m) else math.inf
 
@@ -311,42 +412,13 @@ def _out_batch_dim(t: Tensor, s: _Setup) -> int | None:
     return None
 
 
-@dataclass
-class _Diff:
-    where: str  # "output" or "<layer> input" / "<layer> spikes"
-    layer: str | None
-    rel: float
-
-
-def _layer_diffs(s: _Setup, a: _Pass, b: _Pass, part: Callable[[str, int, Tensor | None], Tensor | None]) -> list[_Diff]:
-    """Per spiking layer (in call order), the largest relative change of its input and of its
-    spikes between passes a and b, over the entries `part` selects."""
-    out: list[_Diff] = []
-    for name in a.order:
-        ca, cb = a.calls.get(name, []), b.calls.get(name, [])
-        for what, i in (("input", 0), ("spikes", 1)):
-            worst = 0.0
-            seen = False
-            for k, (pa, pb) in enumerate(zip(ca, cb)):
-                ta, tb = part(name, k, pa[i]), part(name, k, pb[i])
-                if ta is None and tb is None:
-                    continue
-                seen = True
-                worst = max(worst, _rel(ta, tb, _scale(pa[i]) if pa[i] is not None else 1.0))
-            if len(ca) != len(cb):
-                seen, worst = True, math.inf
-            if seen:
-                out.append(_Diff(f"{name} {what}", name, worst))
-    return out
-
-
 def _culprit(diffs: list[_Diff], rtol: float) -> str:
     """Where a change first shows: the first spiking layer whose spikes changed while its input did
     not (it mixes them itself), else the first input that changed (an op before it does)."""
     by_layer: dict[str, dict[str, float]] = {}
     for d in diffs:
         if d.layer is not None:
-            by_layer.setdefault(d.layer, {})[d.where.rsplit(" ", 1)[1]] = d.rel
+            by_layer.setdefault(d.layer, {})[d.what] = d.rel
     for layer, v in by_layer.items():
         if v.get("input", 0.0) <= rtol < v.get("spikes", 0.0):
             return f"first seen in the spikes of {layer}, whose input did not change: the layer itself does it"

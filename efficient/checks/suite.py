@@ -4,20 +4,20 @@ docstring for what each computes and when it fails)."""
 from __future__ import annotations
 
 import math
-from typing import Callable
 
 import torch
 from torch import Tensor, nn
 
-from efficient.checks.passes import (_Diff, _Pass, _Setup, _Tap, _batch_dim, _batch_part, _culprit, _current_like, _generator,
-                                     _layer_diffs, _out_batch_dim, _random_like, _rel, _rest, _run, _scale, _seeded,
+from efficient.checks.passes import (Part, _Diff, _Pass, _Setup, _Tap, _batch_dim, _batch_part, _culprit, _current_like,
+                                     _generator, _out_batch_dim, _random_like, _rel, _rest, _run, _scale, _seeded,
                                      _spikes_of, _tensors, _worst)
 from efficient.checks.report import CHECKS, LAYERS_NAMED, CheckResult, LayerFinding, Status, _fmt, _name_some
 
-def _check_batch(s: _Setup, base: dict[bool, _Pass]) -> CheckResult:
+
+def _check_batch(s: _Setup, base_eval: _Pass) -> CheckResult:
     n = s.n
     keep = torch.tensor([0, n - 1], device=s.x.device)
-    others = torch.tensor([i for i in range(1, n - 1)], device=s.x.device)
+    others = torch.arange(1, n - 1, device=s.x.device)
     g = _generator(s.seed + 1)
     x = s.x.clone()
     x.index_copy_(s.batch_dim, others, _random_like(s.x.index_select(s.batch_dim, others), g))
@@ -32,34 +32,36 @@ def _check_batch(s: _Setup, base: dict[bool, _Pass]) -> CheckResult:
         view.index_copy_(d, others, _current_like(view.index_select(d, others), g))
         return view.reshape(t.shape)
 
-    worst_by_mode: dict[str, _Diff] = {}
+    parts: dict[str, Part] = {"kept": lambda name, k, t: _batch_part(t, s, s.multi[name], keep),
+                              "others": lambda name, k, t: _batch_part(t, s, s.multi[name], others)}
+    threshold = f"<= {s.rtol:g} relative change"
+    if not s.layers and all(_out_batch_dim(t, s) is None for t in base_eval.out):
+        return _result("batch", "SKIP", None, threshold, f"no batch axis of size {n} in the model output")
+    worst: dict[str, _Diff] = {}
     culprits: dict[str, str] = {}
+    layers: dict[str, float] = {}
     reached = False
-    layer_worst: dict[str, float] = {}
     for train in (False, True):
         mode = "train" if train else "eval"
-        a, b = base[train], _run(s, x, train, inject, clean=s.x)
-        diffs = [_Diff("output", None, _out_rel(s, a.out, b.out, keep))]
-        diffs += _layer_diffs(s, a, b, lambda name, k, t: _batch_part(t, s, s.multi[name], keep))
+        a = base_eval if not train else _run(s, s.x, True)
+        b = _run(s, x, train, inject, clean=s.x, record="compare", against=a, parts=parts)
+        diffs = [_Diff(None, "output", _out_rel(s, a.out, b.out, keep)), *b.diffs["kept"]]
         reached = reached or _out_rel(s, a.out, b.out, others) > s.rtol or any(
-            d.rel > s.rtol for d in _layer_diffs(s, a, b, lambda name, k, t: _batch_part(t, s, s.multi[name], others)))
+            d.rel > s.rtol for d in b.diffs["others"] if d.what == "spikes")
         w = _worst(diffs)
         if w is not None:
-            worst_by_mode[mode] = w
+            worst[mode] = w
         if w is not None and w.rel > s.rtol:
             culprits[mode] = _culprit(diffs, s.rtol)
             for d in diffs:
                 if d.layer is not None and d.rel > s.rtol:
-                    layer_worst[d.layer] = max(layer_worst.get(d.layer, 0.0), d.rel)
-    value = max((d.rel for d in worst_by_mode.values()), default=0.0)
-    threshold = f"<= {s.rtol:g} relative change"
-    if not worst_by_mode or all(_out_batch_dim(t, s) is None for t in base[False].out) and not s.layers:
-        return _result("batch", "SKIP", None, threshold, f"no batch axis of size {n} in the model output or any spiking layer")
+                    layers[d.layer] = max(layers.get(d.layer, 0.0), d.rel)
+    value = max((d.rel for d in worst.values()), default=0.0)
     if value > s.rtol:
-        modes = ", ".join(f"{m}: {_fmt(worst_by_mode[m].rel)} at {worst_by_mode[m].where}; {culprits[m]}" for m in culprits)
+        modes = "; ".join(f"{m}: {_fmt(worst[m].rel)} at {worst[m].where}, {culprits[m]}" for m in culprits)
         return _result("batch", "FAIL", value, threshold,
                        f"samples 0 and {n - 1} changed when only the other samples did ({modes})",
-                       [LayerFinding(k, v, "kept samples changed") for k, v in layer_worst.items()])
+                       [LayerFinding(k, v, "its kept samples changed") for k, v in layers.items()])
     if not reached:
         return _result("batch", "SKIP", value, threshold,
                        "changing the other samples changed nothing, not even their own outputs: nothing to compare")
@@ -68,37 +70,42 @@ def _check_batch(s: _Setup, base: dict[bool, _Pass]) -> CheckResult:
 
 
 def _out_rel(s: _Setup, a: list[Tensor], b: list[Tensor], idx: Tensor) -> float:
-    worst = 0.0
+    """Relative change of the model output's entries of samples `idx` (outputs without a batch axis are left out)."""
     if len(a) != len(b):
         return math.inf
+    worst = 0.0
     for ta, tb in zip(a, b):
         d = _out_batch_dim(ta, s)
-        if d is None:
-            continue
-        worst = max(worst, _rel(ta.index_select(d, idx), tb.index_select(d, idx) if tb.shape == ta.shape else None, _scale(ta)))
+        if d is not None:
+            worst = max(worst, _rel(ta.index_select(d, idx), tb.index_select(d, idx) if tb.shape == ta.shape else None, _scale(ta)))
     return worst
 
 
+def _all_rel(a: list[Tensor], b: list[Tensor]) -> float:
+    if len(a) != len(b):
+        return math.inf
+    return max((_rel(ta, tb, _scale(ta)) for ta, tb in zip(a, b)), default=0.0)
+
+
 def _check_state(s: _Setup, first: _Pass) -> CheckResult:
+    """`first` must be the pass just run (on s.x, eval mode): the calls here follow it without a rest."""
     g = _generator(s.seed + 2)
-    again = _run(s, s.x, False, rest=False)
-    other = _random_like(s.x, g)
-    _run(s, other, False, inject=lambda name, k, t: _current_like(t, g), rest=False)
-    after_other = _run(s, s.x, False, rest=False)
-    everything = lambda name, k, t: t  # noqa: E731
-    diffs_again = [_Diff("output", None, _all_rel(first.out, again.out))] + _layer_diffs(s, first, again, everything)
-    diffs_other = [_Diff("output", None, _all_rel(first.out, after_other.out))] + _layer_diffs(s, first, after_other, everything)
-    worst = max(_worst(diffs_again).rel, _worst(diffs_other).rel)
+    everything: dict[str, Part] = {"all": lambda name, k, t: t}
+    again = _run(s, s.x, False, rest=False, record="compare", against=first, parts=everything)
+    _run(s, _random_like(s.x, g), False, lambda name, k, t: _current_like(t, g), rest=False, record="count")
+    after_other = _run(s, s.x, False, rest=False, record="compare", against=first, parts=everything)
+    diffs_again = [_Diff(None, "output", _all_rel(first.out, again.out)), *again.diffs["all"]]
+    diffs_other = [_Diff(None, "output", _all_rel(first.out, after_other.out)), *after_other.diffs["all"]]
+    w_again, w_other = _worst(diffs_again), _worst(diffs_other)
+    value = max(w_again.rel if w_again else 0.0, w_other.rel if w_other else 0.0)
     threshold = f"<= {s.rtol:g} relative change"
     how = "with reset(model) between calls" if s.reset is not None else "with nothing run between calls"
-    if worst <= s.rtol:
-        return _result("state", "PASS", worst, threshold, f"repeated calls agree, also after a call on other inputs ({how})")
-    diffs = diffs_again if _worst(diffs_again).rel > s.rtol else diffs_other
+    if value <= s.rtol:
+        return _result("state", "PASS", value, threshold, f"repeated calls agree, also after a call on other inputs ({how})")
+    diffs = diffs_again if w_again is not None and w_again.rel > s.rtol else diffs_other
     which = "two identical calls differ" if diffs is diffs_again else "a call differs after a call on other inputs"
-    layers = [LayerFinding(d.layer, d.rel, f"{d.where.rsplit(' ', 1)[1]} changed") for d in diffs
-              if d.layer is not None and d.rel > s.rtol]
-    return _result("state", "FAIL", worst, threshold, f"{which} ({how}); {_culprit(diffs, s.rtol)}. {_reset_hint(s)}",
-                   layers)
+    layers = [LayerFinding(d.layer, d.rel, f"its {d.what} changed") for d in diffs if d.layer is not None and d.rel > s.rtol]
+    return _result("state", "FAIL", value, threshold, f"{which} ({how}); {_culprit(diffs, s.rtol)}. {_reset_hint(s)}", layers)
 
 
 def _reset_hint(s: _Setup) -> str:
@@ -106,7 +113,7 @@ def _reset_hint(s: _Setup) -> str:
 
     libs = {neuron_library(m) for m in s.layers.values()}
     if s.reset is not None:
-        return "The reset given does not clear all state."
+        return "The reset given does not clear all of it."
     if "spikingjelly" in libs:
         return ("spikingjelly neurons keep their membrane until functional.reset_net(model): call it after every "
                 "forward, and pass reset=functional.reset_net to check that it suffices.")
@@ -116,24 +123,17 @@ def _reset_hint(s: _Setup) -> str:
     return "Something in the model keeps state across calls; reset it at the start of forward."
 
 
-def _all_rel(a: list[Tensor], b: list[Tensor]) -> float:
-    if len(a) != len(b):
-        return math.inf
-    return max((_rel(ta, tb, _scale(ta)) for ta, tb in zip(a, b)), default=0.0)
-
-
 def _check_causality(s: _Setup, base: _Pass) -> CheckResult:
     threshold = f"<= {s.rtol:g} relative change"
-    single_steps = {name: len(calls) for name, calls in base.calls.items() if not s.multi[name]}
+    steps = {name: len(calls) for name, calls in base.calls.items() if not s.multi[name]}  # single-step: calls = steps
     T = s.T
-    if (T is None or T < 2) and not any(c >= 2 for c in single_steps.values()):
+    if (T is None or T < 2) and not any(c >= 2 for c in steps.values()):
         return _result("causality", "SKIP", None, threshold, "no time steps: T is unknown or 1 (pass timesteps=)")
 
     def t0_of(name: str) -> int | None:
         if s.multi[name]:
             return (T - 1) // 2 if T and T >= 2 else None
-        steps = single_steps.get(name, 0)
-        return (steps - 1) // 2 if steps >= 2 else None
+        return (steps[name] - 1) // 2 if steps.get(name, 0) >= 2 else None
 
     g = _generator(s.seed + 3)
 
@@ -141,42 +141,40 @@ def _check_causality(s: _Setup, base: _Pass) -> CheckResult:
         t0 = t0_of(name)
         if t0 is None:
             return t
-        if s.multi[name]:
-            if t.dim() < 1 or t.shape[0] != T:
-                return t
-            t = t.clone()
-            t[t0 + 1:] = _current_like(t[t0 + 1:], g)
+        if not s.multi[name]:
+            return _current_like(t, g) if k > t0 else t
+        if t.dim() < 1 or t.shape[0] != T:
             return t
-        return _current_like(t, g) if k > t0 else t
+        t = t.clone()
+        t[t0 + 1:] = _current_like(t[t0 + 1:], g)
+        return t
 
-    x = s.x
-    if s.time_major and T and T >= 2 and x.shape[0] == T:
-        t0 = (T - 1) // 2
-        x = x.clone()
-        x[t0 + 1:] = _random_like(x[t0 + 1:], g)
-    b = _run(s, x, False, inject, clean=s.x)
-
-    def part(before: bool) -> Callable[[str, int, Tensor | None], Tensor | None]:
-        def pick(name: str, k: int, t: Tensor | None) -> Tensor | None:
+    def part(before: bool) -> Part:
+        def pick(name: str, k: int, t: Tensor) -> Tensor | None:
             t0 = t0_of(name)
-            if t is None or t0 is None:
+            if t0 is None:
                 return None
-            if s.multi[name]:
-                if t.dim() < 1 or t.shape[0] != T:
-                    return None
-                return t[: t0 + 1] if before else t[t0 + 1:]
-            return t if (k <= t0) == before else None
+            if not s.multi[name]:
+                return t if (k <= t0) == before else None
+            if t.dim() < 1 or t.shape[0] != T:
+                return None
+            return t[: t0 + 1] if before else t[t0 + 1:]
         return pick
 
+    x = s.x
     out_t0 = (T - 1) // 2 if T and T >= 2 else None
-    before = [_Diff("output", None, _time_rel(s, base.out, b.out, out_t0, True))] + _layer_diffs(s, base, b, part(True))
-    after = [_Diff("output", None, _time_rel(s, base.out, b.out, out_t0, False))]
-    after += [d for d in _layer_diffs(s, base, b, part(False)) if d.where.endswith("spikes")]
+    if s.time_major and out_t0 is not None and x.shape[0] == T:
+        x = x.clone()
+        x[out_t0 + 1:] = _random_like(x[out_t0 + 1:], g)
+    b = _run(s, x, False, inject, clean=s.x, record="compare", against=base, parts={"before": part(True), "after": part(False)})
+    before = [_Diff(None, "output", _time_rel(s, base.out, b.out, out_t0, True)), *b.diffs["before"]]
+    after = [_Diff(None, "output", _time_rel(s, base.out, b.out, out_t0, False))]
+    after += [d for d in b.diffs["after"] if d.what == "spikes"]
     worst = _worst(before)
     value = worst.rel if worst is not None else 0.0
     where = f"steps <= {out_t0}" if out_t0 is not None else "the first half of each layer's calls"
     if value > s.rtol:
-        layers = [LayerFinding(d.layer, d.rel, f"{d.where.rsplit(' ', 1)[1]} at {where} changed") for d in before
+        layers = [LayerFinding(d.layer, d.rel, f"its {d.what} at {where} changed") for d in before
                   if d.layer is not None and d.rel > s.rtol]
         return _result("causality", "FAIL", value, threshold,
                        f"{where} changed when only later steps did; {_culprit(before, s.rtol)}", layers)
@@ -198,37 +196,22 @@ def _time_rel(s: _Setup, a: list[Tensor], b: list[Tensor], t0: int | None, befor
     return worst
 
 
-def _rates(p: _Pass) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for name in p.order:
-        spikes = [c[1] for c in p.calls[name] if c[1] is not None]
-        total = sum(t.numel() for t in spikes)
-        if total:
-            out[name] = sum(int(torch.count_nonzero(t)) for t in spikes) / total
-    return out
-
-
 def _check_rates(s: _Setup, full: _Pass, real: bool, silent: float, saturated: float) -> CheckResult:
     threshold = f"{silent:g} < rate < {saturated:g}"
-    rates = _rates(full)
+    rates = {name: c.nonzero / c.numel for name, c in full.counts.items() if c.numel}
     if not rates:
         return _result("rates", "SKIP", None, threshold, "no spiking layer was called")
+    span = f"rates {_fmt(min(rates.values()))} to {_fmt(max(rates.values()))} over {len(rates)} layers"
     if not real:
-        lo_hi = f" (on random input: {_fmt(min(rates.values()))} to {_fmt(max(rates.values()))})" if rates else ""
         return _result("rates", "SKIP", None, threshold,
-                       "no example data: firing rates on random inputs say nothing about real ones; give an example "
-                       f"(data) to measure them{lo_hi}")
+                       f"no example data: rates on random inputs say nothing about real ones ({span}); give real data")
     silent_l = [k for k, r in rates.items() if r <= silent]
     sat_l = [k for k, r in rates.items() if r >= saturated]
     bad = silent_l + sat_l
-    span = f"rates {_fmt(min(rates.values()))} to {_fmt(max(rates.values()))} over {len(rates)} layers"
     if not bad:
         return _result("rates", "PASS", 0, threshold, f"no silent or saturated layer; {span}", shown="0 layers")
-    parts = []
-    if silent_l:
-        parts.append(f"silent ({len(silent_l)}): {_name_some(silent_l)}")
-    if sat_l:
-        parts.append(f"saturated ({len(sat_l)}): {_name_some(sat_l)}")
+    parts = ([f"silent ({len(silent_l)}): {_name_some(silent_l)}"] if silent_l else []) + \
+            ([f"saturated ({len(sat_l)}): {_name_some(sat_l)}"] if sat_l else [])
     layers = [LayerFinding(k, rates[k], "silent" if k in silent_l else "saturated") for k in bad]
     return _result("rates", "FAIL", len(bad), threshold, "; ".join(parts) + f"; {span}", layers,
                    shown=f"{len(bad)} of {len(rates)} layers")
@@ -236,24 +219,14 @@ def _check_rates(s: _Setup, full: _Pass, real: bool, silent: float, saturated: f
 
 def _check_binary(s: _Setup, full: _Pass) -> CheckResult:
     threshold = "only 0 and 1"
-    bad: list[LayerFinding] = []
-    total = 0
-    for name in full.order:
-        spikes = [c[1] for c in full.calls[name] if c[1] is not None]
-        numel = sum(t.numel() for t in spikes)
-        if not numel:
-            continue
-        total += 1
-        off = sum(int(((t != 0) & (t != 1)).sum()) for t in spikes)
-        if off:
-            flat = torch.cat([t.detach().reshape(-1).float() for t in spikes])
-            shown = ", ".join(f"{float(v):.3g}" for v in flat[(flat != 0) & (flat != 1)][:3])
-            bad.append(LayerFinding(name, off / numel, f"{off} of {numel} entries are not 0 or 1 (e.g. {shown})"))
+    counted = {name: c for name, c in full.counts.items() if c.numel}
+    bad = [LayerFinding(name, c.off / c.numel, f"{c.off} of {c.numel} entries are not 0 or 1 (e.g. "
+                        f"{', '.join(f'{v:.3g}' for v in c.examples)})") for name, c in counted.items() if c.off]
     if not bad:
-        return _result("binary", "PASS", 0.0, threshold, f"every spike of the {total} spiking layers is 0 or 1")
+        return _result("binary", "PASS", 0.0, threshold, f"every spike of the {len(counted)} spiking layers is 0 or 1")
     worst = max(f.value for f in bad)
     return _result("binary", "FAIL", worst, threshold,
-                   f"{len(bad)} of {total} spiking layers emit values other than 0 and 1, so the ops after them read "
+                   f"{len(bad)} of {len(counted)} spiking layers emit values other than 0 and 1, so the ops after them read "
                    f"non-binary input (not spike-driven): {_name_some([f.layer for f in bad])}", bad,
                    shown=f"{_fmt(worst)} of entries")
 
@@ -288,7 +261,7 @@ def _check_surrogate(s: _Setup, real: bool) -> CheckResult:
     own: dict[str, list[float]] = {}  # layer -> [nonzero entries, entries] of its own input gradient
     reached: dict[str, list[float]] = {}  # the same for the output's gradient at its input
     unreachable: set[str] = set()  # no autograd path from the output to its input
-    with _seeded(s.seed, x.device), torch.enable_grad(), _Tap(s.layers, keep_graph=True) as tap:
+    with _seeded(s.seed, x.device), torch.enable_grad(), _Tap(s.layers, record="graph") as tap:
         outs = [t for t in _tensors(s.model(x)) if t.is_floating_point() and t.requires_grad]
         if not outs:
             return _result("surrogate", "SKIP", None, threshold, "no model output carries a gradient (no float output requiring grad)")
