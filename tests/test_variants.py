@@ -17,6 +17,7 @@ from efficient.errors import ConfigError
 FAMILIES = {
     "spikformer": "efficient.models.spikformer",
     "sdt": "efficient.models.sdt",
+    "qkformer": "efficient.models.qkformer",
     "ee-gpt": "efficient.models.ee_gpt",
     "stable-snn": "efficient.models.stable_snn",
     "mlp": "efficient.models.mlp",
