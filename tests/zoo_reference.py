@@ -130,6 +130,19 @@ CASES: list[Case] = [
     Case("sdt-2-256-dvs", "sdt-2-256-dvs", {**SPIKING, "img_size": 64, "timesteps": 2}, note="64 px, T=2"),
     Case("sdt-2-256-dvs-stata", "sdt-2-256-dvs-stata", {**SPIKING, "img_size": 64, "timesteps": 2}, STATA_MODES,
          note="64 px, T=2"),
+    # QKFormer: the CIFAR entries at 16 px (QKTA on 16x16 and 8x8 tokens, SSA on 4x4), the ImageNet
+    # ones at 64 px (16x16, 8x8, 4x4) and narrower, the DVS one at 64 px and T=2
+    Case("qkformer-tiny", "qkformer-tiny", dict(SPIKING)),
+    Case("qkformer-4-384", "qkformer-4-384", {**SPIKING, "img_size": 16}, note="16 px instead of 32"),
+    *[Case(f"qkformer-10-{d}", f"qkformer-10-{d}", {**SPIKING, "img_size": 64, "embed_dim": 96},
+           note="64 px instead of 224, width 96") for d in (384, 512, 768)],
+    Case("qkformer-2-256-dvs", "qkformer-2-256-dvs", {**SPIKING, "img_size": 64, "timesteps": 2},
+         note="64 px, T=2 instead of 128 px, T=16"),
+    Case("qkformer-tiny-stata", "qkformer-tiny-stata", {**SPIKING, "keep_warmup_start": 10.0, "keep_warmup_epochs": 60.0},
+         STATA_MODES),
+    Case("qkformer-4-384-stata", "qkformer-4-384-stata", {**SPIKING, "img_size": 16}, STATA_MODES,
+         note="16 px instead of 32 (16 -> 12 -> 9 patch tokens)"),
+    Case("qkformer/token-score", "qkformer-tiny-stata", {**SPIKING, "stata_score": "token"}, ("train:done", "eval")),
 ]
 
 
@@ -298,7 +311,7 @@ def _run_mode(model: torch.nn.Module, case: Case, mode: str, x: torch.Tensor, y:
         rec["grads"] = {n: fingerprint(p.grad) for n, p in checkpoint_named_parameters(model) if p.grad is not None}
         params = {id(p) for p in model.parameters()}
         rec["buffers"] = {n: fingerprint(b) for n, b in model.named_buffers() if id(b) not in params}  # BN statistics
-    if case.name.startswith(("spikformer", "sdt")) and (stata or mode == "eval"):
+    if case.name.startswith(("spikformer", "sdt", "qkformer")) and (stata or mode == "eval"):
         rec["stata"] = _stata_record(model)
     return rec
 
