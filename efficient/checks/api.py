@@ -162,7 +162,7 @@ def check(
             results["causality"] = (_check_causality(s, base_eval) if layers or tm else
                                     _skip_all("causality", "no spiking layers and no time-major input: nothing to step through"))
         if {"rates", "binary"} & set(wanted):
-            full = _run(s, example, False, record="count")
+            full = _run(s, example, False, record="count", drive=False)  # the example's own rates
             for cid, fn in (("rates", lambda: _check_rates(s, full, real, silent_rate, saturated_rate)),
                             ("binary", lambda: _check_binary(s, full))):
                 if cid in wanted:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Literal
 
@@ -162,12 +163,13 @@ class _Pass:
     out: list[Tensor]
     order: list[str]
     calls: dict[str, list[tuple[Tensor | None, Tensor | None]]] = field(default_factory=dict)
+    scales: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # stored calls: (input, spikes) scale
     diffs: dict[str, list[_Diff]] = field(default_factory=dict)
     counts: dict[str, _Counts] = field(default_factory=dict)
 
 
 def _compact(t: Tensor) -> Tensor:
-    """A detached copy; binary spikes as bool (an eighth of fp64, a quarter of fp32; exact)."""
+    """A detached copy of spikes; binary ones as bool (an eighth of fp64, a quarter of fp32; exact)."""
     t = t.detach()
     if t.is_floating_point() and t.numel() and bool(((t == 0) | (t == 1)).all()):
         return t.to(torch.bool)
@@ -186,6 +188,7 @@ class _Tap:
             raise ValueError("record='compare' needs a pass to compare against and the parts to compare")
         self.layers, self.inject, self.record, self.against, self.parts = layers, inject, record, against, parts or {}
         self.calls: dict[str, list[tuple[Tensor | None, Tensor | None]]] = {}
+        self.scales: dict[str, list[tuple[float, float]]] = {}
         self.ncalls: dict[str, int] = {}
         self.order: list[str] = []
         self.worst: dict[tuple[str, str, str], float] = {}  # (part, layer, what) -> largest change
@@ -224,7 +227,9 @@ class _Tap:
             if self.record == "graph":
                 self.calls.setdefault(name, []).append((x, s))
             elif self.record == "store":
-                self.calls.setdefault(name, []).append((None if x is None else _compact(x), None if s is None else _compact(s)))
+                self.calls.setdefault(name, []).append((None if x is None else x.detach().clone(),
+                                                        None if s is None else _compact(s)))
+                self.scales.setdefault(name, []).append((1.0 if x is None else _scale(x), 1.0 if s is None else _scale(s)))
             elif self.record == "count":
                 self._count(name, s)
             else:
@@ -245,9 +250,10 @@ class _Tap:
 
     def _compare(self, name: str, k: int, x: Tensor | None, s: Tensor | None) -> None:
         base = self.against.calls.get(name, []) if self.against is not None else []
-        for what, new, old in (("input", x, base[k][0] if k < len(base) else None),
-                               ("spikes", s, base[k][1] if k < len(base) else None)):
-            scale = _scale(old) if old is not None else 1.0
+        scales = self.against.scales.get(name, []) if self.against is not None else []
+        for i, (what, new) in enumerate((("input", x), ("spikes", s))):
+            old = base[k][i] if k < len(base) else None
+            scale = scales[k][i] if k < len(scales) else 1.0
             for part, pick in self.parts.items():
                 pa = pick(name, k, old) if old is not None else None
                 pb = pick(name, k, new) if new is not None else None
@@ -259,7 +265,7 @@ class _Tap:
 
     def result(self, out: Any) -> _Pass:
         p = _Pass([t.detach() if self.record == "graph" else t.detach().clone() for t in _tensors(out)], list(self.order),
-                  calls=self.calls, counts=self.counts)
+                  calls=self.calls, scales=self.scales, counts=self.counts)
         if self.record == "compare" and self.against is not None:
             names = self.order + [n for n in self.against.order if n not in self.ncalls]
             for part in self.parts:
@@ -294,13 +300,30 @@ class _Setup:
     prime: bool = False  # set once the state check finds state kept across calls
 
 
+DRIVE = 3.0  # spread of the drive current added at every spiking layer's input (thresholds near 1)
+
+
+def _drive(s: _Setup, inject: Inject | None) -> Inject:
+    """Adds to every spiking layer's input a random current that depends only on the layer, the
+    call and the seed, the same in every pass (normal, spread DRIVE), then applies `inject`: the
+    layers fire whatever the weights, so a change of membrane shows in their spikes."""
+    def drive(name: str, k: int, x: Tensor) -> Tensor:
+        if not x.is_floating_point():
+            return x if inject is None else inject(name, k, x)
+        g = _generator(s.seed * 1_000_003 + zlib.crc32(name.encode()) * 101 + k)
+        x = x + (torch.randn(x.shape, generator=g) * DRIVE).to(x.device, x.dtype)
+        return x if inject is None else inject(name, k, x)
+    return drive
+
+
 def _run(s: _Setup, x: Tensor, train: bool, inject: Inject | None = None, *, rest: bool = True,
          clean: Tensor | None = None, record: Record = "store", against: _Pass | None = None,
-         parts: dict[str, Part] | None = None) -> _Pass:
+         parts: dict[str, Part] | None = None, drive: bool = True) -> _Pass:
     """One pass without gradients, from rest unless `rest=False` (then only `reset` runs first),
-    recorded as `_Tap` says. Once the model is known to keep state across calls (`s.prime`), a pass
-    first runs on its clean input `clean` (default x), so two passes compared start from the same
-    leftover state. A train pass puts back the buffers it moved."""
+    recorded as `_Tap` says; with `drive`, every spiking layer's input gets the drive current (see
+    `_drive`) before `inject` changes it. Once the model is known to keep state across calls
+    (`s.prime`), a pass first runs on its clean input `clean` (default x), so two passes compared
+    start from the same leftover state. A train pass puts back the buffers it moved."""
     if rest:
         _rest(s.model, s.reset)
     elif s.reset is not None:
@@ -310,10 +333,11 @@ def _run(s: _Setup, x: Tensor, train: bool, inject: Inject | None = None, *, res
     try:
         with _seeded(s.seed, x.device), torch.no_grad(), frozen:
             if s.prime and rest:
-                s.model(x if clean is None else clean)
+                with _Tap(s.layers, _drive(s, None) if drive else None, "count"):
+                    s.model(x if clean is None else clean)
                 if s.reset is not None:
                     s.reset(s.model)
-            with _Tap(s.layers, inject, record, against, parts) as tap:
+            with _Tap(s.layers, _drive(s, inject) if drive else inject, record, against, parts) as tap:
                 out = s.model(x)
     finally:
         if train:

@@ -66,7 +66,14 @@ def _check_batch(s: _Setup, base_eval: _Pass) -> CheckResult:
         return _result("batch", "SKIP", value, threshold,
                        "changing the other samples changed nothing, not even their own outputs: nothing to compare")
     return _result("batch", "PASS", value, threshold,
-                   f"samples 0 and {n - 1} unchanged when the {n - 2} others were replaced (eval and train mode)")
+                   f"samples 0 and {n - 1} unchanged when {_samples(range(1, n - 1))} replaced (eval and train mode)")
+
+
+def _samples(idx: range) -> str:
+    """'sample 1 was' / 'samples 1 and 2 were' / 'samples 1 to 3 were'."""
+    if len(idx) == 1:
+        return f"sample {idx[0]} was"
+    return f"samples {idx[0]} {'and' if len(idx) == 2 else 'to'} {idx[-1]} were"
 
 
 def _out_rel(s: _Setup, a: list[Tensor], b: list[Tensor], idx: Tensor) -> float:
@@ -197,7 +204,7 @@ def _time_rel(s: _Setup, a: list[Tensor], b: list[Tensor], t0: int | None, befor
 
 
 def _check_rates(s: _Setup, full: _Pass, real: bool, silent: float, saturated: float) -> CheckResult:
-    threshold = f"{silent:g} < rate < {saturated:g}"
+    threshold = f"no layer at rate <= {silent:g} or >= {saturated:g}"
     rates = {name: c.nonzero / c.numel for name, c in full.counts.items() if c.numel}
     if not rates:
         return _result("rates", "SKIP", None, threshold, "no spiking layer was called")
@@ -251,7 +258,7 @@ def _alone(module: nn.Module, like: Tensor, g: torch.Generator) -> float:
 
 
 def _check_surrogate(s: _Setup, real: bool) -> CheckResult:
-    threshold = "some nonzero gradient per layer"
+    threshold = "no layer without gradient"
     _rest(s.model, s.reset)
     s.model.train(True)  # as in training, BatchNorm included
     x = s.x.detach().clone()
@@ -315,17 +322,17 @@ def _check_surrogate(s: _Setup, real: bool) -> CheckResult:
     if failing:
         parts = [f"{f.layer}: {f.note}" for f in failing[:LAYERS_NAMED]]
         more = f" and {len(failing) - LAYERS_NAMED} more" if len(failing) > LAYERS_NAMED else ""
-        return _result("surrogate", "FAIL", 0.0, threshold,
+        return _result("surrogate", "FAIL", len(failing), threshold,
                        f"{len(failing)} of {len(values)} spiking layers get no gradient: " + "; ".join(parts) + more,
-                       failing, shown=f"{len(failing)} dead layers")
+                       failing, shown=f"{len(failing)} of {len(values)} layers")
     low = min(values, key=lambda f: f.value)
     note = ""
     if quiet:
         note = (f"; on this random input {len(quiet)} layers get no gradient ({_name_some([q.layer for q in quiet])}: "
                 "their inputs stay outside the surrogate's window): check on real data")
-    return _result("surrogate", "PASS", low.value, threshold,
-                   f"every spiking layer passes gradient and receives it from the output; lowest nonzero fraction "
-                   f"{_fmt(low.value)} at {low.layer}{note}")
+    return _result("surrogate", "PASS", 0, threshold,
+                   f"every spiking layer passes gradient and receives it from the output; the lowest fraction of "
+                   f"nonzero input gradients is {_fmt(low.value)}, at {low.layer}{note}", shown="0 layers")
 
 
 def _result(cid: str, status: Status, value: float | None, threshold: str, detail: str,
