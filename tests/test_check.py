@@ -454,6 +454,23 @@ def test_cli_fails_with_exit_1_on_a_saturated_layer(cli, tmp_path: Path, monkeyp
     assert "1 of 2 checks failed: silent / saturated layers" in " ".join(text.split())
 
 
+def test_cli_checks_a_run_dir_on_its_validation_data(cli, tiny_recipe: Path, tmp_path: Path) -> None:
+    from efficient.config import load_recipe
+    from efficient.io import save_model
+    from efficient.train.checkpoint import MODEL_FILE
+
+    run = tmp_path / "run"
+    (run / "checkpoint" / "last").mkdir(parents=True)
+    (run / "config.yaml").write_text(tiny_recipe.read_text())
+    model_cfg = dict(load_recipe(tiny_recipe).model)
+    save_model(efficient.zoo.create(model_cfg.pop("name"), **model_cfg), run / "checkpoint" / "last" / MODEL_FILE)
+    code, out, _ = cli("check", str(run), "--batch", "5", "--only", "batch,binary", "--format", "json")
+    assert code == 0, out
+    d = json.loads(out)
+    assert d["model"] == "run" and d["input"] == "validation data of the run, first 5 samples [5, 1, 16, 16]"
+    assert [c["status"] for c in d["checks"]] == ["PASS", "PASS"]
+
+
 @pytest.mark.parametrize("args, message", [
     (("check", "spikformer-tinyy"), "spikformer-tiny"),
     (("check", "runs/no-such-run"), "no such file or directory"),
