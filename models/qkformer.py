@@ -15,7 +15,10 @@ Stages of decreasing resolution and increasing width (D/4, D/2, D for three stag
 
 Every neuron sees time-major `[T, B, ...]` input (the reference code hands its SSA projection
 neuron `[T*B, ...]`, so its membrane leaks from sample to sample across the batch; QKFormer issue
-#14). Tokens are `[T, B, N, C]` as in Spikformer; a PEDS sees `[T, B, C, H, W]` grids.
+#14). Tokens are `[T, B, N, C]` as in Spikformer; a PEDS sees `[T, B, C, H, W]` grids. Loaded
+with the reference code's weights (`efficient.export.checkpoints`), the CIFAR, ImageNet and DVS
+models give its logits bit for bit on a batch of one (where that bug is harmless; run with
+spikingjelly's LIF), and on larger batches once its SSA projection neuron gets `[T, B, ...]` too.
 
 STATA (`TokenPruner`, shared with Spikformer and SDT) prunes in the SSA stage only: the QKTA
 stages feed a PEDS whose 3x3 convolutions and max-pools need every position of the grid, while
@@ -45,7 +48,17 @@ from efficient.models.spiking_transformer import (
     _lif,
     share_neuron_backend,
 )
-from efficient.models.spikformer import DIGITS_MEAN, DIGITS_STD, IMAGENET_MEAN, IMAGENET_STD, MLP, STATA_PAPER, Block, LinearBNLIF, Spikformer
+from efficient.models.spikformer import (
+    DIGITS_MEAN,
+    DIGITS_STD,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    MLP,
+    STATA_PAPER,
+    Block,
+    LinearBNLIF,
+    Spikformer,
+)
 from efficient.models.stata import PruneStep, StataConfig, TokenPruner, keep_anchor_key, residual_block
 from efficient.zoo import InputSpec, Variant, config_from_options, register_variants
 
