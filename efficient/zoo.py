@@ -36,6 +36,8 @@ MODEL_MODULES: list[str] = [
     "efficient.models.stable_snn",
     "efficient.models.mlp",
     "efficient.models.bilipnet",
+    "efficient.models.spikingformer",
+    "efficient.models.meta_spikeformer",
 ]
 
 
@@ -458,7 +460,8 @@ def load_pretrained(model: nn.Module, weights: Path, allow_pickle: bool = False)
     kind = type(model).__name__
     if kind != layout.family:
         name = getattr(model, "zoo_name", kind)
-        other = {"Spikformer": "spikformer-4-384", "QKFormer": "qkformer-4-384"}.get(layout.family, "sdt-2-512")
+        other = {"Spikformer": "spikformer-4-384", "QKFormer": "qkformer-4-384", "Spikingformer": "spikingformer-4-384",
+                 "MetaSpikeFormer": "sdt-v2-8-512"}.get(layout.family, "sdt-2-512")
         raise ArtifactError(f"{weights}: a {layout.family} checkpoint in the layout of {layout.description}, but {name!r} is a {kind}; "
                             f"load it into a {layout.family} entry (e.g. efficient.load({other!r}, pretrained=...))")
     cfg = dict(getattr(model, "zoo_cfg", {}) or {})

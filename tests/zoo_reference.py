@@ -143,6 +143,34 @@ CASES: list[Case] = [
     Case("qkformer-4-384-stata", "qkformer-4-384-stata", {**SPIKING, "img_size": 16}, STATA_MODES,
          note="16 px instead of 32 (16 -> 12 -> 9 patch tokens)"),
     Case("qkformer/token-score", "qkformer-tiny-stata", {**SPIKING, "stata_score": "token"}, ("train:done", "eval")),
+    # Spikingformer: the ImageNet entries at 64 px (4x4 tokens), the widest one also narrower
+    Case("spikingformer-tiny", "spikingformer-tiny", dict(SPIKING)),
+    Case("spikingformer-4-384", "spikingformer-4-384", dict(SPIKING)),
+    Case("spikingformer-8-384", "spikingformer-8-384", {**SPIKING, "img_size": 64}, note="64 px instead of 224"),
+    Case("spikingformer-8-512", "spikingformer-8-512", {**SPIKING, "img_size": 64, "embed_dim": 128},
+         note="64 px instead of 224, width 512 -> 128"),
+    Case("spikingformer-8-768", "spikingformer-8-768", {**SPIKING, "img_size": 64, "embed_dim": 128},
+         note="64 px instead of 224, width 768 -> 128"),
+    Case("spikingformer-2-256-dvs", "spikingformer-2-256-dvs", {**SPIKING, "img_size": 64, "timesteps": 2},
+         note="64 px, T=2 instead of 128 px, T=16"),
+    Case("spikingformer-tiny-stata", "spikingformer-tiny-stata", {**SPIKING, "keep_warmup_start": 10.0,
+                                                                  "keep_warmup_epochs": 60.0}, STATA_MODES),
+    Case("spikingformer-stata", "spikingformer-stata", dict(SPIKING), STATA_MODES),
+    # Meta-SpikeFormer (SDT v2): the ImageNet / CIFAR / DVS entries narrower (conv stages 8-16-32, SDSA blocks
+    # at 64 and 80; same stages, blocks, strides and init), the ImageNet and DVS ones at 64 px, T=2
+    Case("sdt-v2-tiny", "sdt-v2-tiny", dict(SPIKING)),
+    *[Case(f"sdt-v2-8-{d}", f"sdt-v2-8-{d}", {**SPIKING, "img_size": 64, "timesteps": 2, "embed_dim": 64, "last_dim": 80},
+           note="64 px, T=2, widths 64/80") for d in (256, 384, 512)],
+    Case("sdt-v2-cifar", "sdt-v2-cifar", {**SPIKING, "timesteps": 2, "embed_dim": 64, "last_dim": 80},
+         note="T=2, widths 64/80 instead of 256/360"),
+    Case("sdt-v2-dvs", "sdt-v2-dvs", {**SPIKING, "img_size": 64, "timesteps": 2, "embed_dim": 64, "last_dim": 80},
+         note="64 px, T=2, widths 64/80"),
+    Case("sdt-v2-tiny-stata", "sdt-v2-tiny-stata", {**SPIKING, "keep_warmup_start": 10.0, "keep_warmup_epochs": 60.0},
+         STATA_MODES),
+    Case("sdt-v2-stata", "sdt-v2-stata", {**SPIKING, "timesteps": 2, "embed_dim": 64, "last_dim": 80},
+         STATA_MODES, note="T=2, widths 64/80 (65 -> 46 -> 33 -> 24 tokens)"),
+    Case("sdt-v2/fuse-after-block", "sdt-v2-tiny-stata", {**SPIKING, "fuse_pruned": True, "prune_point": "after_block"},
+         ("train:done", "eval")),
 ]
 
 
@@ -311,7 +339,7 @@ def _run_mode(model: torch.nn.Module, case: Case, mode: str, x: torch.Tensor, y:
         rec["grads"] = {n: fingerprint(p.grad) for n, p in checkpoint_named_parameters(model) if p.grad is not None}
         params = {id(p) for p in model.parameters()}
         rec["buffers"] = {n: fingerprint(b) for n, b in model.named_buffers() if id(b) not in params}  # BN statistics
-    if case.name.startswith(("spikformer", "sdt", "qkformer")) and (stata or mode == "eval"):
+    if case.name.startswith(("spikformer", "sdt", "qkformer", "spikingformer")) and (stata or mode == "eval"):
         rec["stata"] = _stata_record(model)
     return rec
 

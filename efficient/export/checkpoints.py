@@ -17,6 +17,12 @@ detects its layout from the keys and maps names and shapes onto our model:
 * `qkformer-cifar`, `qkformer-imagenet`, `qkformer-dvs`: the official QKFormer code's three
   models (`patch_embedN.proj*_conv`, `stageN.B.tssa.q_conv`, SSA as `ssa` or `attn`, MLP units
   `mlp1_conv` or `fc1_conv`); the model is rebuilt with that code's stem and QKTA stage depths.
+* `spikingformer-cifar`, `spikingformer`: the official Spikingformer code, its CIFAR models
+  (stem `patch_embed.blockN_conv`) and its ImageNet / DVS models (stem `proj{,1..4}_conv`); Conv1d
+  q/k/v/proj, MLP `mlp1_conv`/`mlp2_conv`, the unused LayerNorms (identity where a file lacks them).
+* `sdt-v2`, `sdt-v2-kd`: the official Meta-SpikeFormer code (`downsample1_1`,
+  `ConvBlock1_1.0.Conv.pwconv1`, `block3.N.attn.q_conv.0.body.*` RepConv units, `block4`,
+  `downsample4`), with or without its distillation head `head_kd` (`distill_head`).
 
 Max-pools leave no trace in a state dict: the zoo entry's `pool_stages` must equal the number of
 pooled stem stages of the checkpoint (the trailing 1s of the SDT code's `pooling_stat`, e.g. "0011" = 2).
@@ -254,7 +260,7 @@ LAYOUTS: dict[str, Layout] = {
         lambda sd: _has(sd, r"block\.\d+\.attn\.q_linear\.weight")),
     "spikformer-imagenet": Layout(
         "spikformer-imagenet", "the official Spikformer code (imagenet/model.py)", "Spikformer", SPIKFORMER_IMAGENET,
-        lambda sd: _has(sd, r"block\.\d+\.attn\.q_conv\.weight", dim=3)),
+        lambda sd: _has(sd, r"block\.\d+\.attn\.q_conv\.weight", dim=3) and not _has(sd, r"block\.\d+\.mlp\.mlp1_conv\.weight")),
     "sdt": Layout(
         "sdt", "the official Spike-driven Transformer code (module/ms_conv.py, module/sps.py)", "SpikeDrivenTransformer", SDT,
         lambda sd: _has(sd, r"block\.\d+\.attn\.q_conv\.weight", dim=4) or _has(sd, r"block\.\d+\.attn\.talking_heads\.weight")),
@@ -298,6 +304,101 @@ LAYOUTS.update({
         "qkformer-dvs", "the official QKFormer code (cifar10-dvs/model.py, dvs128-gesture/model.py)", "QKFormer",
         _qkformer(4, 1, ("proj", "proj4"), "ssa", "mlp"), lambda sd: _has(sd, r"stage2\.\d+\.ssa\.q_conv\.weight"),
         {"stem": "dvs", "qkta_depths": [1]}),
+})
+
+
+def _spikingformer(stem: list[str]) -> list[Rule]:
+    """The official Spikingformer code: stem units `patch_embed.<unit>_conv/_bn` (`stem`, in order),
+    q/k/v/proj as 1x1 Conv1d (`proj_conv` with a bias), the MLP's `mlp1/mlp2` as 1x1 Conv2d."""
+    rules = [r for i, u in enumerate(stem) for r in (Rule(f"patch_embed.{u}_conv.weight", f"patch_embed.convs.{i}.weight"),
+                                                     Rule(f"patch_embed.{u}_bn.{{x}}", f"patch_embed.bns.{i}.{{x}}"))]
+    return rules + [
+        Rule("block.{b}.attn.{p}_conv.{w}", "blocks.{b}.attn.{p}.linear.{w}", "conv1d", QKVP),
+        Rule("block.{b}.attn.{p}_bn.{x}", "blocks.{b}.attn.{p}.bn.{x}", groups=QKVP),
+        Rule("block.{b}.mlp.mlp{n}_conv.{w}", "blocks.{b}.mlp.fc{n}.linear.{w}", "conv2d"),
+        Rule("block.{b}.mlp.mlp{n}_bn.{x}", "blocks.{b}.mlp.fc{n}.bn.{x}"),
+        Rule("block.{b}.norm{n}.{w}", "blocks.{b}.norm{n}.{w}"),
+        Rule("head.{w}", "head.{w}"),
+    ]
+
+
+# Meta-SpikeFormer (BICLab/Spike-Driven-Transformer-V2, classification/models.py): the conv stages'
+# units, each RepConv + BN unit's sub-keys, and its transformer stages `block3` / `block4` with
+# `downsample4` between them (ours: one `blocks` list whose first last-stage block holds `down`)
+META_DOWN = {"downsample1_1": "down.0", "downsample1_2": "down.1", "downsample2": "down.2", "downsample3": "down.3"}
+META_CONV = {"ConvBlock1_1.0": "blocks.0", "ConvBlock1_2.0": "blocks.1", "ConvBlock2_1.0": "blocks.2", "ConvBlock2_2.0": "blocks.3"}
+META_REPCONV = [("0.body.0.weight", "conv1.weight", "conv2d"), ("0.body.1.bn.{x}", "bn1.{x}", "same"),
+                ("0.body.2.0.weight", "dw.weight", "same"), ("0.body.2.1.weight", "conv2.weight", "conv2d"),
+                ("0.body.2.2.{x}", "bn2.{x}", "same"), ("1.{x}", "bn.{x}", "same")]
+
+
+def _meta_spikeformer() -> list[Rule]:
+    rules = [r for theirs, ours in META_DOWN.items()
+             for r in (Rule(f"{theirs}.encode_conv.{{w}}", f"patch_embed.{ours}.conv.{{w}}"),
+                       Rule(f"{theirs}.encode_bn.{{x}}", f"patch_embed.{ours}.bn.{{x}}"))]
+    for theirs, ours in META_CONV.items():
+        rules += [Rule(f"{theirs}.Conv.{{m}}.weight", f"patch_embed.{ours}.sep.{{m}}.weight", groups={"m": "pwconv1|dwconv|pwconv2"}),
+                  Rule(f"{theirs}.Conv.bn{{n}}.{{x}}", f"patch_embed.{ours}.sep.bn{{n}}.{{x}}"),
+                  Rule(f"{theirs}.conv{{n}}.weight", f"patch_embed.{ours}.conv{{n}}.weight"),
+                  Rule(f"{theirs}.bn{{n}}.{{x}}", f"patch_embed.{ours}.bn{{n}}.{{x}}")]
+    rules += [Rule(f"block3.{{b}}.attn.{{p}}_conv.{theirs}", f"blocks.{{b}}.attn.{{p}}.{ours}", shape, QKVP)
+              for theirs, ours, shape in META_REPCONV]
+    return rules + [
+        Rule("block3.{b}.mlp.fc{n}_conv.{w}", "blocks.{b}.mlp.fc{n}.linear.{w}", "conv1d"),
+        Rule("block3.{b}.mlp.fc{n}_bn.{x}", "blocks.{b}.mlp.fc{n}.bn.{x}"),
+        Rule("block3.{b}.downsample4.encode_conv.{w}", "blocks.{b}.down.conv.{w}"),
+        Rule("block3.{b}.downsample4.encode_bn.{x}", "blocks.{b}.down.bn.{x}"),
+        Rule("head.{w}", "head.{w}"),
+        Rule("head_kd.{w}", "head_kd.{w}"),
+    ]
+
+
+def _meta_one_stage(sd: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
+    """`block4.j` -> `block3.(n + j)` after the n blocks of `block3`, and `downsample4` into the first
+    of them, so that block indices are ours."""
+    n = 1 + max((int(m.group(1)) for k in sd if (m := re.match(r"block3\.(\d+)\.", k))), default=-1)
+    out: dict[str, torch.Tensor] = {}
+    for k, v in sd.items():
+        m = re.match(r"block4\.(\d+)\.(.*)$", k)
+        key = f"block3.{n + int(m.group(1))}.{m.group(2)}" if m else f"block3.{n}.{k}" if k.startswith("downsample4.") else k
+        out[key] = v
+    return out
+
+
+def _meta_two_stages(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of `_meta_one_stage`: the block holding `downsample4` opens `block4`."""
+    first = min((int(m.group(1)) for k in sd if (m := re.match(r"block3\.(\d+)\.downsample4\.", k))), default=None)
+    if first is None:
+        return sd
+    out: dict[str, torch.Tensor] = {}
+    for k, v in sd.items():
+        m = re.match(r"block3\.(\d+)\.(.*)$", k)
+        if m and int(m.group(1)) >= first:
+            rest = m.group(2)
+            k = rest if rest.startswith("downsample4.") else f"block4.{int(m.group(1)) - first}.{rest}"
+        out[k] = v
+    return out
+
+
+LAYOUTS.update({
+    "spikingformer-cifar": Layout(
+        "spikingformer-cifar", "the official Spikingformer code (cifar10/model.py, cifar100/model.py)", "Spikingformer",
+        _spikingformer([f"block{i}" for i in range(5)]), lambda sd: _has(sd, r"patch_embed\.block0_conv\.weight"),
+        {"reference_norms": True}, _zero_biases_and_identity_norms),
+    "spikingformer": Layout(
+        "spikingformer", "the official Spikingformer code (imagenet/model.py, cifar10-dvs/model.py, dvs128-gesture/model.py)",
+        "Spikingformer", _spikingformer(["proj", "proj1", "proj2", "proj3", "proj4"]),
+        lambda sd: _has(sd, r"block\.\d+\.mlp\.mlp1_conv\.weight") and _has(sd, r"patch_embed\.proj4_conv\.weight"),
+        {"reference_norms": True}, _zero_biases_and_identity_norms),
+    "sdt-v2-kd": Layout(
+        "sdt-v2-kd", "the official Meta-SpikeFormer code (classification/models.py) with its distillation head",
+        "MetaSpikeFormer", _meta_spikeformer(),
+        lambda sd: _has(sd, r"downsample1_1\.encode_conv\.weight") and _has(sd, r"head_kd\.weight"),
+        {"distill_head": True}, None, _meta_one_stage, _meta_two_stages),
+    "sdt-v2": Layout(
+        "sdt-v2", "the official Meta-SpikeFormer code (classification/models.py)", "MetaSpikeFormer",
+        _meta_spikeformer(), lambda sd: _has(sd, r"downsample1_1\.encode_conv\.weight"),
+        {"distill_head": False}, None, _meta_one_stage, _meta_two_stages),
 })
 
 
