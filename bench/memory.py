@@ -562,6 +562,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-gb", type=float, default=18.0, help="largest RSS (GiB) a cell may reach; cells estimated above it are not run")
     ap.add_argument("--max-step-s", type=float, default=180.0, help="cells whose step is estimated longer are not run")
     ap.add_argument("--budget-gb", type=float, default=16.0, help="activation budget (GiB) for 'what it buys'")
+    ap.add_argument("--verify", action="store_true",
+                    help="run one step at each claimed largest T (ours none and recompute) at --verify-batch, to check the claim")
+    ap.add_argument("--verify-batch", type=int, default=2)
+    ap.add_argument("--verify-max-s", type=float, default=900.0, help="claims whose check step is estimated longer are not run")
     ap.add_argument("--json", type=Path, help="write every measurement here")
     ap.add_argument("--plot", type=Path, help="PNG of saved GiB against T with the budget line")
     ap.add_argument("--probes", type=Path, help="reuse the checks and probes of an earlier --json file (same --quick)")
@@ -773,13 +777,45 @@ def main(argv: list[str] | None = None) -> int:
     if imgs:
         print("--quick: " + ", ".join(f"{a} at {v} px" for a, v in imgs.items()) + ".")
 
+    verified: list[dict] = []
+    if args.verify and buys:
+        vb = args.verify_batch
+        print(f"\n## the claims checked: one training step at the claimed T, batch {vb}\n")
+        print("| architecture | impl | claimed T (batch) | saved MiB predicted at batch %d | measured | peak MiB | step s |" % vb)
+        print("|---|---|---|---|---|---|---|")
+        for b in buys:
+            T = b["largest_T"]
+            if b["impl"] not in ("none", "recompute") or not 0 < T < 10**9:
+                continue
+            f, rec = fits[(b["arch"], b["impl"])], probes[b["arch"]]["probes"][b["impl"]]
+            want = float(f.at(T, vb))
+            st = rec["step_s"]
+            est = st["s"] * (T * vb) / (st["T"] * st["batch"])
+            row = {"arch": b["arch"], "impl": b["impl"], "T": T, "batch": vb, "predicted": want, "est_step_s": est}
+            verified.append(row)
+            head = f"| {b['arch']} | {LABEL[b['impl']]} | {T} ({b['batch']}) | {_mib(want)} |"
+            if est > args.verify_max_s:
+                row["status"] = f"not run (~{est:.0f} s/step)"
+                print(f"{head} {row['status']} | | |")
+                continue
+            res = _child("case", {"arch": b["arch"], "impl": b["impl"], "T": T, "batch": vb, "steps": 1, "max_gb": args.max_gb,
+                                  "img": imgs.get(b["arch"])}, timeout=max(900.0, 4 * est))
+            if "error" in res:
+                row["status"] = res["error"]
+                print(f"{head} {res['error']} | | |")
+                continue
+            row.update(res, status="ran")
+            print(f"{head} {_mib(res['saved'])} ({res['saved'] / want:.4f} of predicted) | {_mib(res['peak_bytes'])} | "
+                  f"{res['step_s']:.1f} |")
+
     if args.plot and buys:
         _plot(args.plot, buys, budget, args.budget_gb)
         print(f"plot: {args.plot}")
     load1 = _load()
     print(f"\n# done in {time.time() - started:.0f} s; load before {load0}, after {load1}")
     if args.json:
-        _write_json(args.json, {**header, "load_after": load1, "probes": probes, "cells": rows, "what_it_buys": buys})
+        _write_json(args.json, {**header, "load_after": load1, "probes": probes, "cells": rows, "what_it_buys": buys,
+                                      "verified": verified})
     return 0
 
 

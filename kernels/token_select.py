@@ -224,11 +224,16 @@ def _(scores: Tensor, k: int, eps: float, standardize: bool, backend: str) -> tu
 
 def _check_index_range(idx: Tensor, n: int) -> None:
     """Out-of-range indices are an error on every backend (the kernel never reads them). Checked in
-    the op's body, which runs on real tensors in compiled graphs too."""
-    if idx.numel():
-        lo, hi = torch.aminmax(idx)
-        if lo.item() < 0 or hi.item() >= n:
-            raise ValueError(f"idx must lie in [0, N={n}); got values from {lo.item()} to {hi.item()}")
+    the op's body, which runs on real tensors in compiled graphs too. On an accelerator the check is
+    an asynchronous device assert: reading the range back would make every step wait for the device."""
+    if not idx.numel():
+        return
+    if idx.device.type != "cpu":
+        torch._assert_async(((idx >= 0) & (idx < n)).all(), f"token index out of range: idx must lie in [0, N={n})")
+        return
+    lo, hi = torch.aminmax(idx)
+    if lo.item() < 0 or hi.item() >= n:
+        raise ValueError(f"idx must lie in [0, N={n}); got values from {lo.item()} to {hi.item()}")
 
 
 @torch.library.custom_op("efficient::token_gather", mutates_args=())

@@ -25,6 +25,7 @@ from torch import nn
 from efficient.errors import ConfigError
 from efficient.kernels.ssa import scores_ref
 from efficient.kernels.token_select import gather_tokens, select_tokens, topk_lower_index
+from efficient.models.replay import replaying
 from efficient.models.progress import TracksProgress
 
 Anchor = Literal["per_timestep", "shared", "off"]
@@ -63,7 +64,7 @@ class StataOutputs:
     """What one forward scored and kept: per pruning block the anchor / mean-query scores `(s, c)`,
     each `[T, B, N]` (kept in training, or in eval with `record_scores`), and statistics:
     `tokens_in` per block, `tokens_out`, `keep_ratio` (the smallest current rho), `degenerate`
-    (timesteps whose scores were all equal), `kept_idx` (`[B, k]` per pruning block)."""
+    (a 0-d tensor on the device: samples whose scores were flat at every timestep), `kept_idx` (`[B, k]` per pruning block)."""
 
     scores: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
@@ -197,7 +198,8 @@ class TokenPruner(nn.Module, TracksProgress):
         return {i: PruneStep(self, r) for i, r in ratios.items()}
 
     def enter_block(self, x: torch.Tensor) -> None:
-        self.last.stats["tokens_in"].append(x.shape[2])
+        if not replaying():
+            self.last.stats["tokens_in"].append(x.shape[2])
 
     def end(self, tokens_out: int) -> None:
         self.last.stats["tokens_out"] = tokens_out
@@ -211,7 +213,9 @@ class TokenPruner(nn.Module, TracksProgress):
         standardized score, the same set at every t; None when every candidate is kept."""
         n = s.shape[2]
         k = kept_count(ratio, n)
-        self.last.stats["degenerate"] += int((s.detach().float().std(-1, correction=0) == 0).all(0).sum())
+        record = not replaying()  # a recomputed block's rerun repeats what its forward recorded
+        if record:  # a device tensor (no host sync in the step): samples whose scores are flat at every t
+            self.last.stats["degenerate"] = self.last.stats["degenerate"] + (s.detach().float().std(-1, correction=0) == 0).all(0).sum()
         if k == n:  # nothing to prune: keep order and shape exactly (identity at rho = 1)
             return None
         if self.cfg.score == "random":
@@ -219,7 +223,8 @@ class TokenPruner(nn.Module, TracksProgress):
             idx = topk_lower_index(z, k)  # top-k of i.i.d. uniforms: a uniformly random k-subset
         else:
             idx, z = select_tokens(s, k, self.cfg.std_eps, self.standardize, self.kernel_backend)
-        self.last.stats.setdefault("kept_idx", []).append(idx)
+        if record:
+            self.last.stats.setdefault("kept_idx", []).append(idx)
         return idx, z
 
     def random_scores(self, b: int, n: int, device: torch.device) -> torch.Tensor:
@@ -237,7 +242,7 @@ class TokenPruner(nn.Module, TracksProgress):
         same set at every t (plus the fused token of the pruned ones, if enabled)."""
         p = self.n_prefix
         cand = x[:, :, p:]
-        if self.training or self.record_scores:
+        if (self.training or self.record_scores) and not replaying():
             self.last.scores.append((s, c))
         sel = self.select(s, ratio)
         if sel is None:

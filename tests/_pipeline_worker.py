@@ -96,7 +96,7 @@ def run_fsdp(name: str, case: tuple) -> dict:
             n = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             out["grad_norm"] = float(n.full_tensor() if hasattr(n, "full_tensor") else n)
         opt.step()
-        logs.append(out)
+        logs.append({k: float(v) for k, v in out.items()})  # the objective logs device tensors
     return {"logs": logs, "weights": full_state_dict(model)}
 
 

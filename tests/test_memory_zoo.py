@@ -11,7 +11,10 @@ import pytest
 import zoo_reference as zr
 from efficient import memory
 
-SPIKING_CASES = [c for c in zr.CASES if c.name.startswith(("spikformer", "sdt", "stable-snn"))]
+# every model with neurons, but not the ImageNet-size variants (8 or 10 blocks): their units are
+# the CIFAR-size variants' units, at several times the run time
+SPIKING_CASES = [c for c in zr.CASES if not c.name.startswith(("bilipnet", "ee-gpt", "mlp"))
+                 and "-8-" not in c.id and "-10-" not in c.id]
 
 
 def _optimized(level: str):
@@ -24,4 +27,5 @@ def test_levels_keep_what_a_step_computes(case: zr.Case) -> None:
     bits = zr.compute_case(case, perturb=_optimized("bits"))
     assert bits == none, "bits changed a value: spikes are not restored bit for bit"
     recompute = zr.compute_case(case, perturb=_optimized("recompute"))
-    zr.compare(none, recompute, rtol=case.rtol)
+    diffs = zr.compare(none, recompute, rtol=case.rtol)
+    assert not diffs, f"recompute differs from none in {len(diffs)} places, first: {diffs[:3]}"

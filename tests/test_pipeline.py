@@ -52,7 +52,7 @@ def reference(case: tuple) -> tuple[list[dict], dict[str, torch.Tensor], dict[st
         if clip:
             out["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
         opt.step()
-        logs.append(out)
+        logs.append({k: float(v) for k, v in out.items()})  # the objective logs device tensors
     return logs, model.state_dict(), init
 
 

@@ -150,7 +150,7 @@ def test_kappa_and_rho_reduce_to_cross_entropy():
     assert loss_mix.item() == pytest.approx(mix.item(), rel=1e-6)
     torch.manual_seed(5)
     loss_rho, logs = build_objective({"name": "stability", "perturbation": "gaussian", "rho": 2.0}).loss(model, (x, y))
-    assert logs["mppd"] > 0 and loss_rho.item() == pytest.approx(mix.item() + 2.0 * logs["mppd"], rel=1e-5)
+    assert logs["mppd"] > 0 and loss_rho.item() == pytest.approx(mix.item() + 2.0 * float(logs["mppd"]), rel=1e-5)
 
 
 def test_fgsm_training_perturbation():

@@ -302,8 +302,8 @@ def _stata_record(model: torch.nn.Module) -> dict[str, Any]:
         if k == "kept_idx":
             for i, idx in enumerate(v):
                 rec[f"stats.kept_idx.{i}"] = fingerprint(idx)
-        else:
-            rec[f"stats.{k}"] = v
+        else:  # counts kept on the device (no host sync in the step) are read here
+            rec[f"stats.{k}"] = v.item() if isinstance(v, torch.Tensor) else v
     return rec
 
 
@@ -328,7 +328,7 @@ def _run_mode(model: torch.nn.Module, case: Case, mode: str, x: torch.Tensor, y:
             loss, logs = Stata(label_smoothing=0.1).loss(model, (x, y))
             hook.remove()
             rec["output"] = fingerprint(seen[0], full=True)
-            rec["logs"] = {k: v for k, v in sorted(logs.items())}
+            rec["logs"] = {k: float(v) for k, v in sorted(logs.items())}
         else:
             out = model(x)
             w = torch.randn(out.shape, generator=torch.Generator().manual_seed(99)).to(out.dtype)

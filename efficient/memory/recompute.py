@@ -7,7 +7,9 @@ neurons outside any unit. Its forward runs under
 when it is spikes and the bits hooks are on, see `efficient.memory.spikes`), and backward reruns the
 unit on it with the forward's RNG state and autocast. A rerun must not count twice what forward
 already counted: every buffer of the unit (BatchNorm's running statistics and batch count, any
-other running statistic) is restored after it, so the step updates them exactly once.
+other running statistic) is restored after it, so the step updates them exactly once, and the rerun
+is marked a replay (`efficient.models.replay`), so records a model keeps of its forward (STATA's
+scores, kept indices and counts) are not appended twice.
 
 Under `torch.compile` the same regions become the compiler's checkpoint regions (recomputed in the
 compiled backward; buffer updates happen once, in the forward graph).
@@ -56,11 +58,15 @@ def units(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 @contextlib.contextmanager
-def _buffers_restored(module: nn.Module) -> Iterator[None]:
-    """Run a recomputation and put every buffer of `module` back as it was before it."""
+def _replayed(module: nn.Module) -> Iterator[None]:
+    """Run a recomputation as a replay (`efficient.models.replay`: what the forward recorded is not
+    recorded again) and put every buffer of `module` back as it was before it."""
+    from efficient.models.replay import replay
+
     saved = [(b, b.detach().clone()) for b in module.buffers()]
     try:
-        yield
+        with replay():
+            yield
     finally:
         with torch.no_grad():
             for b, v in saved:
@@ -68,7 +74,7 @@ def _buffers_restored(module: nn.Module) -> Iterator[None]:
 
 
 def _contexts(module: nn.Module) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-    return contextlib.nullcontext(), _buffers_restored(module)
+    return contextlib.nullcontext(), _replayed(module)
 
 
 def _inside(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

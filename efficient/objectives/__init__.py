@@ -30,7 +30,9 @@ class Objective:
         """Called before every step; `epoch` is fractional (e.g. 2.5 = half-way through epoch 3)."""
         self.epoch, self.step = epoch, step
 
-    def loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
+        """The loss and what to log of it. Logged tensors stay on the device (detached, 0-d): the
+        trainer reads them once per log interval, so a step never waits for the host."""
         raise NotImplementedError
 
     @torch.no_grad()

@@ -53,13 +53,13 @@ class Classification(Objective):
             x, y = self.mixup_fn(x, y)
         return x, y
 
-    def loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
         x, y = self.prepare(batch)
         logits = model(x)
         loss = self.classification_loss(logits, y)
-        logs = {"loss": loss.item()}
+        logs = {"loss": loss.detach()}
         if y.dim() == 1:
-            logs["acc"] = (logits.argmax(-1) == y).float().mean().item()
+            logs["acc"] = (logits.argmax(-1) == y).float().mean().detach()
         return loss, logs
 
     @torch.no_grad()

@@ -101,7 +101,7 @@ class ExitLoss(Objective):
         """Current weight of each early exit (by layer)."""
         return {k: exit_weight(self.step, w0, w1, self.warmup_iters, self.warmup_style) for k, w0, w1 in zip(self.layers, self.inits, self.targets)}
 
-    def loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
         if self.layers is None:
             self.setup(model)
         x, y = batch
@@ -110,13 +110,13 @@ class ExitLoss(Objective):
         states = model.exit_states(x, active + [model.num_layers])
         temp = dict(zip(self.layers, self.temps))
         final = token_ce(states[-1].hidden, states[-1].weight, y, False, self.fused, self.chunk_size)
-        total, logs = final, {"loss_final": final.item()}
+        total, logs = final, {"loss_final": final.detach()}
         for s in states[:-1]:
             # exit temperature divides the logits on the training path only (EE-LLM)
             li = token_ce(s.hidden / temp[s.layer], s.weight, y, self.dynamic, self.fused, self.chunk_size)
             total = total + w[s.layer] * li
-            logs[f"loss_exit{s.layer}"], logs[f"w_exit{s.layer}"] = li.item(), w[s.layer]
-        logs["loss"] = total.item()
+            logs[f"loss_exit{s.layer}"], logs[f"w_exit{s.layer}"] = li.detach(), w[s.layer]
+        logs["loss"] = total.detach()
         return total, logs
 
     @torch.no_grad()

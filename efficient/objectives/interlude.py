@@ -103,14 +103,14 @@ class InterLUDE(Objective):
             out = model(x)
         return deinterleave(out, mu)
 
-    def loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
         y = batch[2]
         l_w, l_s, u_w, u_s = self.logits(model, batch)
         sup = F.cross_entropy(l_w.float(), y)
         unsup, mask_rate = fixmatch_unlabeled(u_w, u_s, self.tau, self.t_pseudo)
         rel = delta_consistency(l_w, l_s, u_w, u_s, self.t_s) if self.lambda_rel else sup.new_zeros(())
         loss = sup + self.lambda_u * unsup + self.lambda_rel * rel
-        return loss, {"loss": loss.item(), "sup": sup.item(), "unsup": unsup.item(), "rel": rel.item(), "mask": mask_rate.item()}
+        return loss, {"loss": loss.detach(), "sup": sup.detach(), "unsup": unsup.detach(), "rel": rel.detach(), "mask": mask_rate.detach()}
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, batch: Any) -> dict[str, float]:

@@ -17,11 +17,11 @@ class LanguageModeling(Objective):
     primary_metric = "loss"
     higher_is_better = False
 
-    def loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
         x, y = batch
         logits = model(x)
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-        return loss, {"loss": loss.item()}
+        return loss, {"loss": loss.detach()}
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, batch: Any) -> dict[str, float]:

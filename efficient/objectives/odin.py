@@ -87,20 +87,20 @@ class ODIN(Objective):
         r_l = r[:, 1] if self.heads == 2 else torch.zeros_like(r[:, 0])
         return r[:, 0], r_l, w
 
-    def loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
         ids, mask = batch[0], batch[1]
         r_q, r_l, w = self.rewards(model, ids, mask)
         B = ids.shape[0] // 2
         r = r_q + r_l
         rank = -F.logsigmoid(r[:B] - r[B:]).mean()
         lengths = mask.sum(1)
-        logs = {"rank": rank.item()}
+        logs = {"rank": rank.detach()}
         loss = rank
         if self.heads == 2:
             t = odin_terms(r_q, r_l, lengths, w)
             loss = rank + self.lambda_l * t["length"] + self.lambda_o * t["ortho"]
-            logs.update({"length_term": t["length"].item(), "ortho": t["ortho"].item()})
-        logs["loss"] = loss.item()
+            logs.update({"length_term": t["length"].detach(), "ortho": t["ortho"].detach()})
+        logs["loss"] = loss.detach()
         return loss, logs
 
     @torch.no_grad()

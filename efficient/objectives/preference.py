@@ -185,7 +185,7 @@ class Preference(ReferenceMixin, Objective):
         r = pi - ref
         return r[:B] - r[B:], pi
 
-    def loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
         delta, pi = self.deltas(model, batch)
         losses = preference_losses(delta, self.beta, self.loss_type, self.eps, self.label_smoothing)
         loss = losses.mean()
@@ -193,7 +193,7 @@ class Preference(ReferenceMixin, Objective):
             B = delta.shape[0]
             n_tok = batch[1][:B, 1:].sum().clamp_min(1.0)
             loss = loss - self.sft_weight * pi[:B].sum() / n_tok
-        return loss, {"loss": loss.item(), "margin": delta.mean().item(), "pref_acc": (delta > 0).float().mean().item()}
+        return loss, {"loss": loss.detach(), "margin": delta.mean().detach(), "pref_acc": (delta > 0).float().mean().detach()}
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, batch: Any) -> dict[str, float]:
@@ -246,13 +246,13 @@ class KTO(ReferenceMixin, Objective):
             ref = sequence_logps(self.reference(model), ids, mask, self.average)
         return pi - ref
 
-    def loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
         ids, mask, labels, kl_ids, kl_mask = batch
         r = self.log_ratios(model, ids, mask)
         r_kl = self.log_ratios(model, kl_ids, kl_mask, grad=False)  # extra no-grad forwards (KTO's cost)
         losses, z0 = kto_losses(r, r_kl, labels, self.beta, self.lambda_d, self.lambda_u)
         loss = losses.mean()
-        return loss, {"loss": loss.item(), "z0": z0.item(), "r_desirable": _masked_mean(r, labels > 0), "r_undesirable": _masked_mean(r, labels <= 0)}
+        return loss, {"loss": loss.detach(), "z0": z0.detach(), "r_desirable": _masked_mean(r, labels > 0), "r_undesirable": _masked_mean(r, labels <= 0)}
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, batch: Any) -> dict[str, float]:
@@ -269,5 +269,6 @@ class KTO(ReferenceMixin, Objective):
         return {"loss": losses.sum().item(), "acc": acc, "pref_acc": acc, "n": float(len(labels))}
 
 
-def _masked_mean(x: torch.Tensor, m: torch.Tensor) -> float:
-    return x[m].mean().item() if m.any() else math.nan
+def _masked_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Mean of `x` where `m`, NaN where `m` is empty; on the device, with no host sync."""
+    return torch.where(m, x.detach(), 0).sum() / m.sum()

@@ -129,12 +129,12 @@ class PULearning(Objective):
             y = torch.where(sure, p.argmax(-1), y)
         return torch.where(s.bool(), torch.ones_like(y), y)
 
-    def loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
         x, s = batch
         logits = model(x)
         y = self.targets(logits, x, s)
         loss = F.cross_entropy(logits.float(), y)
-        return loss, {"loss": loss.item(), "pos_rate": y.float().mean().item()}
+        return loss, {"loss": loss.detach(), "pos_rate": y.float().mean().detach()}
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, batch: Any) -> dict[str, float]:

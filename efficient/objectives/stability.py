@@ -247,7 +247,7 @@ class Stability(Objective):
             return gaussian_perturbation(x, self.sigma)
         return fgsm_perturbation(model, x, y, self.fgsm_step, self.start_sigma)
 
-    def loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
         x, y = batch
         layer = self.layer(model)
         if self.parseval_beta > 0 and self._steps_seen > 0:
@@ -257,16 +257,16 @@ class Stability(Objective):
         if self.perturbation == "none":  # plain CE: both CE terms would see the same input
             logits = model(x)
             loss = F.cross_entropy(logits.float(), y)
-            return loss, {"loss": loss.item(), "ce_clean": loss.item(), "acc": (logits.argmax(-1) == y).float().mean().item()}
+            return loss, {"loss": loss.detach(), "ce_clean": loss.detach(), "acc": (logits.argmax(-1) == y).float().mean().detach()}
         x_pert = self.perturb(model, x, y)
         terms = stability_terms(model, x, x_pert, y, layer, self.leak, self.mppd_after_gain)
         loss = self.kappa * terms["ce_clean"] + (1 - self.kappa) * terms["ce_pert"] + self.rho * terms["mppd"]
         logs = {
-            "loss": loss.item(),
-            "ce_clean": terms["ce_clean"].item(),
-            "ce_pert": terms["ce_pert"].item(),
-            "mppd": terms["mppd"].item(),
-            "acc": (terms["logits"].argmax(-1) == y).float().mean().item(),
+            "loss": loss.detach(),
+            "ce_clean": terms["ce_clean"].detach(),
+            "ce_pert": terms["ce_pert"].detach(),
+            "mppd": terms["mppd"].detach(),
+            "acc": (terms["logits"].argmax(-1) == y).float().mean().detach(),
         }
         return loss, logs
 

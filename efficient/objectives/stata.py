@@ -85,21 +85,22 @@ class Stata(Classification):
         terms = [alignment_losses(s, c, self.tau, self.eps) for s, c in scores]
         return torch.stack([t[0] for t in terms]).mean(), torch.stack([t[1] for t in terms]).mean()
 
-    def loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
         x, y = self.prepare(batch)
         logits = model(x)
         ce = self.classification_loss(logits, y)
         loss = ce
-        logs: dict[str, float] = {"ce": ce.item()}
+        logs: dict[str, float | torch.Tensor] = {"ce": ce.detach()}
         if self.lambda_intra > 0 or self.lambda_inter > 0:
             intra, inter = self.alignment(model)
             loss = ce + self.lambda_intra * intra.to(ce.device) + self.lambda_inter * inter.to(ce.device)
-            logs.update({"stata/intra": intra.item(), "stata/inter": inter.item()})
+            logs.update({"stata/intra": intra.detach(), "stata/inter": inter.detach()})
         stats = stata_outputs(model).stats
         for k in ("keep_ratio", "tokens_out", "degenerate"):
             if k in stats:
-                logs[f"stata/{k}"] = float(stats[k])
-        logs["loss"] = loss.item()
+                v = stats[k]
+                logs[f"stata/{k}"] = v.detach() if isinstance(v, torch.Tensor) else float(v)
+        logs["loss"] = loss.detach()
         if y.dim() == 1:
-            logs["acc"] = (logits.argmax(-1) == y).float().mean().item()
+            logs["acc"] = (logits.argmax(-1) == y).float().mean().detach()
         return loss, logs

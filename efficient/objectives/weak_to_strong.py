@@ -87,13 +87,13 @@ class WeakToStrong(Objective):
             self.teacher.to(x.device)
         return torch.softmax(self.teacher(x).float() / self.temp, -1)
 
-    def loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
         x, _ = batch  # ground truth is never used for training
         weak = self.weak_labels(x)
         logits = model(x)
         a = self.alpha()
         loss = w2s_loss(logits, weak, a)
-        return loss, {"loss": loss.item(), "alpha": a, "teacher_agree": (logits.argmax(-1) == weak.argmax(-1)).float().mean().item()}
+        return loss, {"loss": loss.detach(), "alpha": a, "teacher_agree": (logits.argmax(-1) == weak.argmax(-1)).float().mean().detach()}
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, batch: Any) -> dict[str, float]:

@@ -118,6 +118,17 @@ def build_model(recipe: Recipe, data: DataBundle) -> nn.Module:
     return model
 
 
+def window_means(window: dict[str, list[Any]]) -> dict[str, float]:
+    """The mean of each logged value over a window of steps. Values logged as device tensors are
+    averaged on the device and read back together, in one transfer."""
+    dev = next((v.device for vs in window.values() for v in vs if isinstance(v, torch.Tensor)), None)
+    if dev is None:
+        return {k: float(np.mean(vs)) for k, vs in window.items()}
+    means = torch.stack([torch.stack([torch.as_tensor(v, dtype=torch.float32, device=dev).reshape(()) for v in vs]).mean()
+                         for vs in window.values()])
+    return dict(zip(window, means.tolist()))
+
+
 def autocast(amp: bool) -> Any:
     """bf16 autocast on CUDA when `amp`, else a no-op context."""
     return torch.autocast("cuda", dtype=torch.bfloat16) if amp else nullcontext()
@@ -195,6 +206,7 @@ class Trainer:
         self.setup()
         self.state = Progress()
         self._stop_requested = False
+        self._unchecked: list[tuple[int, torch.Tensor]] = []  # (step, loss) not yet checked for finiteness
         if resume:
             self.restore()
 
@@ -298,6 +310,7 @@ class Trainer:
 
     def save(self, which: str = "last") -> None:
         """Called on every rank (the RNG states are gathered); rank 0 writes."""
+        self.check_finite()
         state = self.trainer_state() if which == "last" else None
         if self.dist.is_main:
             meta = {"global_step": self.state.global_step, "epoch": self.state.epoch, "model": self.recipe.model["name"]}
@@ -358,6 +371,7 @@ class Trainer:
                 task = bar.add_task("train", total=self.total_steps, completed=self.state.global_step, info="")
                 while self.state.global_step < self.total_steps and not self._stop_requested:
                     self.train_epoch(bar, task)
+                    self.check_finite()
                     if self._stop_requested:
                         break
                     if self._validation_due():
@@ -425,8 +439,10 @@ class Trainer:
             seen += _batch_size(batch) * self.data_world
             for k, v in logs.items():
                 window.setdefault(k, []).append(v)
-            if self.dist.is_main and (s.global_step % t.log_every == 0 or s.global_step == self.total_steps):
-                self._log_train(window, seen / max(1e-9, time.perf_counter() - t0), bar, task)
+            if s.global_step % t.log_every == 0 or s.global_step == self.total_steps:
+                self.check_finite()
+                if self.dist.is_main:
+                    self._log_train(window, seen / max(1e-9, time.perf_counter() - t0), bar, task)
                 window = {}
             bar.update(task, completed=s.global_step)
             if t.checkpoint_every and s.global_step % t.checkpoint_every == 0 and s.step_in_epoch < self.steps_per_epoch:
@@ -442,31 +458,43 @@ class Trainer:
             s.epoch += 1
             s.step_in_epoch = 0
 
-    def loss_step(self, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
-        """The objective's loss and logs on one batch (already on the device); a non-finite loss stops the run."""
+    def loss_step(self, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The objective's loss and logs on one batch (already on the device). Whether the loss is
+        finite is checked at the next log line or checkpoint (`check_finite`), not here: a check per
+        step would make the host wait for the device every step."""
         with autocast(self.amp):
             loss, logs = self.objective.loss(self.forward_model, batch)
-        if not torch.isfinite(loss):
-            s = self.state
-            raise TrainingError(
-                f"loss became {loss.item()} at step {s.global_step} (epoch {s.epoch}); the last good checkpoint is in "
-                f"{self.run_dir / 'checkpoint' / 'last'}. Lower optim.lr or set train.grad_clip."
-            )
+        self._unchecked.append((self.state.global_step, loss.detach()))
         return loss, logs
 
-    def optimizer_step(self, loss: torch.Tensor, logs: dict[str, float]) -> None:
+    def check_finite(self) -> None:
+        """Stop the run at the first non-finite loss since the last check (one host read for all of
+        them). Every checkpoint is preceded by this check, so none holds weights a bad step wrote."""
+        if not self._unchecked:
+            return
+        steps, losses = zip(*self._unchecked)
+        self._unchecked = []
+        bad = ~torch.isfinite(torch.stack(losses).float())
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise TrainingError(
+                f"loss became {losses[i].item()} at step {steps[i]} (epoch {self.state.epoch}); the last good checkpoint is in "
+                f"{self.run_dir / 'checkpoint' / 'last'}. Lower optim.lr or set train.grad_clip."
+            )
+
+    def optimizer_step(self, loss: torch.Tensor, logs: dict[str, Any]) -> None:
         """Backward, optional gradient clipping (its norm joins `logs`), optimizer and LR schedule step."""
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if self.recipe.train.grad_clip:
-            logs["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.recipe.train.grad_clip))
+            logs["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.recipe.train.grad_clip).detach()
         self.optimizer.step()
         self.scheduler.step()
 
-    def _log_train(self, window: dict[str, list[float]], rate: float, bar: Any, task: Any) -> None:
+    def _log_train(self, window: dict[str, list[Any]], rate: float, bar: Any, task: Any) -> None:
         """One train line in metrics.jsonl: the means of the logs since the last line, lr, throughput."""
         s = self.state
-        row = {k: float(np.mean(v)) for k, v in window.items()}
+        row = window_means(window)
         self.loggers.log({"step": s.global_step, "epoch": s.epoch, "lr": self.scheduler.get_last_lr()[0], "samples_per_s": rate, **row})
         info = " ".join(f"{k} {v:.4g}" for k, v in row.items() if k in ("loss", "acc")) + f" {rate:.0f} samples/s"
         bar.update(task, info=info)
