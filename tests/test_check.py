@@ -24,6 +24,7 @@ from efficient.checks import RTOL, CheckReport, check
 from efficient.cli import main
 from efficient.errors import ConfigError
 from efficient.models.neurons import LIF
+from efficient.models.stata import find_pruner
 
 T = 4
 BUG = 1e3 * RTOL  # a planted bug moves what it touches by at least this much (relative)
@@ -174,6 +175,19 @@ def test_a_flip_of_a_time_major_input_before_the_first_neuron_is_not_causal() ->
     assert check(Net(), x, time_major=True, only=["causality"])["causality"].status == "PASS"
 
 
+def test_time_mixing_declared_by_design_is_not_judged_but_what_runs_before_it_is() -> None:
+    class DeclaredFlip(Flip):
+        mixes_time = True  # e.g. attention over time: the model says so
+
+    declared = check(Net(mid=DeclaredFlip()), _data(), only=["causality"])["causality"]
+    assert declared.status == "SKIP" and declared.value <= CLEAN
+    assert "unchanged up to the first mid (mixes_time), after lif1" in declared.detail
+    net = Net(mid=Flip())
+    net.head = nn.Sequential(DeclaredFlip(), net.head)  # declared after the undeclared flip
+    undeclared = check(net, _data(), only=["causality"])["causality"]
+    assert undeclared.status == "FAIL" and undeclared.value >= BUG and "input of lif2" in undeclared.detail
+
+
 @pytest.mark.parametrize("neuron", [ZeroSurrogate, NoSurrogate])
 def test_a_layer_without_surrogate_gradient_is_dead(neuron: type[LIF]) -> None:
     report = check(Net(neuron2=neuron()), _data())
@@ -268,6 +282,13 @@ def test_every_zoo_model_passes(case: zr.Case) -> None:
     assert report.passed, str(report)
     spiking = bool(report.spiking_layers)
     want_pass = {"batch", "state"} | ({"causality", "surrogate", "binary"} if spiking else set())
+    causality = report["causality"]
+    if find_pruner(model) is not None and find_pruner(model).prune_at and causality.status == "SKIP":
+        # STATA keeps one token set for every step, chosen from every step's scores: not causal by
+        # design; what runs before its first selection still is
+        assert "unchanged up to the first STATA token selection" in causality.detail, str(report)
+        assert causality.value <= CLEAN
+        want_pass.discard("causality")
     assert {r.id for r in report.results if r.status == "PASS"} == want_pass, str(report)
     for cid in ("batch", "state", "causality"):
         if report[cid].status == "PASS":

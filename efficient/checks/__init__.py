@@ -38,7 +38,10 @@ the last bits of one CPU. Checks (ids in brackets) and their numbers:
   Every spiking layer's input (and the model input, if it is time-major) gets random values at the
   steps after t0 = (T - 1) // 2; number: the largest change at steps <= t0 of any spiking layer's
   input or spikes, or of a time-major model output `[T, B, ...]`. SKIP without time (T unknown or 1).
-  Eval mode (BatchNorm in training mixes steps).
+  Eval mode (BatchNorm in training mixes steps). Ops that mix time steps by design end what is
+  judged: a STATA token selection (one token set for every step, chosen from every step's scores)
+  or a module with `mixes_time = True`; a change before the first of them FAILs, one only after it
+  gives SKIP, saying where judging stopped.
 - silent / saturated layers [rates]: per spiking layer, the firing rate on the example itself (no
   drive; nonzero spikes / spike entries over all calls and steps; eval mode). FAIL when a layer's
   rate is at most `silent_rate` (default 0: it never fired) or at least `saturated_rate` (default

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Literal
@@ -164,8 +165,9 @@ class _Pass:
     order: list[str]
     calls: dict[str, list[tuple[Tensor | None, Tensor | None]]] = field(default_factory=dict)
     scales: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # stored calls: (input, spikes) scale
-    diffs: dict[str, list[_Diff]] = field(default_factory=dict)
+    diffs: dict[str, list[_Diff]] = field(default_factory=dict)  # part -> changes; "<part>|mixed": after time mixing
     counts: dict[str, _Counts] = field(default_factory=dict)
+    mixed: tuple[str | None, str] | None = None  # (last spiking layer before, what) of the first op mixing time steps
 
 
 def _compact(t: Tensor) -> Tensor:
@@ -193,6 +195,8 @@ class _Tap:
         self.order: list[str] = []
         self.worst: dict[tuple[str, str, str], float] = {}  # (part, layer, what) -> largest change
         self.counts: dict[str, _Counts] = {}
+        self.mixed: tuple[str | None, str] | None = None
+        self._last: str | None = None
         self._pending: dict[str, list[Tensor | None]] = {}
         self._handles: list[Any] = []
 
@@ -205,6 +209,11 @@ class _Tap:
     def __exit__(self, *exc: Any) -> None:
         for h in self._handles:
             h.remove()
+
+    def mark_mixed(self, what: str) -> None:
+        """An op that mixes time steps by design ran: changes seen from here on are kept apart."""
+        if self.mixed is None:
+            self.mixed = (self._last, what)
 
     def _pre(self, name: str) -> Callable[..., Any]:
         def hook(module: nn.Module, args: tuple) -> tuple | None:
@@ -224,6 +233,7 @@ class _Tap:
             if k == 0:
                 self.order.append(name)
             self.ncalls[name] = k + 1
+            self._last = name
             if self.record == "graph":
                 self.calls.setdefault(name, []).append((x, s))
             elif self.record == "store":
@@ -260,24 +270,55 @@ class _Tap:
                 if pa is None and pb is None:
                     continue
                 rel = _rel(pa, pb, scale)
-                key = (part, name, what)
+                key = (part if self.mixed is None else f"{part}|mixed", name, what)
                 self.worst[key] = max(self.worst.get(key, 0.0), rel)
 
     def result(self, out: Any) -> _Pass:
         p = _Pass([t.detach() if self.record == "graph" else t.detach().clone() for t in _tensors(out)], list(self.order),
-                  calls=self.calls, scales=self.scales, counts=self.counts)
+                  calls=self.calls, scales=self.scales, counts=self.counts, mixed=self.mixed)
         if self.record == "compare" and self.against is not None:
             names = self.order + [n for n in self.against.order if n not in self.ncalls]
-            for part in self.parts:
+            for part in [*self.parts, *(f"{q}|mixed" for q in self.parts)]:
                 diffs: list[_Diff] = []
                 for name in names:
-                    moved = len(self.against.calls.get(name, [])) != self.ncalls.get(name, 0)
+                    moved = len(self.against.calls.get(name, [])) != self.ncalls.get(name, 0) and not part.endswith("|mixed")
                     for what in ("input", "spikes"):
                         rel = math.inf if moved else self.worst.get((part, name, what))
                         if rel is not None:
                             diffs.append(_Diff(name, what, rel))
                 p.diffs[part] = diffs
         return p
+
+
+@contextlib.contextmanager
+def _watch_time_mixing(model: nn.Module, tap: _Tap) -> Iterator[None]:
+    """Tells `tap` when the first op that mixes time steps by design runs: a STATA token selection
+    that prunes (one token set for every step, chosen from every step's scores), or the call of a
+    module whose `mixes_time` is True (a model's own declaration, e.g. attention over time)."""
+    stata = sys.modules.get("efficient.models.stata")
+    pruner = getattr(stata, "TokenPruner", None)
+    patched: list[nn.Module] = []
+    handles: list[Any] = []
+    why = "STATA token selection (one token set for every step, chosen from every step's scores)"
+    for name, m in model.named_modules():
+        if pruner is not None and isinstance(m, pruner):
+            def select(*args: Any, _original: Callable[..., Any] = m.select, **kwargs: Any) -> Any:
+                out = _original(*args, **kwargs)
+                if out is not None:
+                    tap.mark_mixed(why)
+                return out
+            m.select = select  # an instance attribute in front of the method, deleted after
+            patched.append(m)
+        if getattr(m, "mixes_time", False) is True:
+            label = f"{name or type(m).__name__} (mixes_time)"
+            handles.append(m.register_forward_pre_hook(lambda mod, args, _label=label: tap.mark_mixed(_label)))
+    try:
+        yield
+    finally:
+        for m in patched:
+            del m.select
+        for h in handles:
+            h.remove()
 
 
 @dataclass
@@ -318,12 +359,13 @@ def _drive(s: _Setup, inject: Inject | None) -> Inject:
 
 def _run(s: _Setup, x: Tensor, train: bool, inject: Inject | None = None, *, rest: bool = True,
          clean: Tensor | None = None, record: Record = "store", against: _Pass | None = None,
-         parts: dict[str, Part] | None = None, drive: bool = True) -> _Pass:
+         parts: dict[str, Part] | None = None, drive: bool = True, mixing: bool = False) -> _Pass:
     """One pass without gradients, from rest unless `rest=False` (then only `reset` runs first),
     recorded as `_Tap` says; with `drive`, every spiking layer's input gets the drive current (see
     `_drive`) before `inject` changes it. Once the model is known to keep state across calls
     (`s.prime`), a pass first runs on its clean input `clean` (default x), so two passes compared
-    start from the same leftover state. A train pass puts back the buffers it moved."""
+    start from the same leftover state. A train pass puts back the buffers it moved. With `mixing`,
+    changes after the first op that mixes time steps by design are kept apart (`_watch_time_mixing`)."""
     if rest:
         _rest(s.model, s.reset)
     elif s.reset is not None:
@@ -338,7 +380,8 @@ def _run(s: _Setup, x: Tensor, train: bool, inject: Inject | None = None, *, res
                 if s.reset is not None:
                     s.reset(s.model)
             with _Tap(s.layers, _drive(s, inject) if drive else inject, record, against, parts) as tap:
-                out = s.model(x)
+                with _watch_time_mixing(s.model, tap) if mixing else contextlib.nullcontext():
+                    out = s.model(x)
     finally:
         if train:
             _restore(s.buffers)

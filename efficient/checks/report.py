@@ -10,7 +10,7 @@ from typing import Any, Literal, Sequence
 
 Status = Literal["PASS", "FAIL", "SKIP"]
 
-
+# id -> the name reports show, in the order they show them
 CHECKS: dict[str, str] = {
     "batch": "batch independence",
     "state": "state reset between calls",
@@ -19,8 +19,6 @@ CHECKS: dict[str, str] = {
     "surrogate": "dead surrogate gradients",
     "binary": "binary spikes",
 }
-
-
 LAYERS_NAMED = 8  # layers named in a result's detail before "and N more"
 
 
@@ -48,6 +46,7 @@ class CheckResult:
     layers: list[LayerFinding] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain JSON types; an infinite value (a shape or call count that changed) becomes None."""
         d = dataclasses.asdict(self)
         d["value"] = _json_number(self.value)
         for layer in d["layers"]:

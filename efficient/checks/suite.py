@@ -15,6 +15,7 @@ from efficient.checks.report import CHECKS, LAYERS_NAMED, CheckResult, LayerFind
 
 
 def _check_batch(s: _Setup, base_eval: _Pass) -> CheckResult:
+    """Kept samples against a pass in which the others were replaced (input and spiking layers), eval and train."""
     n = s.n
     keep = torch.tensor([0, n - 1], device=s.x.device)
     others = torch.arange(1, n - 1, device=s.x.device)
@@ -84,7 +85,8 @@ def _out_rel(s: _Setup, a: list[Tensor], b: list[Tensor], idx: Tensor) -> float:
     for ta, tb in zip(a, b):
         d = _out_batch_dim(ta, s)
         if d is not None:
-            worst = max(worst, _rel(ta.index_select(d, idx), tb.index_select(d, idx) if tb.shape == ta.shape else None, _scale(ta)))
+            other = tb.index_select(d, idx) if tb.shape == ta.shape else None
+            worst = max(worst, _rel(ta.index_select(d, idx), other, _scale(ta)))
     return worst
 
 
@@ -131,6 +133,7 @@ def _reset_hint(s: _Setup) -> str:
 
 
 def _check_causality(s: _Setup, base: _Pass) -> CheckResult:
+    """Steps <= t0 against a pass in which every spiking layer's input (and a time-major model input) changed after t0."""
     threshold = f"<= {s.rtol:g} relative change"
     steps = {name: len(calls) for name, calls in base.calls.items() if not s.multi[name]}  # single-step: calls = steps
     T = s.T
@@ -173,13 +176,15 @@ def _check_causality(s: _Setup, base: _Pass) -> CheckResult:
     if s.time_major and out_t0 is not None and x.shape[0] == T:
         x = x.clone()
         x[out_t0 + 1:] = _random_like(x[out_t0 + 1:], g)
-    b = _run(s, x, False, inject, clean=s.x, record="compare", against=base, parts={"before": part(True), "after": part(False)})
-    before = [_Diff(None, "output", _time_rel(s, base.out, b.out, out_t0, True)), *b.diffs["before"]]
+    b = _run(s, x, False, inject, clean=s.x, record="compare", against=base, parts={"before": part(True), "after": part(False)},
+             mixing=True)
+    where = f"steps <= {out_t0}" if out_t0 is not None else "the first half of each layer's calls"
+    out_before = _Diff(None, "output", _time_rel(s, base.out, b.out, out_t0, True))
+    before = ([] if b.mixed else [out_before]) + b.diffs["before"]  # the output comes after any mixing
     after = [_Diff(None, "output", _time_rel(s, base.out, b.out, out_t0, False))]
-    after += [d for d in b.diffs["after"] if d.what == "spikes"]
+    after += [d for d in b.diffs["after"] + b.diffs["after|mixed"] if d.what == "spikes"]
     worst = _worst(before)
     value = worst.rel if worst is not None else 0.0
-    where = f"steps <= {out_t0}" if out_t0 is not None else "the first half of each layer's calls"
     if value > s.rtol:
         layers = [LayerFinding(d.layer, d.rel, f"its {d.what} at {where} changed") for d in before
                   if d.layer is not None and d.rel > s.rtol]
@@ -188,6 +193,14 @@ def _check_causality(s: _Setup, base: _Pass) -> CheckResult:
     if not any(d.rel > s.rtol for d in after):
         return _result("causality", "SKIP", value, threshold,
                        "changing the later steps changed no spikes or output there either: nothing reached")
+    mixed = [out_before, *b.diffs["before|mixed"]] if b.mixed else []
+    moved = _worst(mixed)
+    if b.mixed and moved is not None and moved.rel > s.rtol:
+        last, what = b.mixed
+        return _result("causality", "SKIP", value, threshold,
+                       f"{where} unchanged up to the first {what}" + (f", after {last}" if last else "") +
+                       f"; from there the model mixes time steps by design (it cannot run step by step), so what "
+                       f"follows is not judged (it moved by {_fmt(moved.rel)} at {moved.where})")
     return _result("causality", "PASS", value, threshold, f"{where} unchanged when the later steps were replaced")
 
 
@@ -204,6 +217,7 @@ def _time_rel(s: _Setup, a: list[Tensor], b: list[Tensor], t0: int | None, befor
 
 
 def _check_rates(s: _Setup, full: _Pass, real: bool, silent: float, saturated: float) -> CheckResult:
+    """Each spiking layer's firing rate on the example (undriven), against the silent and saturated bounds."""
     threshold = f"no layer at rate <= {silent:g} or >= {saturated:g}"
     rates = {name: c.nonzero / c.numel for name, c in full.counts.items() if c.numel}
     if not rates:
@@ -225,6 +239,7 @@ def _check_rates(s: _Setup, full: _Pass, real: bool, silent: float, saturated: f
 
 
 def _check_binary(s: _Setup, full: _Pass) -> CheckResult:
+    """Each spiking layer's spikes on the example (undriven) are exactly 0 or 1."""
     threshold = "only 0 and 1"
     counted = {name: c for name, c in full.counts.items() if c.numel}
     bad = [LayerFinding(name, c.off / c.numel, f"{c.off} of {c.numel} entries are not 0 or 1 (e.g. "
@@ -258,6 +273,7 @@ def _alone(module: nn.Module, like: Tensor, g: torch.Generator) -> float:
 
 
 def _check_surrogate(s: _Setup, real: bool) -> CheckResult:
+    """Each spiking layer's own gradient (in place and alone on a sweep) and the output's gradient at its input, train mode."""
     threshold = "no layer without gradient"
     _rest(s.model, s.reset)
     s.model.train(True)  # as in training, BatchNorm included
@@ -271,7 +287,7 @@ def _check_surrogate(s: _Setup, real: bool) -> CheckResult:
     with _seeded(s.seed, x.device), torch.enable_grad(), _Tap(s.layers, record="graph") as tap:
         outs = [t for t in _tensors(s.model(x)) if t.is_floating_point() and t.requires_grad]
         if not outs:
-            return _result("surrogate", "SKIP", None, threshold, "no model output carries a gradient (no float output requiring grad)")
+            return _result("surrogate", "SKIP", None, threshold, "no model output carries a gradient")
         loss = sum((t * torch.randn(t.shape, generator=g).to(t.device, t.dtype)).sum() for t in outs)
         inputs = [(name, c[0]) for name in tap.order for c in tap.calls[name] if c[0] is not None]
         need = [(name, t) for name, t in inputs if t.requires_grad]
@@ -311,7 +327,8 @@ def _check_surrogate(s: _Setup, real: bool) -> CheckResult:
         if a == 0.0 or (math.isnan(a) and own_frac == 0.0 and o[1] == 0):
             dead.append(LayerFinding(name, 0.0, "passes no gradient for any input current: no surrogate, or one that is zero"))
         elif name in unreachable:
-            dead.append(LayerFinding(name, 0.0, "no gradient path from the output to its input (a detach or a non-differentiable op)"))
+            dead.append(LayerFinding(name, 0.0, "no gradient path from the output to its input (a detach, or an op "
+                                                "without gradient)"))
         elif own_frac == 0.0:
             quiet.append(LayerFinding(name, 0.0, "its input never falls where its surrogate is nonzero"))
         elif reach_frac == 0.0:
