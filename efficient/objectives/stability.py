@@ -13,6 +13,7 @@ SNN-RAT weight-orthogonality step (`parseval_beta` > 0) gives the paper's AT+Reg
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Iterator, Literal
 
 import torch
@@ -56,15 +57,43 @@ def layer_dynamics(layer: nn.Module) -> tuple[float, float]:
     raise ConfigError(f"cannot read the leak of {type(layer).__name__}; set objective.leak explicitly")
 
 
-@contextlib.contextmanager
-def record_current(layer: nn.Module) -> Iterator[list[torch.Tensor]]:
+class CurrentRecorder:
+    """Collects the input of one layer (time-major `[T, B, ...]`) on every forward while recording.
+    The hook is registered once per layer and stays: registering one per step would break a
+    compiled step's graph."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        self.seen: list[torch.Tensor] = []
+        self.active = False
+        layer.register_forward_hook(self._hook)
+
+    def _hook(self, module: nn.Module, inputs: tuple, out: Any) -> None:
+        if self.active:
+            self.seen.append(inputs[0])
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[list[torch.Tensor]]:
+        self.seen, self.active = [], True
+        try:
+            yield self.seen
+        finally:
+            self.active = False
+
+
+_RECORDERS: "weakref.WeakKeyDictionary[nn.Module, CurrentRecorder]" = weakref.WeakKeyDictionary()
+
+
+def current_recorder(layer: nn.Module) -> CurrentRecorder:
+    """The layer's recorder, created (and its hook registered) on first use."""
+    rec = _RECORDERS.get(layer)
+    if rec is None:
+        rec = _RECORDERS[layer] = CurrentRecorder(layer)
+    return rec
+
+
+def record_current(layer: nn.Module) -> contextlib.AbstractContextManager[list[torch.Tensor]]:
     """Collect the input of `layer` (time-major `[T, B, ...]`) on every forward inside the block."""
-    seen: list[torch.Tensor] = []
-    handle = layer.register_forward_hook(lambda mod, inputs, out: seen.append(inputs[0]))
-    try:
-        yield seen
-    finally:
-        handle.remove()
+    return current_recorder(layer).recording()
 
 
 # ------------------------------------------------------------------------------------- MPPD
@@ -240,6 +269,7 @@ class Stability(Objective):
     def layer(self, model: nn.Module) -> nn.Module:
         if self._layer is None or self._layer[0] != id(model):
             self._layer = (id(model), last_spiking_layer(model))
+            current_recorder(self._layer[1])  # its hook now, outside any compiled step
         return self._layer[1]
 
     def perturb(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
