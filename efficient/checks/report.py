@@ -19,7 +19,7 @@ CHECKS: dict[str, str] = {
     "surrogate": "dead surrogate gradients",
     "binary": "binary spikes",
 }
-LAYERS_NAMED = 8  # layers named in a result's detail before "and N more"
+LAYERS_NAMED = 4  # layers named in a result's detail before "and N more"
 
 
 @dataclass
