@@ -116,7 +116,9 @@ class TrainConfig:
     log_every: int = _opt(_positive, default=10)
     eval_every: int = _opt(_positive, default=1)
     checkpoint_every: int | None = _opt(_positive, default=None)
-    compile: bool = False
+    # torch.compile of the training forward: false | true (= default) | default | reduce-overhead
+    # (CUDA-graph replay of the step; CUDA only) | max-autotune | max-autotune-no-cudagraphs
+    compile: bool | Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = False
     # activation memory of a step (efficient.memory): none | bits (spikes saved as bits, same gradients)
     # | recompute (units keep only their inputs and recompute the rest in backward)
     memory: Literal["none", "bits", "recompute"] = "none"

@@ -77,3 +77,56 @@ def test_a_host_read_in_the_step_is_found(tmp_path: Path) -> None:
         return y * 2 if y.item() > 0 else y
     breaks = _breaks(step, torch.ones(3))
     assert breaks and "item" in breaks[0].lower() and "test_one_graph.py" in breaks[0]
+
+
+# --------------------------------------------------------------------------- compiled training
+
+def _losses(run: Path) -> list[float]:
+    import json
+
+    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in line
+            and '"val"' not in line]
+
+
+@pytest.mark.slow
+def test_compiled_training_equals_eager_over_20_steps(tmp_path: Path) -> None:
+    """train.compile: default on the digits STATA recipe, through the keep-ratio warm-up (the keep
+    count changes mid-run): every step's loss agrees with eager within rounding (inductor fuses and
+    reorders sums), and the trained models give the same eval logits and keep the same tokens.
+
+    The models are compared as functions, not weight by weight: a Linear bias feeding BatchNorm has
+    a gradient that is zero up to rounding, which Adam turns into full-size steps of noise, so such
+    biases (and the running means that absorb them) differ between any two summation orders."""
+    over = ["train.max_steps=20", "train.epochs=1", "data.batch_size=16", "model.keep_warmup_epochs=0.3", "train.log_every=1",
+            "profile.enabled=false", "train.progress=false", "eval.batch_size=64", "eval.max_batches=1"]
+    runs = {}
+    for mode in ("false", "default"):
+        tr = Trainer(load_recipe(ROOT / "recipes" / "stata_digits.yaml", [*over, f"train.compile={mode}"]), tmp_path / mode)
+        summary = tr.fit()
+        assert summary["compile"] == (False if mode == "false" else "default")
+        x = next(iter(tr.train_loader(0, 0)))[0]
+        tr.model.eval()
+        with torch.no_grad():
+            logits = tr.model(x)
+        runs[mode] = (_losses(tmp_path / mode), logits, [i.clone() for i in tr.model.stata_stats.get("kept_idx", [])])
+    eager, compiled = runs["false"], runs["default"]
+    assert len(eager[0]) == len(compiled[0]) == 20
+    assert compiled[0] == pytest.approx(eager[0], rel=1e-4, abs=1e-5)
+    assert (compiled[1] - eager[1]).abs().max() <= 1e-3 * eager[1].abs().max()
+    assert eager[2] and all(torch.equal(a, b) for a, b in zip(eager[2], compiled[2]))
+
+
+def test_cuda_graph_modes_off_cuda_fall_back_and_say_so(tmp_path: Path) -> None:
+    from rich.console import Console
+
+    from efficient.train.engine import compile_mode
+
+    console = Console(record=True, width=200)
+    assert compile_mode("reduce-overhead", torch.device("cpu"), console) == "default"
+    assert compile_mode("max-autotune", torch.device("cpu"), console) == "max-autotune-no-cudagraphs"
+    text = console.export_text()
+    assert "need a CUDA device" in text and "mode default instead" in text
+    assert compile_mode(True, torch.device("cpu")) == "default" and compile_mode(False, torch.device("cpu")) is None
+    assert compile_mode("reduce-overhead", torch.device("cuda")) == "reduce-overhead"
+    with pytest.raises(Exception, match="train.compile"):
+        load_recipe(ROOT / "recipes" / "stata_digits.yaml", ["train.compile=overhead"])

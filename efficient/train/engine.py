@@ -118,6 +118,21 @@ def build_model(recipe: Recipe, data: DataBundle) -> nn.Module:
     return model
 
 
+def compile_mode(setting: bool | str, device: torch.device, console: Any = None) -> str | None:
+    """The `torch.compile` mode for `train.compile` on `device`, None for no compilation. Modes that
+    replay CUDA graphs need a CUDA device: elsewhere they compile without graphs, and say so."""
+    if setting is False:
+        return None
+    mode = "default" if setting is True else str(setting)
+    if device.type != "cuda" and mode in ("reduce-overhead", "max-autotune"):
+        fallback = "default" if mode == "reduce-overhead" else "max-autotune-no-cudagraphs"
+        if console is not None:
+            console.print(f"train.compile={mode} replays CUDA graphs, which need a CUDA device; this run is on {device.type}, "
+                          f"so it compiles with mode {fallback} instead")
+        mode = fallback
+    return mode
+
+
 def window_means(window: dict[str, list[Any]]) -> dict[str, float]:
     """The mean of each logged value over a window of steps. Values logged as device tensors are
     averaged on the device and read back together, in one transfer."""
@@ -268,8 +283,12 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, self.total_steps, self.steps_per_epoch, r.optim.lr, r.schedule)
         self.amp = t.amp and self.device.type == "cuda"
         self.forward_model: nn.Module = dist_utils.wrap(self.model, self.dist, self.device)
-        if t.compile:
-            self.forward_model = torch.compile(self.forward_model)
+        self.compile_mode = compile_mode(t.compile, self.device, self.console)
+        # steps left out of the reported throughput: the first compiles; CUDA-graph trees run one
+        # more step eagerly and record on the next
+        self._warmup_steps = {None: 0, "reduce-overhead": 3}.get(self.compile_mode, 1)
+        if self.compile_mode:
+            self.forward_model = torch.compile(self.forward_model, mode=self.compile_mode)
 
     def _setup_budget(self) -> None:
         """Steps per epoch and the total step budget."""
@@ -444,6 +463,10 @@ class Trainer:
                 if self.dist.is_main:
                     self._log_train(window, seen / max(1e-9, time.perf_counter() - t0), bar, task)
                 window = {}
+            if self._warmup_steps:  # compilation (and CUDA-graph recording) is not training throughput
+                self._warmup_steps -= 1
+                if not self._warmup_steps:
+                    t0, seen = time.perf_counter(), 0
             bar.update(task, completed=s.global_step)
             if t.checkpoint_every and s.global_step % t.checkpoint_every == 0 and s.step_in_epoch < self.steps_per_epoch:
                 self._save_last()
@@ -462,9 +485,14 @@ class Trainer:
         """The objective's loss and logs on one batch (already on the device). Whether the loss is
         finite is checked at the next log line or checkpoint (`check_finite`), not here: a check per
         step would make the host wait for the device every step."""
+        graphs = self.compile_mode == "reduce-overhead"
+        if graphs:  # a new step: the previous step's graph outputs may be overwritten from here on
+            torch.compiler.cudagraph_mark_step_begin()
         with autocast(self.amp):
             loss, logs = self.objective.loss(self.forward_model, batch)
-        self._unchecked.append((self.state.global_step, loss.detach()))
+        if graphs:  # logged values must outlive the next replay, which reuses the graph's output memory
+            logs = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in logs.items()}
+        self._unchecked.append((self.state.global_step, loss.detach().clone() if graphs else loss.detach()))
         return loss, logs
 
     def check_finite(self) -> None:
@@ -552,6 +580,7 @@ class Trainer:
             "best": {self.objective.primary_metric: self.state.best},
             "params": zoo.count_params(self.model),
             "memory": {"level": self.memory_plan.level, "summary": self.memory_plan.summary()},
+            "compile": self.compile_mode or False,
             "environment": environment(self.device),
         }
         report_md = ""
