@@ -562,6 +562,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-gb", type=float, default=18.0, help="largest RSS (GiB) a cell may reach; cells estimated above it are not run")
     ap.add_argument("--max-step-s", type=float, default=180.0, help="cells whose step is estimated longer are not run")
     ap.add_argument("--budget-gb", type=float, default=16.0, help="activation budget (GiB) for 'what it buys'")
+    ap.add_argument("--probe-ts", nargs=3, type=int, metavar=("TA", "TB", "TC"),
+                    help="probe saved bytes at these T (fit through TA and TB, check at TC) instead of the table's T; "
+                         "the table's T then come from the fitted line")
     ap.add_argument("--verify", action="store_true",
                     help="run one step at each claimed largest T (ours none and recompute) at --verify-batch, to check the claim")
     ap.add_argument("--verify-batch", type=int, default=2)
@@ -578,7 +581,9 @@ def main(argv: list[str] | None = None) -> int:
         print(RESULT + json.dumps(res), flush=True)
         return 0
 
-    Ts = (2, 4, 3) if args.quick else (4, 16, 8)      # table T, table T, T-linearity check
+    table_Ts = (2, 4) if args.quick else (4, 16)      # the table's T
+    # probe T: two to fit the line, a third to check it (default: the table's T and their middle)
+    Ts = tuple(args.probe_ts) if args.probe_ts else (*table_Ts, 3 if args.quick else 8)
     batches = (2, 3, 4)                               # probe batches: fit, fit, check (not 1: see the docstring)
     steps = args.steps or (1 if args.quick else 3)
     imgs = QUICK_IMG if args.quick else {}
@@ -687,7 +692,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n# cells (each a fresh process; --max-gb {args.max_gb:g}, --max-step-s {args.max_step_s:g}, {steps} timed step(s))")
     for arch in args.archs:
         B = 2 if args.quick else ARCHS[arch].batch
-        for T in Ts[:2]:
+        for T in table_Ts:
             for impl in args.impls:
                 row: dict[str, Any] = {"arch": arch, "T": T, "batch": B, "impl": impl}
                 rows.append(row)
@@ -752,7 +757,7 @@ def main(argv: list[str] | None = None) -> int:
     buys: list[dict] = []
     budget = args.budget_gb * GiB
     print(f"\n## what it buys: the largest T whose saved bytes fit {args.budget_gb:g} GiB\n")
-    print("| architecture | batch | impl | saved GiB at T=%d | MiB per extra timestep | largest T | vs ours none |" % Ts[0])
+    print("| architecture | batch | impl | saved GiB at T=%d | MiB per extra timestep | largest T | vs ours none |" % table_Ts[0])
     print("|---|---|---|---|---|---|---|")
     for arch, B in BUYS.items():
         if arch not in args.archs:
@@ -762,13 +767,13 @@ def main(argv: list[str] | None = None) -> int:
             if (arch, impl) not in fits:
                 continue
             f = fits[(arch, impl)]
-            va, vb = float(f.at(Ts[0], B)), float(f.at(Ts[1], B))
-            tmax = largest_fitting(va, vb, Ts[0], Ts[1], budget)
-            slope = (vb - va) / (Ts[1] - Ts[0])
+            va, vb = float(f.at(table_Ts[0], B)), float(f.at(table_Ts[1], B))
+            tmax = largest_fitting(va, vb, table_Ts[0], table_Ts[1], budget)
+            slope = (vb - va) / (table_Ts[1] - table_Ts[0])
             if impl == "none":
                 tmax_none = tmax
             buys.append({"arch": arch, "batch": B, "impl": impl, "saved_at_Ta": va, "per_T": slope, "largest_T": tmax,
-                         "line": [va - slope * Ts[0], slope]})
+                         "line": [va - slope * table_Ts[0], slope]})
             t_txt = "none fits" if tmax < 1 else ("any" if tmax >= 10**9 else str(tmax))
             rel = f"{tmax / tmax_none:.1f}x" if tmax_none and tmax_none > 0 and 0 < tmax < 10**9 else ""
             print(f"| {arch} | {B} | {LABEL[impl]} | {va / GiB:.2f} | {slope / MiB:,.1f} | {t_txt} | {rel} |")
