@@ -117,6 +117,7 @@ ARCHS: dict[str, Arch] = {
     "sdt-2-512": Arch("sdt-2-512", 64, "sdt-2-512"),
     "stable-snn-vgg11": Arch("stable-snn-vgg11", 64, "stable-snn-vgg11"),
 }
+RERUN = {"recompute": "none", "sj-memopt": "sj"}  # level -> the dense level whose largest block a rerun holds
 BUYS = {"spikformer-4-384": 64, "spikformer-8-512": 32}  # "what it buys": architecture -> batch
 QUICK_IMG = {"spikformer-8-512": 64}  # --quick runs the 224-px model on 64-px images (4x4 tokens)
 
@@ -565,6 +566,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--probe-ts", nargs=3, type=int, metavar=("TA", "TB", "TC"),
                     help="probe saved bytes at these T (fit through TA and TB, check at TC) instead of the table's T; "
                          "the table's T then come from the fitted line")
+    ap.add_argument("--probe-batches", nargs=3, type=int, default=[2, 3, 4], metavar=("B1", "B2", "B3"),
+                    help="probe saved bytes at these batches (fit through B1 and B2, check at B3)")
+    ap.add_argument("--skip-cells", action="store_true", help="no peak/time cells: checks, fits, what it buys, --verify")
     ap.add_argument("--verify", action="store_true",
                     help="run one step at each claimed largest T (ours none and recompute) at --verify-batch, to check the claim")
     ap.add_argument("--verify-batch", type=int, default=2)
@@ -584,7 +588,10 @@ def main(argv: list[str] | None = None) -> int:
     table_Ts = (2, 4) if args.quick else (4, 16)      # the table's T
     # probe T: two to fit the line, a third to check it (default: the table's T and their middle)
     Ts = tuple(args.probe_ts) if args.probe_ts else (*table_Ts, 3 if args.quick else 8)
-    batches = (2, 3, 4)                               # probe batches: fit, fit, check (not 1: see the docstring)
+    # probe batches: fit, fit, check (not 1: see the docstring). They must take the same code paths
+    # as the table's batch: Spikformer's Q/K/V units run fused above an input size (at T=4 from
+    # batch 4 on at 32 px), which keeps other tensors
+    batches = tuple(args.probe_batches)
     steps = args.steps or (1 if args.quick else 3)
     imgs = QUICK_IMG if args.quick else {}
     import torch  # versions only; the parent does no tensor work
@@ -690,7 +697,7 @@ def main(argv: list[str] | None = None) -> int:
     # cells
     rows: list[dict] = []
     print(f"\n# cells (each a fresh process; --max-gb {args.max_gb:g}, --max-step-s {args.max_step_s:g}, {steps} timed step(s))")
-    for arch in args.archs:
+    for arch in ([] if args.skip_cells else args.archs):
         B = 2 if args.quick else ARCHS[arch].batch
         for T in table_Ts:
             for impl in args.impls:
@@ -757,8 +764,8 @@ def main(argv: list[str] | None = None) -> int:
     buys: list[dict] = []
     budget = args.budget_gb * GiB
     print(f"\n## what it buys: the largest T whose saved bytes fit {args.budget_gb:g} GiB\n")
-    print("| architecture | batch | impl | saved GiB at T=%d | MiB per extra timestep | largest T | vs ours none |" % table_Ts[0])
-    print("|---|---|---|---|---|---|---|")
+    print("| architecture | batch | impl | saved GiB at T=%d | + largest unit's rerun GiB | MiB per extra timestep | largest T | vs ours none |" % table_Ts[0])
+    print("|---|---|---|---|---|---|---|---|")
     for arch, B in BUYS.items():
         if arch not in args.archs:
             continue
@@ -768,15 +775,26 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             f = fits[(arch, impl)]
             va, vb = float(f.at(table_Ts[0], B)), float(f.at(table_Ts[1], B))
-            tmax = largest_fitting(va, vb, table_Ts[0], table_Ts[1], budget)
-            slope = (vb - va) / (table_Ts[1] - table_Ts[0])
+            # a recomputed unit holds all its activations while backward reruns it: the largest
+            # unit's share of the dense level comes on top of what is kept between units
+            rerun_a = rerun_b = 0.0
+            dense = RERUN.get(impl)
+            if dense and (arch, dense) in fits and (arch, "none") in fits:
+                # the largest unit's share of a step, from our dense level's per-block bytes (the
+                # peer's model is one block to the counter; its blocks are the same architecture's)
+                point = probes[arch]["probes"]["none"]["saved"][f"{Ts[0]},{batches[0]}"]
+                share = max(point["by_block"].values()) / point["saved"]
+                rerun_a = share * float(fits[(arch, dense)].at(table_Ts[0], B))
+                rerun_b = share * float(fits[(arch, dense)].at(table_Ts[1], B))
+            tmax = largest_fitting(va + rerun_a, vb + rerun_b, table_Ts[0], table_Ts[1], budget)
+            slope = (vb + rerun_b - va - rerun_a) / (table_Ts[1] - table_Ts[0])
             if impl == "none":
                 tmax_none = tmax
-            buys.append({"arch": arch, "batch": B, "impl": impl, "saved_at_Ta": va, "per_T": slope, "largest_T": tmax,
-                         "line": [va - slope * table_Ts[0], slope]})
+            buys.append({"arch": arch, "batch": B, "impl": impl, "saved_at_Ta": va, "rerun_at_Ta": rerun_a, "per_T": slope,
+                         "largest_T": tmax, "line": [va + rerun_a - slope * table_Ts[0], slope]})
             t_txt = "none fits" if tmax < 1 else ("any" if tmax >= 10**9 else str(tmax))
             rel = f"{tmax / tmax_none:.1f}x" if tmax_none and tmax_none > 0 and 0 < tmax < 10**9 else ""
-            print(f"| {arch} | {B} | {LABEL[impl]} | {va / GiB:.2f} | {slope / MiB:,.1f} | {t_txt} | {rel} |")
+            print(f"| {arch} | {B} | {LABEL[impl]} | {va / GiB:.2f} | {rerun_a / GiB:.2f} | {slope / MiB:,.1f} | {t_txt} | {rel} |")
     print("\nSaved bytes are affine in T as checked above (T=%d predicted from T=%d and T=%d at batch %d); weights, "
           "gradients and optimizer state come on top of the budget." % (Ts[2], Ts[0], Ts[1], batches[0]))
     if imgs:
