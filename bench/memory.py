@@ -880,7 +880,7 @@ def _plot(path: Path, buys: list[dict], budget: float, budget_gb: float) -> None
         ax.set_xlim(1, t_hi)
         ax.set_ylim(budget / GiB / 2000, budget / GiB * 8)
         ax.set_xlabel("timesteps T")
-        ax.set_ylabel("saved for backward per step, GiB")
+        ax.set_ylabel("activations held per step, GiB\n(kept + largest unit rerun)")
         ax.set_title(f"{arch}, batch {mine[0]['batch']}")
         ax.grid(True, which="major", lw=0.3)
         ax.legend(fontsize=8, loc="lower right")
