@@ -174,3 +174,41 @@ def test_levels_under_fsdp2(tmp_path) -> None:
     for n, g in dense.items():
         assert torch.equal(grads["bits"][n], g), n
         assert (grads["recompute"][n] - g).abs().max() <= 1e-5 * scale, n
+
+
+# --------------------------------------------------------------------------- recompute and buffers
+
+class _Counting(nn.Module):
+    """A unit whose forward reads a running statistic and then updates it (as a conv padded with
+    BatchNorm's running mean does): its rerun must read the value the forward read."""
+
+    recompute_unit = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.lif = nn.Linear(16, 16), LIF()
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lif(self.lin(x) * (1.0 + self.seen))
+        if self.training:
+            with torch.no_grad():
+                self.seen.add_(1.0)
+        return y
+
+
+def test_a_rerun_reads_the_buffers_the_forward_read_and_leaves_them_updated_once() -> None:
+    grads, buffers = {}, {}
+    for level in ("none", "recompute"):
+        torch.manual_seed(0)
+        model = nn.Sequential(_Counting(), nn.Linear(16, 3))
+        with torch.no_grad():
+            model[0].seen.fill_(0.5)
+        memory.optimize(model, level)
+        x = torch.randn(4, 3, 16, generator=torch.Generator().manual_seed(1)) * 3
+        model(x).square().sum().backward()
+        grads[level] = [p.grad.clone() for p in model.parameters()]
+        buffers[level] = model[0].seen.item()
+    assert buffers["recompute"] == buffers["none"] == 1.5
+    for a, b in zip(grads["none"], grads["recompute"]):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)

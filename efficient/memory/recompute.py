@@ -5,11 +5,12 @@ spiking stems and Linear/Conv -> BatchNorm -> neuron units), or one of our (stat
 neurons outside any unit. Its forward runs under
 `torch.utils.checkpoint` (non-reentrant): nothing inside is saved, the input is saved once (as bits
 when it is spikes and the bits hooks are on, see `efficient.memory.spikes`), and backward reruns the
-unit on it with the forward's RNG state and autocast. A rerun must not count twice what forward
-already counted: every buffer of the unit (BatchNorm's running statistics and batch count, any
-other running statistic) is restored after it, so the step updates them exactly once, and the rerun
-is marked a replay (`efficient.models.replay`), so records a model keeps of its forward (STATA's
-scores, kept indices and counts) are not appended twice.
+unit on it with the forward's RNG state and autocast. A rerun must see what the forward saw and
+must not count twice what the forward already counted: every buffer of the unit (BatchNorm's
+running statistics and batch count, any other running statistic) is set back to its value before
+the forward for the rerun and to its value after the forward once the rerun is done, so the step
+updates them exactly once, and the rerun is marked a replay (`efficient.models.replay`), so records
+a model keeps of its forward (STATA's scores, kept indices and counts) are not appended twice.
 
 Under `torch.compile` the same regions become the compiler's checkpoint regions (recomputed in the
 compiled backward; buffer updates happen once, in the forward graph).
@@ -57,24 +58,42 @@ def units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-@contextlib.contextmanager
-def _replayed(module: nn.Module) -> Iterator[None]:
-    """Run a recomputation as a replay (`efficient.models.replay`: what the forward recorded is not
-    recorded again) and put every buffer of `module` back as it was before it."""
-    from efficient.models.replay import replay
+class _BufferReplay:
+    """The buffers of a unit around its rerun: the rerun starts from what the forward saw (running
+    statistics before the forward's update, so anything computed from them is recomputed exactly)
+    and ends with what the forward left (so the step updates them once). The rerun is also marked a
+    replay (`efficient.models.replay`): what the forward recorded is not recorded again."""
 
-    saved = [(b, b.detach().clone()) for b in module.buffers()]
-    try:
-        with replay():
-            yield
-    finally:
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.before: list[torch.Tensor] = []
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        self.before = [b.detach().clone() for b in self.module.buffers()]
+        yield
+
+    @contextlib.contextmanager
+    def rerun(self) -> Iterator[None]:
+        from efficient.models.replay import replay
+
+        buffers = list(self.module.buffers())
+        after = [b.detach().clone() for b in buffers]
         with torch.no_grad():
-            for b, v in saved:
+            for b, v in zip(buffers, self.before):
                 b.copy_(v)
+        try:
+            with replay():
+                yield
+        finally:
+            with torch.no_grad():
+                for b, v in zip(buffers, after):
+                    b.copy_(v)
 
 
 def _contexts(module: nn.Module) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-    return contextlib.nullcontext(), _replayed(module)
+    r = _BufferReplay(module)
+    return r.forward(), r.rerun()
 
 
 def _inside(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
