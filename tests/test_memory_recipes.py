@@ -27,7 +27,13 @@ def _recipe_model(name: str) -> tuple[str, str]:
 
 
 def _spiking(model: str) -> bool:
-    return model.startswith(("spikformer", "sdt", "stable-snn"))
+    """Whether the zoo model has spiking neurons (built on the meta device: no weights allocated)."""
+    from efficient.memory.spikes import is_neuron
+    from efficient.zoo import create
+
+    with torch.device("meta"):
+        net = create(model, **({"n_embd": 32, "n_head": 2, "mlp_hidden": 64} if model.startswith("ee-gpt") else {}))
+    return any(is_neuron(m) for m in net.modules())
 
 
 SPIKING_RECIPES = [r for r in RECIPES if _spiking(_recipe_model(r)[0])]

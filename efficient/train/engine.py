@@ -213,6 +213,9 @@ class Trainer:
     (summary.json, report.md). `save` / `restore` are the checkpoint pair. `fit()` returns the
     summary dict also written to summary.json."""
 
+    compile_mode: str | None = None  # train.compile as applied (`_setup_optimizer`); None: eager
+    _warmup_steps = 0  # steps left out of the reported throughput (compilation)
+
     def __init__(self, recipe: Recipe, run_dir: str | Path, resume: bool = False, console: Any = None) -> None:
         from rich.console import Console
 
