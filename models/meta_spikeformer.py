@@ -44,6 +44,7 @@ from efficient.kernels.ssa import spiking_attention
 from efficient.models.sdt import SDTMLP
 from efficient.models.spiking_transformer import (
     CIFAR_MEAN,
+    check_stem_grid,
     CIFAR_STD,
     SpikingTransformer,
     SpikingTransformerConfig,
@@ -211,16 +212,7 @@ class MetaStem(nn.Module):
 
     def __init__(self, img_size: int, in_chans: int, dim: int, pool_stages: int, mlp_ratio: float, lif_cfg: dict) -> None:
         super().__init__()
-        if not 1 <= pool_stages <= 4:
-            raise ConfigError(f"pool_stages must be in 1..4 (got {pool_stages})")
-        stride = 2**pool_stages
-        if img_size < stride or img_size % stride:
-            raise ConfigError(
-                f"img_size {img_size} does not fit the Meta-SpikeFormer conv stages: with pool_stages={pool_stages} it must "
-                f"be a positive multiple of {stride} (the token grid is img_size/{stride} per side); resize the images or "
-                "change pool_stages")
-        if dim % 8:
-            raise ConfigError(f"embed_dim must be divisible by 8 (the conv stages are embed_dim/8 .. embed_dim/2 wide), got {dim}")
+        stride = check_stem_grid(img_size, dim, pool_stages, "Meta-SpikeFormer conv stages")
         widths = [dim // 8, dim // 4, dim // 2, dim]
         strides = [2 if i < pool_stages else 1 for i in range(4)]
         self.img_size, self.in_chans, self.grid = img_size, in_chans, img_size // stride

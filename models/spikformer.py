@@ -24,6 +24,7 @@ from efficient.kernels.ssa import attention_ref, spiking_attention
 from efficient.kernels.token_select import gather_tokens
 from efficient.models.spiking_transformer import (  # noqa: F401 - ModelLIF, share_neuron_backend: public here too
     CIFAR_MEAN,
+    check_stem_grid,
     CIFAR_STD,
     ModelLIF,
     SpikingTransformer,
@@ -79,17 +80,7 @@ class SPS(nn.Module):
     def __init__(self, img_size: int, in_chans: int, dim: int, pool_stages: int, lif_cfg: dict, rpe_lif: bool = True,
                  pool_first: bool = False) -> None:
         super().__init__()
-        if not 1 <= pool_stages <= 4:
-            raise ConfigError(f"pool_stages must be in 1..4 (got {pool_stages})")
-        stride = 2**pool_stages
-        if img_size < stride or img_size % stride:
-            raise ConfigError(
-                f"img_size {img_size} does not fit the SPS stem: with pool_stages={pool_stages} it must be a "
-                f"positive multiple of {stride} (the token grid is img_size/{stride} per side); "
-                f"resize the images or change pool_stages"
-            )
-        if dim % 8:
-            raise ConfigError(f"embed_dim must be divisible by 8 for the SPS stem (D/8 .. D channels), got {dim}")
+        stride = check_stem_grid(img_size, dim, pool_stages, "SPS stem")
         chans = [in_chans, dim // 8, dim // 4, dim // 2, dim]
         self.img_size, self.in_chans = img_size, in_chans
         self.grid = img_size // stride

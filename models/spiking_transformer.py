@@ -43,6 +43,21 @@ class ModelLIF(LIF):
         return resolve_backend("auto", x.device, max(x.numel(), x.shape[0] * x.shape[1] * self.peak_numel))
 
 
+def check_stem_grid(img_size: int, dim: int, pool_stages: int, stem: str) -> int:
+    """Validate a conv stem whose `pool_stages` stride-2 stages (of 4) set the token grid and whose
+    stages are dim/8 .. dim wide; returns the total stride. Errors name `stem` and what to change."""
+    if not 1 <= pool_stages <= 4:
+        raise ConfigError(f"pool_stages must be in 1..4 (got {pool_stages})")
+    stride = 2**pool_stages
+    if img_size < stride or img_size % stride:
+        raise ConfigError(
+            f"img_size {img_size} does not fit the {stem}: with pool_stages={pool_stages} it must be a positive multiple "
+            f"of {stride} (the token grid is img_size/{stride} per side); resize the images or change pool_stages")
+    if dim % 8:
+        raise ConfigError(f"embed_dim must be divisible by 8 for the {stem} (its stages are D/8 .. D wide), got {dim}")
+    return stride
+
+
 def _lif(cfg: dict, **kw: Any) -> ModelLIF:
     return ModelLIF(**{**cfg, **kw})
 

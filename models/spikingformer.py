@@ -27,9 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from efficient.errors import ConfigError
 from efficient.models.sdt import SDTMLP, LinearBN
-from efficient.models.spiking_transformer import CIFAR_MEAN, CIFAR_STD, SpikingTransformer, SpikingTransformerConfig, _lif
+from efficient.models.spiking_transformer import CIFAR_MEAN, CIFAR_STD, SpikingTransformer, SpikingTransformerConfig, _lif, check_stem_grid
 from efficient.models.spikformer import DIGITS_MEAN, DIGITS_STD, IMAGENET_MEAN, IMAGENET_STD, SSA, STATA, STATA_PAPER
 from efficient.models.stata import PruneStep, StataConfig, residual_block
 from efficient.zoo import InputSpec, Variant, config_from_options, register_variants
@@ -46,16 +45,7 @@ class SpikingTokenizer(nn.Module):
 
     def __init__(self, img_size: int, in_chans: int, dim: int, pool_stages: int, lif_cfg: dict) -> None:
         super().__init__()
-        if not 1 <= pool_stages <= 4:
-            raise ConfigError(f"pool_stages must be in 1..4 (got {pool_stages})")
-        stride = 2**pool_stages
-        if img_size < stride or img_size % stride:
-            raise ConfigError(
-                f"img_size {img_size} does not fit the Spikingformer stem: with pool_stages={pool_stages} it must be a "
-                f"positive multiple of {stride} (the token grid is img_size/{stride} per side); resize the images or "
-                "change pool_stages")
-        if dim % 8:
-            raise ConfigError(f"embed_dim must be divisible by 8 for the Spikingformer stem (D/8 .. D channels), got {dim}")
+        stride = check_stem_grid(img_size, dim, pool_stages, "Spikingformer stem")
         chans = [in_chans, dim // 8, dim // 4, dim // 2, dim, dim]
         self.img_size, self.in_chans, self.chans = img_size, in_chans, chans
         self.grid = img_size // stride
