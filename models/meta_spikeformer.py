@@ -248,10 +248,9 @@ class MetaStem(nn.Module):
 class RepConvBN(nn.Module):
     """The reference's `RepConv` + BatchNorm on grid tokens: 1x1 conv -> BN -> 3x3 depthwise -> 1x1
     conv -> BN -> BN. The depthwise conv's border, and any empty cell, reads what the BN gives a
-    zero input (the reference's `BNAndPadLayer`), without gradient. In eval mode that is the
-    reference's value exactly. In training we use the batch statistics the BN normalizes with,
-    where the reference reads the running statistics: those change with every update, so a block
-    recomputed in backward (`efficient.memory`) could not see the forward's value again."""
+    zero input under its running statistics, read after this step's update (the reference's
+    `BNAndPadLayer`), without gradient. A block recomputed in backward (`efficient.memory`) reruns
+    from the buffers its forward started with, so it pads with the same value."""
 
     def __init__(self, dim: int) -> None:
         super().__init__()
@@ -261,14 +260,16 @@ class RepConvBN(nn.Module):
         self.bn = nn.BatchNorm1d(dim)
 
     def pad_value(self, pre: torch.Tensor | None = None) -> torch.Tensor:
-        """`[C]`: what `bn1` gives a zero input, no gradient: with the batch statistics of its input
-        `pre` `[M, C]` when it normalizes with them (training), else with the running statistics."""
+        """`[C]`: what `bn1` gives a zero input, no gradient. Without running statistics (a BN
+        built with `track_running_stats=False`) it normalizes with those of its input `pre` `[M, C]`."""
         bn = self.bn1
-        if pre is not None and (bn.training or not bn.track_running_stats):
+        if bn.track_running_stats:
+            mean, var = bn.running_mean, bn.running_var
+        elif pre is not None:
             pre = pre.detach()
             mean, var = pre.mean(0), pre.var(0, correction=0)
         else:
-            mean, var = bn.running_mean, bn.running_var
+            raise ValueError("pad_value needs the BN input `pre` when the BN keeps no running statistics")
         return (bn.bias - mean * bn.weight / torch.sqrt(var + bn.eps)).detach()
 
     def forward(self, x: torch.Tensor, grid: TokenGrid) -> torch.Tensor:
