@@ -23,17 +23,23 @@ cache, pos)` for exit blocks) -- the readable reference.
 Inside the package imports point one way: `cache` <- `state` <- `modules` <- `engine`, and
 `decode` (the `generate` entry point) uses them all. On CUDA, `generate` synchronizes the device
 around the timed decode, so `Generation.seconds` is the decode time.
+
+Hugging Face causal LMs (Llama, Mistral, Qwen2, GPT-2; batch >= 1, greedy): `generate_hf` in
+`hf.py` runs full depth, recompute/copy exits and self-speculation with one shared static cache
+on the model's own weights (`hf_model.HFDecodeModel`, `hf_cache.StaticKV`).
 """
 
 from efficient.decoding.cache import KVCache
 from efficient.decoding.decode import generate
 from efficient.decoding.engine import DecodeEngine
+from efficient.decoding.hf import HF_STRATEGIES, HFGeneration, generate_hf
+from efficient.decoding.hf_model import HFDecodeModel
 from efficient.decoding.modules import fill_kv, generate_reference, new_cache, run_layers
 from efficient.decoding.state import IMPLS, STRATEGIES, Generation, Impl, Sampler, SpeculationTally, Strategy, check_threshold
 from efficient.decoding.state import exits_enabled, round_exits, should_exit, speculative_accept, verify_drafts
 
 __all__ = [
-    "IMPLS", "STRATEGIES", "DecodeEngine", "Generation", "Impl", "KVCache", "Sampler", "SpeculationTally", "Strategy",
-    "check_threshold", "exits_enabled", "fill_kv", "generate", "generate_reference", "new_cache", "round_exits", "run_layers",
+    "HF_STRATEGIES", "IMPLS", "STRATEGIES", "DecodeEngine", "Generation", "HFDecodeModel", "HFGeneration", "Impl", "KVCache", "Sampler", "SpeculationTally", "Strategy",
+    "check_threshold", "exits_enabled", "fill_kv", "generate", "generate_hf", "generate_reference", "new_cache", "round_exits", "run_layers",
     "should_exit", "speculative_accept", "verify_drafts",
 ]

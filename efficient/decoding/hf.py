@@ -7,7 +7,7 @@ engine, batch >= 1 with left-padded prompts.
 
 `model` is a transformers model (an exit after layer k = its final norm and LM head on layer k's
 hidden state, LayerSkip's shared head) or one wrapped by `efficient.early_exit` (its exits and
-exit heads), or a `DecodeModel` built from either (reuse it across calls: building one reads the
+exit heads), or a `HFDecodeModel` built from either (reuse it across calls: building one reads the
 weights).
 
 Cache layout (`hf_cache.StaticKV`): one preallocated key and value tensor per layer,
@@ -58,7 +58,7 @@ import torch
 import torch.nn.functional as F
 
 from efficient.decoding.hf_cache import StaticKV
-from efficient.decoding.hf_model import DecodeModel
+from efficient.decoding.hf_model import HFDecodeModel
 from efficient.decoding.state import check_threshold
 from efficient.errors import ConfigError
 
@@ -94,7 +94,7 @@ class HFGeneration:
 class _Run:
     """One generation's buffers: token ids by slot, the cache, per-slot position inputs."""
 
-    def __init__(self, dm: DecodeModel, ids: torch.Tensor, mask: torch.Tensor, max_len: int) -> None:
+    def __init__(self, dm: HFDecodeModel, ids: torch.Tensor, mask: torch.Tensor, max_len: int) -> None:
         self.dm = dm
         B, P = ids.shape
         pad = P - mask.sum(1)
@@ -259,7 +259,8 @@ def _speculative(run: _Run, P: int, max_new: int, finished: torch.Tensor, eos: l
         drafted, accepted, rounds = drafted + d, accepted + a, rounds + 1
         if eos and _all_done(new, finished, eos):
             break
-    stats = {"draft_acceptance": accepted / max(drafted, 1), "tokens_per_round": made / max(rounds, 1), "rounds": rounds}
+    stats = {"draft_acceptance": accepted / max(drafted, 1), "tokens_per_round": made / max(rounds, 1), "rounds": rounds,
+             "drafted": drafted, "accepted": accepted}
     return made, exit_layers[:, :made], None, stats
 
 
@@ -270,7 +271,7 @@ def _check_exits(exits, N: int, what: str) -> list[int]:
     return out
 
 
-def _prompts(dm: DecodeModel, input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor]:
+def _prompts(dm: HFDecodeModel, input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.as_tensor(input_ids, dtype=torch.long, device=dm.device)
     if ids.dim() == 1:
         ids = ids[None]
@@ -304,7 +305,7 @@ def generate_hf(
 
     `exits` (recompute, copy) and `draft_layer` (speculative) default to the wrapped model's exits
     (all but the last for recompute/copy, the first for speculative)."""
-    dm = model if isinstance(model, DecodeModel) else DecodeModel(model)
+    dm = model if isinstance(model, HFDecodeModel) else HFDecodeModel(model)
     N = dm.num_layers
     if strategy not in HF_STRATEGIES:
         raise ConfigError(f"generate_hf: strategy must be one of {', '.join(HF_STRATEGIES)}, got {strategy!r}")

@@ -63,7 +63,7 @@ def unwrap(model) -> tuple[torch.nn.Module, list[int] | None, Callable[[int], Ca
     return model, None, None
 
 
-class DecodeModel:
+class HFDecodeModel:
     """Decode form of a supported transformers causal LM (see the module docstring).
 
     `layer(h, i, k_cache, v_cache, slot, rope, mask)` runs layer i on a chunk [B, T, C] at cache

@@ -1,0 +1,263 @@
+"""Greedy decoding of transformers causal LMs on our engine against transformers itself: full depth,
+self-speculation (lossless) and confidence exits (recompute follows the exit rule on the full
+model; copy matches a reference built from transformers' own modules and cache)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from efficient.decoding import HFDecodeModel, generate_hf  # noqa: E402
+from efficient.errors import ConfigError  # noqa: E402
+
+V, N, NEW = 97, 4, 12
+MARGIN = 1e-4  # the reference's top-2 logit gaps must exceed this, so float rounding cannot flip a token
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    with torch.no_grad():
+        yield
+
+
+def _llama(seed=0, **kw):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=N, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.2,
+                                   eos_token_id=None, bos_token_id=None, pad_token_id=0, **kw)
+    return _damp(transformers.LlamaForCausalLM(cfg).eval())
+
+
+def _qwen2(seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen2Config(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=N, num_attention_heads=4,
+                                   num_key_value_heads=1, max_position_embeddings=128, initializer_range=0.2,
+                                   eos_token_id=None, bos_token_id=None, pad_token_id=0)
+    m = transformers.Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():  # Qwen2 has q/k/v biases; make them matter
+        for layer in m.model.layers:
+            for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                p.bias.normal_(0, 0.2)
+    return _damp(m)
+
+
+def _gpt2(seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(vocab_size=V, n_embd=64, n_layer=N, n_head=4, n_positions=128, initializer_range=0.2,
+                                  eos_token_id=None, bos_token_id=None)
+    return _damp(transformers.GPT2LMHeadModel(cfg).eval())
+
+
+def _damp(m, k=2, f=0.1):
+    """Shrink what layers k+1.. add to the residual, so an exit after layer k often agrees with the
+    full model (drafts get accepted) but not always (drafts get rejected)."""
+    with torch.no_grad():
+        if hasattr(m, "transformer"):
+            for b in m.transformer.h[k:]:
+                b.attn.c_proj.weight.mul_(f)
+                b.mlp.c_proj.weight.mul_(f)
+        else:
+            for layer in m.model.layers[k:]:
+                layer.self_attn.o_proj.weight.mul_(f)
+                layer.mlp.down_proj.weight.mul_(f)
+    return m
+
+
+FAMILIES = {"llama-gqa": _llama, "qwen2": _qwen2, "gpt2": _gpt2}
+
+
+def _prompts(batch: int, seed: int = 1):
+    """Left-padded prompts of different lengths (7, 4, 6, ...), as a left-padding tokenizer returns them."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, V, (batch, 7), generator=g)
+    mask = torch.ones_like(ids)
+    for b, pad in enumerate([0, 3, 1, 2][:batch]):
+        mask[b, :pad] = 0
+    return ids * mask, mask
+
+
+def _reference(m, ids, mask, new=NEW, **kw):
+    """transformers' greedy generate, with the guard that no step was a near tie."""
+    out = m.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0,
+                     output_scores=True, return_dict_in_generate=True, **kw)
+    for s in out.scores:
+        top = s.float().topk(2, dim=-1).values
+        assert bool((top[:, 0] - top[:, 1] > MARGIN).all()), "near tie in the reference: pick another seed"
+    return out.sequences
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_speculative_equals_transformers_greedy(family, batch):
+    m = FAMILIES[family]()
+    ids, mask = _prompts(batch)
+    ref = _reference(m, ids, mask)
+    drafted = accepted = 0
+    for num_draft in (1, 3, 5):
+        out = generate_hf(m, ids, mask, NEW, strategy="speculative", draft_layer=2, num_draft=num_draft)
+        assert torch.equal(out.sequences, ref), (family, batch, num_draft)
+        # the exit layers say which tokens were accepted drafts
+        assert set(out.exit_layers.unique().tolist()) <= {2, N}
+        assert ((out.exit_layers == 2).sum(1) == out.stats["accepted"]).all()
+        drafted, accepted = drafted + out.stats["drafted"], accepted + out.stats["accepted"]
+    assert 0 < accepted < drafted  # both the accept and the reject path ran
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_full_depth_and_never_exiting_equal_transformers_greedy(family):
+    m = FAMILIES[family]()
+    ids, mask = _prompts(3)
+    ref = _reference(m, ids, mask)
+    out = generate_hf(m, ids, mask, NEW)
+    assert torch.equal(out.sequences, ref)
+    assert out.layer_steps == out.full_layer_steps == NEW * N
+    for strategy in ("recompute", "copy"):
+        out = generate_hf(m, ids, mask, NEW, strategy=strategy, threshold=1.0, exits=[1, 2, 3])
+        assert torch.equal(out.sequences, ref), strategy
+        assert bool((out.exit_layers == N).all())
+
+
+def _exit_rule(m, seq, exits, tau):
+    """The exit rule on the full model for the last position of `seq` [1, T]: every exit's head is
+    the final norm + LM head on that layer's hidden state. Returns (token, exit layer)."""
+    out = m(seq, output_hidden_states=True)
+    base = m.model if hasattr(m, "model") else m.transformer
+    norm = base.norm if hasattr(base, "norm") else base.ln_f
+    for e in exits:
+        logits = m.lm_head(norm(out.hidden_states[e][:, -1]))[0]
+        p = torch.softmax(logits.double(), -1)
+        assert abs(float(p.max()) - tau) > MARGIN, "max-prob at the threshold: pick another threshold"
+        if float(p.max()) >= tau:
+            return int(logits.argmax()), e
+    return int(out.logits[0, -1].argmax()), N
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_recompute_follows_the_exit_rule_per_row(family):
+    """recompute's deep layers read the full model's keys/values, so each row decodes as the exit rule
+    applied to the full model on that row alone, whatever the rest of the batch does."""
+    m = FAMILIES[family]()
+    ids, mask = _prompts(3)
+    exits, tau = [1, 2, 3], 0.13
+    out = generate_hf(m, ids, mask, NEW, strategy="recompute", threshold=tau, exits=exits)
+    assert bool((out.exit_layers < N).any()) and bool((out.exit_layers == N).any())
+    assert out.layer_steps <= out.full_layer_steps  # every (layer, slot) computed at most once
+    for b in range(ids.shape[0]):
+        seq = ids[b : b + 1, mask[b].bool()]
+        for i in range(NEW):
+            tok, layer = _exit_rule(m, seq, exits, tau)
+            assert (int(out.tokens[b, i]), int(out.exit_layers[b, i])) == (tok, layer), (b, i)
+            seq = torch.cat([seq, torch.tensor([[tok]])], dim=1)
+
+
+def _copy_reference(m, prompt, exits, tau, new):
+    """CALM's state copy for one sequence with transformers' own modules and DynamicCache: layers
+    run token by token until an exit is sure; the layers after it store keys/values computed from
+    the exited hidden state (their attention runs on it and its output is dropped)."""
+    base = m.model
+    cache = transformers.DynamicCache(config=m.config)
+    base(prompt[:, :-1], cache=cache, use_cache=True)
+    seq, toks, layers = prompt, [], []
+    for _ in range(new):
+        pos = torch.tensor([[seq.shape[1] - 1]])
+        h = base.embed_tokens(seq[:, -1:])
+        pe = base.rotary_emb(h, pos)
+        for i, layer in enumerate(base.layers):
+            h = layer(h, attention_mask=None, position_ids=pos, cache=cache, use_cache=True, position_embeddings=pe)
+            e = i + 1
+            logits = m.lm_head(base.norm(h[:, -1]))[0]
+            if e == N:
+                break
+            pmax = float(torch.softmax(logits.double(), -1).max())
+            assert abs(pmax - tau) > MARGIN
+            if e in exits and pmax >= tau:
+                for deeper in base.layers[e:]:
+                    deeper.self_attn(hidden_states=deeper.input_layernorm(h), position_embeddings=pe, attention_mask=None, cache=cache)
+                break
+        toks.append(int(logits.argmax()))
+        layers.append(e)
+        seq = torch.cat([seq, torch.tensor([[toks[-1]]])], dim=1)
+    return toks, layers
+
+
+@pytest.mark.parametrize("family", ["llama-gqa", "qwen2"])
+def test_copy_matches_transformers_modules_reference(family):
+    m = FAMILIES[family]()
+    ids, _ = _prompts(1)
+    exits, tau = [1, 2, 3], 0.13
+    out = generate_hf(m, ids, None, NEW, strategy="copy", threshold=tau, exits=exits)
+    toks, layers = _copy_reference(m, ids, exits, tau, NEW)
+    assert out.tokens[0].tolist() == toks
+    assert out.exit_layers[0].tolist() == layers
+    assert any(x < N for x in layers) and out.kv_fills == sum(N - x for x in layers)
+
+
+def test_forced_decoding_scores_the_deciding_head():
+    m = _llama()
+    ids, mask = _prompts(2)
+    free = generate_hf(m, ids, mask, NEW)
+    forced = free.tokens
+    full = generate_hf(m, ids, mask, NEW, forced=forced)
+    logits = m(free.sequences, attention_mask=torch.cat([mask, torch.ones_like(forced)], 1)).logits[:, ids.shape[1] - 1 : -1]
+    want = torch.log_softmax(logits.double(), -1).gather(-1, forced[..., None])[..., 0]
+    torch.testing.assert_close(full.logprobs.double(), want, atol=1e-4, rtol=1e-4)
+    rec = generate_hf(m, ids, mask, NEW, strategy="recompute", threshold=0.13, exits=[1, 2, 3], forced=forced)
+    assert torch.equal(rec.tokens, forced)
+    exited = rec.exit_layers < N
+    assert bool(exited.any())
+    torch.testing.assert_close(rec.logprobs[~exited].double(), want[~exited], atol=1e-4, rtol=1e-4)
+    assert bool((rec.logprobs[exited] != full.logprobs[exited]).all())
+
+
+@pytest.mark.parametrize("strategy", ["full", "speculative", "recompute"])
+def test_eos_ends_rows_as_transformers_does(strategy):
+    m = _llama()
+    ids, mask = _prompts(3)
+    free = _reference(m, ids, mask)
+    eos = int(free[0, ids.shape[1] + 2])  # a token row 0 produces third
+    ref = _reference(m, ids, mask, eos_token_id=eos)
+    kw = {"speculative": dict(draft_layer=2), "recompute": dict(exits=[2], threshold=1.0)}.get(strategy, {})
+    out = generate_hf(m, ids, mask, NEW, strategy=strategy, eos_token_id=eos, pad_token_id=0, **kw)
+    assert torch.equal(out.sequences, ref)
+
+
+def test_decode_model_is_reusable():
+    m = _gpt2()
+    dm = HFDecodeModel(m)
+    ids, mask = _prompts(2)
+    a = generate_hf(dm, ids, mask, NEW, strategy="speculative", draft_layer=2)
+    b = generate_hf(dm, ids, mask, NEW, strategy="speculative", draft_layer=2)
+    assert torch.equal(a.sequences, b.sequences)
+
+
+def test_unsupported_models_and_bad_requests_fail_clearly():
+    cfg = transformers.OPTConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=2, max_position_embeddings=64)
+    with pytest.raises(ConfigError, match="OPTForCausalLM is not supported.*LlamaForCausalLM.*Qwen2ForCausalLM.*GPT2LMHeadModel"):
+        generate_hf(transformers.OPTForCausalLM(cfg), torch.tensor([[1, 2]]), max_new_tokens=2)
+    m = _llama()
+    ids, mask = _prompts(2)
+    with pytest.raises(ConfigError, match="left-padded"):
+        generate_hf(m, ids, mask.flip(1), 4)
+    with pytest.raises(ConfigError, match="draft_layer must lie in 1..3"):
+        generate_hf(m, ids, mask, 4, strategy="speculative", draft_layer=4)
+    with pytest.raises(ConfigError, match="needs `draft_layer`"):
+        generate_hf(m, ids, mask, 4, strategy="speculative")
+    with pytest.raises(ConfigError, match="needs `exits`"):
+        generate_hf(m, ids, mask, 4, strategy="copy", threshold=0.5)
+    with pytest.raises(ConfigError, match="strategy must be one of"):
+        generate_hf(m, ids, mask, 4, strategy="beam")
+    with pytest.raises(ConfigError, match="exceeds the model's 128 positions"):
+        generate_hf(m, ids, mask, 200)
+    with pytest.raises(ConfigError, match="sliding window"):
+        generate_hf(_llama_sliding(), ids, mask, 20)
+    with pytest.raises(ConfigError, match="rotary scaling 'dynamic'"):
+        generate_hf(_llama(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), ids, mask, 4)
+
+
+def _llama_sliding():
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, max_position_embeddings=128, sliding_window=16)
+    return transformers.MistralForCausalLM(cfg).eval()
