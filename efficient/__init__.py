@@ -10,6 +10,7 @@ from __future__ import annotations
 from efficient.accelerate import accelerate  # the function shadows its module's name, on purpose
 from efficient.checks import check
 from efficient.errors import ConfigError, DataError
+from efficient.hf import early_exit
 from efficient.zoo import list_models, load, register_model
 
 __version__ = "0.1.0"

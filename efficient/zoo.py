@@ -38,6 +38,7 @@ MODEL_MODULES: list[str] = [
     "efficient.models.bilipnet",
     "efficient.models.spikingformer",
     "efficient.models.meta_spikeformer",
+    "efficient.hf.registry",
 ]
 
 

@@ -2,8 +2,12 @@
 
 L_i is the token-mean next-token cross-entropy of exit i. Weights ramp from `weight_init` to
 `weights` over `warmup_iters` steps (linear or cosine); with all weights 0 this is plain LM
-training. The model must provide `exit_layers`, `num_layers` and `exit_states(idx, layers)`
-(efficient.models.ee_gpt).
+training. LayerSkip's curricula (Elhoushi et al. 2024) switch early exits on and off by step: an
+inactive exit has weight 0 and is not computed. `rotational`: one early exit per step, in turn;
+`gradual`: exit i of n (1 = shallowest) is active from step (n - i) / n * `curriculum_iters` on,
+so the deepest trains from the start and all from step (n-1)/n * `curriculum_iters`.
+The model must provide `exit_layers`, `num_layers` and `exit_states(idx, layers)`
+(efficient.models.ee_gpt, efficient.hf).
 """
 
 from __future__ import annotations
@@ -73,6 +77,8 @@ class ExitLoss(Objective):
         dynamic_token_weights: bool = False,
         fused: bool = False,
         chunk_size: int = 1024,
+        curriculum: Literal["none", "rotational", "gradual"] = "none",
+        curriculum_iters: int = 0,
     ) -> None:
         if warmup_iters < 0:
             raise ConfigError(f"objective.warmup_iters must be >= 0, got {warmup_iters}")
@@ -80,6 +86,11 @@ class ExitLoss(Objective):
             raise ConfigError(f"objective.warmup_style must be 'linear' or 'cosine', got {warmup_style!r}")
         if chunk_size < 1:
             raise ConfigError(f"objective.chunk_size must be >= 1, got {chunk_size}")
+        if curriculum not in ("none", "rotational", "gradual"):
+            raise ConfigError(f"objective.curriculum must be 'none', 'rotational' or 'gradual', got {curriculum!r}")
+        if curriculum == "gradual" and curriculum_iters < 1:
+            raise ConfigError(f"objective.curriculum_iters: the gradual curriculum enables exits over this many steps; must be >= 1, got {curriculum_iters}")
+        self.curriculum, self.curriculum_iters = curriculum, curriculum_iters
         self.raw = {"weights": weights, "weight_init": weight_init, "temperatures": temperatures}
         self.warmup_iters, self.warmup_style = warmup_iters, warmup_style
         self.dynamic, self.fused, self.chunk_size = dynamic_token_weights, fused, chunk_size
@@ -97,9 +108,20 @@ class ExitLoss(Objective):
         if any(t <= 0 for t in self.temps):
             raise ConfigError(f"objective.temperatures must be > 0, got {self.temps}")
 
+    def active_exits(self, step: int) -> list[int]:
+        """The early exits the curriculum trains at `step` (all of them without one)."""
+        n = len(self.layers)
+        if self.curriculum == "rotational" and n:
+            return [self.layers[step % n]]
+        if self.curriculum == "gradual":
+            return [k for i, k in enumerate(self.layers, 1) if step * n >= (n - i) * self.curriculum_iters]
+        return list(self.layers)
+
     def weights(self) -> dict[int, float]:
-        """Current weight of each early exit (by layer)."""
-        return {k: exit_weight(self.step, w0, w1, self.warmup_iters, self.warmup_style) for k, w0, w1 in zip(self.layers, self.inits, self.targets)}
+        """Current weight of each early exit (by layer); 0 for exits the curriculum leaves out."""
+        on = set(self.active_exits(self.step))
+        return {k: exit_weight(self.step, w0, w1, self.warmup_iters, self.warmup_style) if k in on else 0.0
+                for k, w0, w1 in zip(self.layers, self.inits, self.targets)}
 
     def loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
         if self.layers is None:
