@@ -128,20 +128,25 @@ def _sj_counts(model: nn.Module, x: torch.Tensor) -> tuple[int, int]:
 
 def _check_sj_parity(model: nn.Module, x: torch.Tensor) -> None:
     sj_sops, sj_macs = _sj_counts(model, x)
-    ours = profile(model, inputs=x)  # default: spike x spike matmul = nnz(left) x fan-out
-    co = profile(model, inputs=x, spike_matmul="coincidence")  # spikingjelly's convention
+    # spikingjelly classifies each operand tensor as a whole: the "spikingjelly" preset does too
+    co = profile(model, inputs=x, convention="spikingjelly")
+    ours = profile(model, inputs=x, convention={"preset": "spikingjelly", "spike_matmul": "operand"})
     assert ours.totals["mean_firing_rate"] > 0.05 and sj_sops > 0 and sj_macs > 0
     # same convention: exact
     assert co.totals["sops"] == sj_sops
     assert co.totals["macs"] == ours.totals["macs"] == sj_macs
     sj_energy = 4.6 * sj_macs + 0.9 * sj_sops
     assert co.totals["energy_pj"] == pytest.approx(sj_energy, rel=1e-12)
-    # our default differs only on spike x spike matmuls; converting gives the same number
+    # the operand convention differs only on spike x spike matmuls; converting gives the same number
     ss = ours.meta["spike_spike_matmul"]
     assert ours.totals["sops"] - ss["operand_sops"] + ss["coincidence_sops"] == sj_sops
     assert ss["operand_sops"] > ss["coincidence_sops"] > 0  # the models do have spike x spike matmuls
     converted = ours.totals["energy_pj"] - 0.9 * (ss["operand_sops"] - ss["coincidence_sops"])
     assert converted == pytest.approx(sj_energy, rel=1e-12)
+    # the default splits mixed operand tensors per row: never more MACs than the whole-tensor count
+    default = profile(model, inputs=x)
+    assert default.totals["dense_macs"] == co.totals["dense_macs"]
+    assert default.totals["macs"] <= co.totals["macs"]
 
 
 def test_spikingjelly_spikformer_matches_its_op_counter():

@@ -15,8 +15,10 @@ from torch import nn
 
 from efficient.data import first_input
 from efficient.errors import ConfigError
+from efficient.profiler.conventions import Convention, ConventionSpec, resolve_convention
 from efficient.profiler.counting import UNATTRIBUTED, CountingMode, ModuleStack
 from efficient.profiler.energy import EnergyModel, EnergySpec, resolve_energy
+from efficient.profiler.memory_access import MemoryModel, memory_energy
 from efficient.profiler.exits import exit_distribution
 from efficient.profiler.report import LayerStat, Report
 from efficient.zoo import InputSpec, get_entry
@@ -38,10 +40,13 @@ def profile(
     data: Iterable[Any] | None = None,
     batch: int = 1,
     flops_per_mac: float = 2,
-    spike_matmul: str = "operand",
+    spike_matmul: str | None = None,
     exit_threshold: float | None = None,
     name: str | None = None,
     random: Literal["normal", "unit"] = "normal",
+    convention: ConventionSpec = "efficient",
+    neurobench: bool = False,
+    memory_access: bool | MemoryModel = False,
 ) -> Report:
     """Count MACs, synaptic operations and energy of one forward pass of `model`.
 
@@ -54,18 +59,31 @@ def profile(
       {"e_mac_pj": .., "e_ac_pj": .., "preset": ..}.
     data: for early-exit models, also used to measure the exit distribution.
     flops_per_mac: FLOPs = flops_per_mac x dense_macs (2: a multiply and an add, as FlopCounterMode).
-    spike_matmul: spike x spike matmuls charge "operand" = nnz(left operand) x fan-out (default) or
-      "coincidence" = number of (1, 1) products (spikingjelly's SynOpCounter convention).
+    spike_matmul: spike x spike matmuls charge "operand" = nnz(left operand) x fan-out (the
+      convention's default) or "coincidence" = number of (1, 1) products (spikingjelly's SynOpCounter).
     random: values of the seeded random input: "normal" (standard normal, like normalised pixels)
       or "unit" (uniform in [0, 1], for models fed unnormalised images).
+    convention: how operands are charged: a preset ("efficient" (default), "accumulate",
+      "spikformer", "stata", "neurobench"; `conventions.PRESETS`), a Convention or a mapping.
+    neurobench: also report NeuroBench's metrics (`report.neurobench`), with its definitions.
+    memory_access: add the memory-traffic energy (True: Lemaire et al. 2022; or a MemoryModel),
+      reported beside the compute-only energy (totals energy_memory_pj, energy_total_pj).
     """
     if not isinstance(model, nn.Module):
         raise ConfigError(f"profile() needs a torch.nn.Module, got {type(model).__name__}")
     emodel = resolve_energy(energy)
     if not isinstance(flops_per_mac, (int, float)) or not flops_per_mac > 0:
         raise ConfigError(f"flops_per_mac must be a positive number, got {flops_per_mac!r}")
-    if spike_matmul not in ("operand", "coincidence"):
-        raise ConfigError(f"spike_matmul must be 'operand' or 'coincidence', got {spike_matmul!r}")
+    conv = resolve_convention(convention)
+    if spike_matmul is not None:
+        if spike_matmul not in ("operand", "coincidence"):
+            raise ConfigError(f"spike_matmul must be 'operand' or 'coincidence', got {spike_matmul!r}")
+        if spike_matmul != conv.spike_matmul:
+            conv = dataclasses.replace(conv, spike_matmul=spike_matmul, name=f"{conv.name}, spike_matmul={spike_matmul}")
+    mmodel = MemoryModel() if memory_access is True else memory_access or None
+    if mmodel is not None and not isinstance(mmodel, MemoryModel):
+        raise ConfigError(f"memory_access must be True, False or a MemoryModel, got {type(memory_access).__name__}")
+    want_nb = neurobench or conv.modules_only
     if timesteps is not None and (not isinstance(timesteps, int) or timesteps < 1):
         raise ConfigError(f"timesteps must be a positive integer, got {timesteps!r}")
     if not isinstance(batch, int) or batch < 1:
@@ -83,32 +101,26 @@ def profile(
     with _timesteps_override(model, timesteps) as (t_used, repeat_input):
         if repeat_input:
             args = tuple(_repeat_time(a, timesteps) for a in args)
-        stack, mode = _run_counted(model, args, kwargs, spike_matmul, source, label)
-
-        layers = _layers(model, stack, emodel)
-        totals = _totals(model, layers, emodel, flops_per_mac, _batch_size(args, kwargs, model))
-        exits = _exits(model, args, kwargs, spike_matmul, emodel, data_batches, exit_threshold, source, label)
+        stack, mode, nb = _run_counted(model, args, kwargs, conv, source, label, neurobench=want_nb)
+        batch_size = _batch_size(args, kwargs, model)
+        layers = _layers(model, stack, emodel, nb if conv.modules_only else None)
+        totals = _totals(model, layers, emodel, flops_per_mac, batch_size)
+        if mmodel is not None:
+            _add_memory(totals, layers, stack, mmodel)
+        exits = _exits(model, args, kwargs, conv, emodel, data_batches, exit_threshold, source, label)
 
     neurons = [layer for layer in layers if layer.is_neuron]
     steps = max((len(n.firing_rate_per_step or []) for n in neurons if n.neuron and "multi" in n.neuron), default=0)
+    from efficient.profiler.report import conventions_block
+
     meta = {
         "model": label,
         "input": source,
         "timesteps": t_used if t_used is not None else (steps or None),
         "energy": emodel.to_dict(),
         "flops_per_mac": flops_per_mac,
-        "conventions": {
-            "dense_macs": "every matmul/conv/linear multiply-accumulate, counted dense (what fvcore counts)",
-            "macs": "multiply-accumulates of ops whose operands are all real-valued",
-            "sops": "ops with a binary {0,1} operand: nonzeros x fan-out; conv fan-out exact at padded borders",
-            "spike_matmul": {
-                "operand": "spike x spike matmul: nnz(left operand) x fan-out",
-                "coincidence": "spike x spike matmul: number of coinciding (1,1) products",
-            }[spike_matmul],
-            "flops": f"flops = {flops_per_mac:g} x dense_macs",
-            "energy": f"energy_pj = {emodel.e_mac_pj:g} pJ x macs + {emodel.e_ac_pj:g} pJ x sops (compute only, no memory term)",
-            "timesteps": "counts cover all time steps of the pass (T is not multiplied in again)",
-        },
+        "convention": conv.to_dict(),
+        "conventions": conventions_block(conv, emodel, flops_per_mac, layers, stack, mode, mmodel),
         "spike_spike_matmul": {
             "operand_sops": sum(a.spike_spike_operand for a in stack.layers.values()),
             "coincidence_sops": sum(a.spike_spike_coincidence for a in stack.layers.values()),
@@ -116,7 +128,8 @@ def profile(
     }
     blocks = _blocks(stack)
     report = Report(totals=totals, layers=layers, meta=meta, blocks=blocks, exits=exits,
-                    modules=_aggregate(model, layers), warnings=warnings)
+                    modules=_aggregate(model, layers), warnings=warnings,
+                    neurobench=nb.metrics(batch_size) if (nb is not None and neurobench) else None)
     warnings.extend(_warnings(report, stack, mode, random_input))
     return report
 
@@ -292,17 +305,29 @@ def _eager_neurons_on_cpu(model: nn.Module):
             m.backend = "auto"
 
 
-def _run_counted(model: nn.Module, args: tuple, kwargs: dict, spike_matmul: str, source: str,
-                 label: str) -> tuple[ModuleStack, CountingMode]:
+def _run_counted(model: nn.Module, args: tuple, kwargs: dict, convention: Convention, source: str,
+                 label: str, neurobench: bool = False) -> tuple[ModuleStack, CountingMode, Any]:
+    from efficient.profiler.neurobench import NeuroBenchCollector
+
     was_training = model.training
     stack = ModuleStack(model)
     blocks = _block_modules(model)
     stack.watch_blocks(blocks)
     model.eval()
     _reset_peer_state(model)
-    mode = CountingMode(stack, spike_matmul)
+    mode = CountingMode(stack, convention)
+
+    @contextlib.contextmanager
+    def pause():
+        mode.paused = True
+        try:
+            yield
+        finally:
+            mode.paused = False
+
+    nb = NeuroBenchCollector(model, pause) if neurobench else None
     try:
-        with torch.no_grad(), _eager_neurons_on_cpu(model), stack, mode:
+        with torch.no_grad(), _eager_neurons_on_cpu(model), stack, nb or contextlib.nullcontext(), mode:
             model(*args, **kwargs)
     except (RuntimeError, ValueError, IndexError, TypeError, AssertionError) as e:
         spec = built_input_spec(model)
@@ -315,7 +340,7 @@ def _run_counted(model: nn.Module, args: tuple, kwargs: dict, spike_matmul: str,
     finally:
         model.train(was_training)
         _reset_peer_state(model)
-    return stack, mode
+    return stack, mode, nb
 
 
 def _block_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -332,7 +357,9 @@ def _blocks(stack: ModuleStack) -> list[dict[str, Any]]:
     return out
 
 
-def _layers(model: nn.Module, stack: ModuleStack, emodel: EnergyModel) -> list[LayerStat]:
+def _layers(model: nn.Module, stack: ModuleStack, emodel: EnergyModel, nb: Any = None) -> list[LayerStat]:
+    """Per-layer stats; with `nb` (the NeuroBench convention) MACs and ACs are NeuroBench's Effective
+    MACs / ACs of the Linear/Conv modules, and every other op counts 0."""
     mods = dict(model.named_modules())
     root = stack.root_label
     out = []
@@ -341,13 +368,20 @@ def _layers(model: nn.Module, stack: ModuleStack, emodel: EnergyModel) -> list[L
             continue
         m = mods.get("" if acc.name == root else acc.name)
         params = sum(p.numel() for p in m.parameters(recurse=False)) if m is not None else 0
+        macs, sops = acc.macs, acc.sops
+        if nb is not None:
+            row = nb.per_layer.get(id(m), {}) if m is not None else {}
+            macs, sops = row.get("macs", 0), row.get("acs", 0)
         out.append(LayerStat(
             name=acc.name,
             type=acc.type,
             dense_macs=acc.dense_macs,
-            macs=acc.macs,
-            sops=acc.sops,
-            energy_pj=emodel.energy_pj(acc.macs, acc.sops),
+            macs=macs,
+            sops=sops,
+            int_operand_macs=acc.int_macs if nb is None else 0,
+            int_operand_acs=acc.int_acs if nb is None else 0,
+            real_operand_macs=acc.real_macs,
+            energy_pj=emodel.energy_pj(macs, sops),
             input_firing_rate=(acc.in_nnz / acc.in_numel) if acc.in_numel else None,
             output_firing_rate=(acc.out_nnz / acc.out_numel) if acc.out_numel else None,
             firing_rate_per_step=acc.per_step,
@@ -380,6 +414,8 @@ def _totals(model: nn.Module, layers: list[LayerStat], emodel: EnergyModel, flop
         "batch_size": batch_size,
         "energy_pj_per_sample": energy / batch_size,
     }
+    totals["int_operand_macs"] = sum(layer.int_operand_macs for layer in layers)
+    totals["int_operand_acs"] = sum(layer.int_operand_acs for layer in layers)
     neurons = [layer for layer in layers if layer.is_neuron]
     if neurons:
         # weighted by neuron outputs: total spikes / total neuron-step outputs
@@ -387,6 +423,22 @@ def _totals(model: nn.Module, layers: list[LayerStat], emodel: EnergyModel, flop
         totals["spiking_neurons"] = len(neurons)
         totals["mean_firing_rate"] = sum((n.output_firing_rate or 0.0) * n.neuron_outputs for n in neurons) / outs if outs else 0.0
     return totals
+
+
+def _add_memory(totals: dict[str, float], layers: list[LayerStat], stack: ModuleStack, mmodel: MemoryModel) -> None:
+    """Memory-access energy beside the compute-only energy: per layer and in totals."""
+    by_name = {layer.name: layer for layer in layers}
+    for acc in stack.layers.values():
+        layer = by_name.get(acc.name)
+        if layer is not None:
+            layer.memory_pj = memory_energy([acc.memory], mmodel)["total_pj"]
+    mem = memory_energy([acc.memory for acc in stack.layers.values()], mmodel)
+    totals["energy_memory_pj"] = mem["total_pj"]
+    totals["energy_total_pj"] = totals["energy_pj"] + mem["total_pj"]
+    totals["energy_total_pj_per_sample"] = totals["energy_total_pj"] / totals["batch_size"]
+    for k, v in mem.items():
+        if k != "total_pj":
+            totals[f"memory_{k}"] = v
 
 
 def _aggregate(model: nn.Module, layers: list[LayerStat], max_depth: int = 3) -> dict[str, dict[str, float]]:
@@ -428,12 +480,12 @@ def _has_exits(model: nn.Module) -> bool:
     return hasattr(model, "forced_exit") or "exit_layer" in inspect.signature(model.forward).parameters
 
 
-def _run_to_exit(model: nn.Module, k: int, args: tuple, kwargs: dict, spike_matmul: str, source: str, label: str) -> ModuleStack:
+def _run_to_exit(model: nn.Module, k: int, args: tuple, kwargs: dict, convention: Convention, source: str, label: str) -> ModuleStack:
     """Counted forward pass that stops at the exit after layer `k`."""
     if hasattr(model, "forced_exit"):
         with model.forced_exit(k):
-            return _run_counted(model, args, kwargs, spike_matmul, source, label)[0]
-    return _run_counted(model, args, {**kwargs, "exit_layer": k}, spike_matmul, source, label)[0]
+            return _run_counted(model, args, kwargs, convention, source, label)[0]
+    return _run_counted(model, args, {**kwargs, "exit_layer": k}, convention, source, label)[0]
 
 
 def _tokens_in(args: tuple, kwargs: dict) -> int:
@@ -455,7 +507,7 @@ def _backbone_prefix(model: nn.Module) -> str | None:
     return None
 
 
-def _exits(model: nn.Module, args: tuple, kwargs: dict, spike_matmul: str, emodel: EnergyModel,
+def _exits(model: nn.Module, args: tuple, kwargs: dict, spike_matmul: Convention, emodel: EnergyModel,
            data_batches: list[Any] | None, threshold: float | None, source: str, label: str) -> dict[str, Any] | None:
     if not _has_exits(model):
         return None

@@ -28,6 +28,10 @@ class LayerStat(LayerCounts):
     ops: str = ""
     params: int = 0
     neuron_outputs: int = 0  # neuron-step outputs observed (weights the mean firing rate)
+    int_operand_macs: int = 0  # MACs charged for integer-valued operand units (part of macs)
+    int_operand_acs: int = 0  # accumulates charged for integer-valued operand units (part of sops)
+    real_operand_macs: int = 0  # MACs of real-valued operand units (this layer sees real-valued input)
+    memory_pj: float | None = None  # memory-access energy, when the memory model is on
 
     @property
     def is_neuron(self) -> bool:

@@ -61,8 +61,48 @@ _TOTAL_ROWS = (
     ("flops", "FLOPs", fmt_count),
     ("energy_pj", "energy", fmt_energy),
     ("energy_pj_per_sample", "energy / sample", fmt_energy),
+    ("energy_memory_pj", "memory-access energy", fmt_energy),
+    ("energy_total_pj", "energy incl. memory", fmt_energy),
+    ("energy_total_pj_per_sample", "energy incl. memory / sample", fmt_energy),
     ("mean_firing_rate", "mean firing rate", fmt_rate),
 )
+
+# Conventions block: (key in meta["conventions"], label), in the order shown.
+_CONVENTION_ROWS = (
+    ("preset", "convention"), ("formula", "formula"), ("source", "source"), ("classification", "operands"),
+    ("integer_operands", "integer operands"), ("real_input_layers", "real-valued input"), ("spike_matmul", "spike x spike"),
+    ("first_layer", "first layer"), ("modules_only", "counted ops"), ("firing_rate", "firing rate"), ("timesteps", "T"),
+    ("energy", "energy"), ("flops", "FLOPs"), ("memory_access", "memory access"),
+)
+
+
+def convention_rows(report: Report) -> list[tuple[str, str]]:
+    """The conventions block as (label, text) rows."""
+    conv = report.meta.get("conventions") or {}
+    rows = []
+    for key, label in _CONVENTION_ROWS:
+        if key not in conv:
+            continue
+        v = conv[key]
+        if isinstance(v, list):
+            v = ", ".join(v) if v else "none"
+        rows.append((label, str(v)))
+    return rows
+
+
+def neurobench_rows(report: Report) -> list[tuple[str, str]]:
+    nb = getattr(report, "neurobench", None)
+    if not nb:
+        return []
+    so = nb["synaptic_operations"]
+    rate = nb["connection_sparsity"]
+    return [("footprint", f"{nb['footprint']} bytes"),
+            ("connection sparsity", "-" if rate is None else f"{rate:g}"),
+            ("activation sparsity", f"{nb['activation_sparsity']:.6g}"),
+            ("Effective MACs / sample", fmt_count(so["Effective_MACs"])),
+            ("Effective ACs / sample", fmt_count(so["Effective_ACs"])),
+            ("Dense / sample", fmt_count(so["Dense"])),
+            ("membrane updates / sample", "-" if nb["membrane_updates"] is None else fmt_count(nb["membrane_updates"]))]
 
 
 def _fmt_total(key: str, v: Any) -> str:
@@ -100,6 +140,12 @@ def markdown(report: Report, max_layers: int = 60, depth: int = 1) -> str:
     for k, label, f in _TOTAL_ROWS:
         if k in report.totals:
             lines.append(f"| {label} | {f(report.totals[k])} |")
+    conv = convention_rows(report)
+    if conv:
+        lines += ["", "### Conventions", "", "| | |", "|---|---|"] + [f"| {k} | {v.replace('|', '/')} |" for k, v in conv]
+    nb = neurobench_rows(report)
+    if nb:
+        lines += ["", "### NeuroBench metrics", "", "| metric | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in nb]
     if report.exits:
         lines += ["", _exits_md(report.exits)]
     if report.blocks:
@@ -189,6 +235,20 @@ def rich_tables(report: Report, max_layers: int = 40, depth: int = 1) -> list[An
             number("share", [f"{100 * r['energy_pj'] / total_e:.1f}%" for r in top]),
         ], title=f"top modules at depth {depth} (by energy)"))
     out.append(FirstThatFits(_layers_wide(report, max_layers), _layers_narrow(report, max_layers)))
+    conv = convention_rows(report)
+    if conv:
+        from rich.table import Table
+
+        t = Table(title="conventions", show_header=False, expand=False)
+        t.add_column("what", no_wrap=True, style="bold")
+        t.add_column("meaning", overflow="fold")
+        for k, v in conv:
+            t.add_row(k, v)
+        out.append(t)
+    nb = neurobench_rows(report)
+    if nb:
+        out.append(FitTable([Column("metric", [r[0] for r in nb], name=True), number("value", [r[1] for r in nb])],
+                            title="NeuroBench metrics"))
     if report.blocks:
         out.append(FitTable([Column("block", [b["block"] for b in report.blocks], name=True),
                              number("tokens", [str(b["tokens_in"]) for b in report.blocks])],
@@ -198,6 +258,32 @@ def rich_tables(report: Report, max_layers: int = 40, depth: int = 1) -> list[An
 
         out.append(Markdown(_exits_md(report.exits)))
     return out
+
+
+def html_page(report: Report, max_layers: int = 60) -> str:
+    """One self-contained HTML page of a report: totals, conventions, NeuroBench metrics, layers, warnings."""
+    import html
+
+    def table(head: list[str], rows: list[list[str]], cls: str) -> str:
+        th = "".join(f"<th>{html.escape(h)}</th>" for h in head)
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
+        return f'<table class="{cls}"><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>'
+
+    m = report.meta
+    title = html.escape(f"Cost profile: {m.get('model')}")
+    parts = [f"<h1>{title}</h1>",
+             f"<p>Input: {html.escape(str(m.get('input')))}" + (f", T = {m['timesteps']}" if m.get("timesteps") else "") + "</p>",
+             table(["metric", "value"], [[label, f(report.totals[k])] for k, label, f in _TOTAL_ROWS if k in report.totals], "totals"),
+             '<h2 id="conventions">Conventions</h2>', table(["", ""], [list(r) for r in convention_rows(report)], "conventions")]
+    nb = neurobench_rows(report)
+    if nb:
+        parts += ['<h2 id="neurobench">NeuroBench metrics</h2>', table(["metric", "value"], [list(r) for r in nb], "neurobench")]
+    parts += ["<h2>Layers</h2>", table(_LAYER_COLS, _layer_rows(report, max_layers), "layers")]
+    if report.warnings:
+        parts += ["<h2>Warnings</h2><ul>" + "".join(f"<li>{html.escape(w)}</li>" for w in report.warnings) + "</ul>"]
+    style = "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:.2em .5em;text-align:left}"
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{title}</title><style>{style}</style></head>'
+            f"<body>{''.join(parts)}</body></html>\n")
 
 
 _COMPARE_LABELS = {

@@ -34,6 +34,7 @@ class Report:
     exits: dict[str, Any] | None = None  # early-exit models: per-exit cost, distribution, bound
     modules: dict[str, dict[str, float]] = field(default_factory=dict)  # aggregated by module prefix
     warnings: list[str] = field(default_factory=list)
+    neurobench: dict[str, Any] | None = None  # NeuroBench's metrics, with its definitions
 
     # ---- views -------------------------------------------------------------------------------
     @property
@@ -68,6 +69,7 @@ class Report:
             "exits": self.exits,
             "modules": self.modules,
             "warnings": self.warnings,
+            "neurobench": self.neurobench,
         }
 
     def to_json(self, path: str | Path | None = None, indent: int = 2) -> str:
@@ -94,6 +96,12 @@ class Report:
         from efficient.profiler.render import markdown
 
         return markdown(self, max_layers=max_layers, depth=depth)
+
+    def to_html(self, max_layers: int = 60) -> str:
+        """A self-contained HTML page: totals, the conventions block, NeuroBench's metrics, layers."""
+        from efficient.profiler.render import html_page
+
+        return html_page(self, max_layers=max_layers)
 
     def to_table(self, max_layers: int = 40, depth: int = 1) -> Any:
         """rich renderables (totals, top modules at `depth`, layers) for the console."""
@@ -165,6 +173,61 @@ class Comparison:
         from efficient.profiler.render import comparison_table
 
         return comparison_table(self)
+
+
+FIRING_RATE_DEFINITION = (
+    "spikes per neuron per time step: a layer's spikes / (its neurons x time steps), pooled over the samples of "
+    "the pass and over repeated calls; mean_firing_rate pools all spiking layers (total spikes / total neuron-steps), "
+    "so a layer weighs by its neuron-steps; a compute layer's input rate is the nonzero fraction of its spike operand")
+
+
+def conventions_block(conv: Any, emodel: Any, flops_per_mac: float, layers: list[LayerStat], stack: Any, mode: Any,
+                      mmodel: Any = None) -> dict[str, Any]:
+    """What a number in this report means: one block shown in every output (table, JSON, markdown, HTML)."""
+    real_in = [layer.name for layer in layers if layer.real_operand_macs]
+    int_layers = sorted({layer.name for layer in layers if layer.int_operand_macs or layer.int_operand_acs})
+    mixed = sum(acc.mixed_ops for acc in stack.layers.values())
+    integer = {
+        "mac": "integer-valued operand units (spike counts, residual sums) are charged as MACs (conservative)",
+        "accumulate": "integer-valued operand units are charged value x fan-out accumulates (an integer n is n spikes)",
+        "nonzero": "integer-valued operand units are charged nonzeros x fan-out accumulates, as if binary",
+    }[conv.integer]
+    block: dict[str, Any] = {
+        "preset": conv.name,
+        "source": conv.source,
+        "formula": conv.formula,
+        "dense_macs": "every matmul/conv/linear multiply-accumulate, counted dense (what fvcore counts)",
+        "macs": "multiply-accumulates of real-valued operand units (token rows of matmul operands, samples of conv inputs)",
+        "sops": "binary {0,1} operand units: nonzeros x fan-out; conv fan-out exact at padded borders",
+        "classification": ("per unit: a matmul operand's rows along its contiguous axis (tokens), a convolution's samples; "
+                           "a tensor mixing spike, integer and real units is split, not rounded to its costliest class; "
+                           f"{mixed} op(s) here had mixed operands"),
+        "integer_operands": integer + (f"; layers with integer operands: {', '.join(int_layers)}" if int_layers else
+                                       "; no layer saw integer operands"),
+        "real_input_layers": real_in,
+        "spike_matmul": {
+            "operand": "spike x spike matmul: nnz(left operand) x fan-out",
+            "coincidence": "spike x spike matmul: number of coinciding (1,1) products",
+        }[conv.spike_matmul],
+        "firing_rate": FIRING_RATE_DEFINITION,
+        "timesteps": "T enters through the ops executed: counts cover every time step of the pass and are never multiplied by T again",
+        "flops": f"flops = {flops_per_mac:g} x dense_macs",
+        "energy": (f"energy_pj = {emodel.e_mac_pj:g} pJ x macs + {emodel.e_ac_pj:g} pJ x sops ({emodel.name}: {emodel.source}); "
+                   + ("compute only" if mmodel is None else "compute; memory traffic reported beside it as energy_memory_pj")),
+    }
+    if conv.after_first == "nonzero":
+        first = mode.ctx.first_layer
+        block["first_layer"] = (f"{first}: charged as counted; every later op charges nonzeros of its activation operand x "
+                                f"fan-out as accumulates" + (" (real-valued rows kept as MACs)" if conv.real_rows == "exact" else ""))
+    if conv.modules_only:
+        block["modules_only"] = ("macs and sops are NeuroBench's Effective MACs / ACs of nn.Linear / nn.Conv modules; "
+                                 "ops outside them (attention matmuls, functional code) count 0")
+    if mmodel is not None:
+        block["memory_access"] = (f"{mmodel.name}: {mmodel.source}. Weights: one read per MAC or AC; inputs: one read per "
+                                  "spike event, per MAC of a real conv input, per element of a real matmul input; membrane "
+                                  "potentials: read + write per AC and per neuron per time step; spikes: one write each; "
+                                  "outputs of MAC ops: one write each")
+    return block
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
