@@ -261,3 +261,46 @@ def _llama_sliding():
     cfg = transformers.MistralConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                      num_key_value_heads=2, max_position_embeddings=128, sliding_window=16)
     return transformers.MistralForCausalLM(cfg).eval()
+
+
+def _own_heads(m, exits):
+    """`efficient.early_exit` with own exit heads, moved away from the final head so they decide differently."""
+    from efficient.hf import early_exit
+
+    ee = early_exit(m, exits=exits, head="own")
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for k in exits:
+            proj = ee.exit_head(k).proj.weight
+            proj.add_(0.05 * torch.randn(proj.shape, generator=g))
+    return ee
+
+
+@pytest.mark.parametrize("family", ["llama-gqa", "gpt2"])
+def test_wrapped_model_own_heads(family):
+    """Through `efficient.early_exit(head="own")`: its exits are the defaults, speculation with its
+    own head still gives the full model's greedy tokens, recompute follows its heads' confidences."""
+    m = FAMILIES[family]()
+    ee = _own_heads(m, [1, 2])
+    ids, mask = _prompts(3)
+    ref = _reference(m, ids, mask)
+    spec = generate_hf(ee, ids, mask, NEW, strategy="speculative", num_draft=3)
+    assert torch.equal(spec.sequences, ref)
+    assert set(spec.exit_layers.unique().tolist()) <= {1, N}  # drafted by the first exit
+    assert ee.training and not m.training  # each module's mode as it was (the wrapper's train() would reset the model's)
+    tau = 0.13
+    out = generate_hf(ee, ids, mask, NEW, strategy="recompute", threshold=tau)
+    assert bool((out.exit_layers < N).any())
+    for b in range(ids.shape[0]):
+        seq = ids[b : b + 1, mask[b].bool()]
+        for i in range(NEW):
+            for e in (1, 2, N):
+                logits = ee(seq, exit_layer=e)[0, -1]
+                pmax = float(torch.softmax(logits.double(), -1).max())
+                if e == N or pmax >= tau:
+                    break
+                assert abs(pmax - tau) > MARGIN
+            assert (int(out.tokens[b, i]), int(out.exit_layers[b, i])) == (int(logits.argmax()), e), (b, i)
+            seq = torch.cat([seq, out.tokens[b : b + 1, i : i + 1]], dim=1)
+    with pytest.raises(ConfigError, match=r"no exit head after layer 3; this model's own exit heads are after layers \[1, 2\]"):
+        generate_hf(ee, ids, mask, 4, strategy="copy", threshold=0.5, exits=[3])

@@ -341,8 +341,9 @@ def generate_hf(
                           f"prompt + max_new_tokens is {total}")
     eos = [] if eos_token_id is None else [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(e) for e in eos_token_id]
     pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
-    was = [m.training for m in (dm.hf,)]
-    dm.hf.eval()
+    top = dm.wrapper if isinstance(dm.wrapper, torch.nn.Module) else dm.hf
+    was = [(m, m.training) for m in top.modules()]  # restored module by module: a parent's train() would reset its children
+    top.eval()
     try:
         t0 = time.perf_counter()
         run = _Run(dm, ids, mask, total)
@@ -360,7 +361,8 @@ def generate_hf(
         tokens = run.ids[:, P : P + made].clone()
         t2 = time.perf_counter()
     finally:
-        dm.hf.train(was[0])
+        for m, w in was:
+            m.training = w
     if eos:
         tokens, exit_layers = _after_eos(tokens, exit_layers, eos, pad)
         if logprobs is not None:

@@ -8,9 +8,9 @@ The query/key/value projections become one matrix, the gate and up projections a
 Conv1D weights are transposed once. The model's parameters are not changed, and the engine reads
 them at construction (build a new one after the weights change).
 
-An exit after layer k reads that layer's hidden state through an exit head: for a plain
-transformers model the model's own final norm and LM head (LayerSkip); for a model wrapped by
-`efficient.early_exit`, the wrapper's `exit_head(k)` (shared or own heads).
+An exit after layer k reads that layer's hidden state through an exit head: the model's own final
+norm and LM head (LayerSkip) for a plain transformers model and for a model wrapped by
+`efficient.early_exit(..., head="shared")`, the wrapper's `exit_head(k)` for `head="own"`.
 """
 
 from __future__ import annotations
@@ -55,12 +55,12 @@ def _cat(*ts: torch.Tensor | None) -> torch.Tensor | None:
     return None if any(t is None for t in ts) else torch.cat([t.detach() for t in ts])
 
 
-def unwrap(model) -> tuple[torch.nn.Module, list[int] | None, Callable[[int], Callable] | None]:
-    """(transformers model, exits, exit-head factory) of `model`: a transformers causal LM, or one
+def unwrap(model) -> tuple[torch.nn.Module, object | None]:
+    """(transformers model, early-exit wrapper or None) of `model`: a transformers causal LM, or one
     wrapped by `efficient.early_exit` (recognised by its `.model`, `.exits` and `.exit_head`)."""
     if all(hasattr(model, a) for a in ("model", "exits", "exit_head")) and hasattr(model.model, "config"):
-        return model.model, [int(e) for e in model.exits], model.exit_head
-    return model, None, None
+        return model.model, model
+    return model, None
 
 
 class HFDecodeModel:
@@ -70,7 +70,7 @@ class HFDecodeModel:
     slots slot..slot+T-1, writing its keys/values there and attending to slots 0..slot+T-1."""
 
     def __init__(self, model, exits: list[int] | None = None) -> None:
-        base, wrapped_exits, head_factory = unwrap(model)
+        base, self.wrapper = unwrap(model)
         name = type(base).__name__
         if name not in SUPPORTED:
             raise ConfigError(
@@ -82,13 +82,14 @@ class HFDecodeModel:
         p = next(base.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.num_layers = cfg.num_hidden_layers
-        self.wrapped_exits = wrapped_exits
+        self.wrapped_exits = None if self.wrapper is None else [int(e) for e in self.wrapper.exits]
+        # own exit heads are the wrapper's modules; shared ones (and the final head) are read here
+        self.own_heads = self.wrapper is not None and getattr(self.wrapper, "head", "shared") != "shared"
         if self.family == "llama":
             self._read_llama(base)
         else:
             self._read_gpt2(base)
         self.vocab_size = self.lm_head.shape[0]
-        self._head_factory = head_factory
         self.heads: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
 
     # ---------------------------------------------------------------- reading weights
@@ -172,13 +173,16 @@ class HFDecodeModel:
         return F.layer_norm(h, (h.shape[-1],), self.norm_w, self.norm_b, self.eps)
 
     def head(self, k: int) -> Callable[[torch.Tensor], torch.Tensor]:
-        """Hidden state after layer k -> logits: the wrapper's exit head, or (plain model, and the
-        last layer always) the final norm and LM head."""
+        """Hidden state after layer k -> logits: the final norm and LM head (the last layer, a plain
+        model, a wrapper with shared heads), or the wrapper's own exit head k."""
         if k not in self.heads:
-            if k == self.num_layers or self._head_factory is None:
+            if k == self.num_layers or not self.own_heads:
                 self.heads[k] = lambda h: F.linear(self.final_norm(h), self.lm_head, self.lm_head_b)
+            elif k in self.wrapped_exits:
+                self.heads[k] = self.wrapper.exit_head(k)
             else:
-                self.heads[k] = self._head_factory(k)
+                raise ConfigError(f"decoding: no exit head after layer {k}; this model's own exit heads are after layers "
+                                  f"{self.wrapped_exits[:-1]} (shared heads read any layer)")
         return self.heads[k]
 
     # ---------------------------------------------------------------- one layer
