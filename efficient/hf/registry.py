@@ -36,11 +36,14 @@ def build_config(config: dict[str, Any]) -> Any:
 @register_model("hf", input_spec=InputSpec((128,), dtype="long", num_classes=256), paper=PAPER, family="hf",
                 description="transformers causal LM (Llama/Mistral/Qwen2/GPT-2) with early exits; model.config or model.path")
 def hf(config: dict[str, Any] | None = None, path: str | None = None, exits: list[int] | None = None,
-       head: Literal["shared", "own"] | None = None, layer_dropout: dict[str, Any] | None = None) -> EarlyExitLM:
+       head: Literal["shared", "own"] | None = None, layer_dropout: dict[str, Any] | None = None,
+       attn_implementation: str | None = None) -> EarlyExitLM:
     """`config`: a transformers config mapping (with `model_type`) for fresh weights; `path`: a
     checkpoint directory to continue from (its `early_exit.json` brings exits and heads unless given
     here). `exits`: 1-based layers (default: saved, else half depth); `head`: shared (default) or own;
-    `layer_dropout`: {max, scale, time, time_epochs, per} (efficient.hf.dropout)."""
+    `layer_dropout`: {max, scale, time, time_epochs, per} (efficient.hf.dropout);
+    `attn_implementation`: transformers' attention kernel (sdpa, eager, ...; default: its choice)."""
+    kw = {"attn_implementation": attn_implementation} if attn_implementation else {}
     if config is not None and path is not None:
         raise ConfigError("model: give either config (fresh weights) or path (a checkpoint directory), not both")
     if path is not None:
@@ -52,10 +55,10 @@ def hf(config: dict[str, Any] | None = None, path: str | None = None, exits: lis
             from transformers import AutoConfig
 
             exits = [_num_layers(AutoConfig.from_pretrained(p)) // 2]
-        return EarlyExitLM.from_pretrained(p, exits, head, layer_dropout)
+        return EarlyExitLM.from_pretrained(p, exits, head, layer_dropout, **kw)
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(build_config(DEFAULT_CONFIG if config is None else config))
+    model = AutoModelForCausalLM.from_config(build_config(DEFAULT_CONFIG if config is None else config), **kw)
     return EarlyExitLM(model, exits, head or "shared", layer_dropout)
 
 
