@@ -195,15 +195,12 @@ class HFDecodeModel:
             x = F.rms_norm(h, (C,), w.n1, self.eps)
         else:
             x = F.layer_norm(h, (C,), w.n1, w.n1b, self.eps)
-        qkv = F.linear(x, w.wqkv, w.bqkv)
-        q, k, v = qkv.split((hq * hd, hk * hd, hk * hd), dim=-1)
-        q = q.view(B, T, hq, hd).transpose(1, 2)
-        k = k.view(B, T, hk, hd).transpose(1, 2)
-        v = v.view(B, T, hk, hd).transpose(1, 2)
-        if len(rope) == 2:  # rotary, transformers' rotate-half convention
+        qkv = F.linear(x, w.wqkv, w.bqkv).view(B, T, hq + 2 * hk, hd).transpose(1, 2)  # heads: q, then k, then v
+        qk, v = qkv[:, : hq + hk], qkv[:, hq + hk :]
+        if len(rope) == 2:  # rotary on queries and keys at once, transformers' rotate-half convention
             cos, sin = rope
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            qk = qk * cos + _rotate_half(qk) * sin
+        q, k = qk[:, :hq], qk[:, hq:]
         end = slot + T
         kc[:, :, slot:end] = k
         vc[:, :, slot:end] = v
