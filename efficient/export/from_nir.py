@@ -162,7 +162,9 @@ class NIRNetwork(nn.Module):
         return isinstance(self.nodes[name], SpikingNeuron)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.input_shape is not None and (x.dim() != 2 + len(self.input_shape) or tuple(x.shape[2:]) != self.input_shape):
+        # exporters that trace a batch of one (norse, rockpool) write it into the Input type: [1, ...] also takes [...]
+        shapes = [self.input_shape] + ([self.input_shape[1:]] if self.input_shape and self.input_shape[0] == 1 else [])
+        if self.input_shape is not None and tuple(x.shape[2:]) not in shapes:
             raise ValueError(f"{self.source}: the graph takes time-major input [T, B, {', '.join(map(str, self.input_shape))}]; "
                              f"got {list(x.shape)}")
         values: dict[str, torch.Tensor] = {self.input_name: x}

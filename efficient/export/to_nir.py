@@ -25,6 +25,7 @@ from torch import nn
 
 from efficient.errors import ConfigError
 from efficient.export.neurons import DEFAULT_DT, DT_KEY, lif_node
+from efficient.export.peers import batch_major, peer_library, peer_neuron_node, peer_sample_shape
 from efficient.models.neurons import SpikingNeuron
 
 __all__ = ["to_nir", "write_nir"]
@@ -52,10 +53,13 @@ def _bn_affine(bn: nn.modules.batchnorm._BatchNorm) -> tuple[torch.Tensor, torch
 class _Builder:
     """Collects NIR nodes and edges; `tails` are the nodes whose outputs (summed) feed the next node."""
 
-    def __init__(self, dt: float) -> None:
+    def __init__(self, dt: float, flatten_offset: int = 2) -> None:
         self.nodes: dict[str, Any] = {}
         self.edges: list[tuple[str, str]] = []
         self.dt = dt
+        # leading dims a plain nn.Flatten sees before the sample's: 2 on time-major [T, B, ...] (our
+        # models, spikingjelly multi-step), 1 on one step [B, ...] (snntorch, spikingjelly single-step)
+        self.flatten_offset = flatten_offset
 
     def add(self, name: str, node: Any, tails: list[str]) -> list[str]:
         name = name.replace(".", "_") or "node"
@@ -69,9 +73,11 @@ class _Builder:
 
 
 def _shape_after(layer: nn.Module, shape: Shape) -> Shape:
-    """Per-sample output shape of a stateless layer (run on one zero sample)."""
+    """Per-sample output shape of a stateless layer (run on one zero sample; a spikingjelly layer in
+    multi-step mode on one step of it)."""
+    lead = 2 if getattr(layer, "step_mode", "s") == "m" else 1
     with torch.no_grad():
-        return tuple(layer(torch.zeros(1, *shape)).shape[1:])
+        return tuple(layer(torch.zeros(*(1,) * lead, *shape)).shape[lead:])
 
 
 def _conv_node(conv: nn.Conv2d, shape: Shape, where: str, bn: nn.Module | None = None):
@@ -134,6 +140,13 @@ def _lower(m: nn.Module, b: _Builder, tails: list[str], shape: Shape, where: str
 
     from efficient.models import stable_snn
 
+    if isinstance(m, (nn.Sequential, nn.ModuleList)) and type(m).__name__ == "SeqToANNContainer":
+        # spikingjelly's container runs its layers on [T*B, ...]: a plain Flatten in it counts from B
+        outer, b.flatten_offset = b.flatten_offset, 1
+        try:
+            return _lower(nn.Sequential(*m), b, tails, shape, where)
+        finally:
+            b.flatten_offset = outer
     if isinstance(m, (nn.Sequential, nn.ModuleList)):
         items = list(m.named_children())
         i = 0
@@ -143,7 +156,7 @@ def _lower(m: nn.Module, b: _Builder, tails: list[str], shape: Shape, where: str
             nxt = items[i + 1][1] if i + 1 < len(items) else None
             if isinstance(child, nn.Conv2d) and isinstance(nxt, nn.BatchNorm2d):  # fold BN into the conv
                 tails = b.add(path, _conv_node(child, shape, path, nxt), tails)
-                shape = _shape_after(nn.Sequential(child, nxt).eval(), shape)
+                shape = _shape_after(child, shape)  # batch norm keeps the shape
                 i += 2
                 continue
             tails, shape = _lower(child, b, tails, shape, path)
@@ -151,6 +164,9 @@ def _lower(m: nn.Module, b: _Builder, tails: list[str], shape: Shape, where: str
         return tails, shape
     if isinstance(m, SpikingNeuron):
         return b.add(where, lif_node(m, shape, b.dt, where), tails), shape
+    peer = peer_neuron_node(m, shape, b.dt, where)
+    if peer is not None:
+        return b.add(where, peer, tails), shape
     if isinstance(m, nn.Linear):
         if shape[-1] != m.in_features or len(shape) != 1:
             raise ConfigError(f"{where} (Linear): expects [{m.in_features}] per sample, the graph gives {list(shape)}; flatten first")
@@ -171,11 +187,13 @@ def _lower(m: nn.Module, b: _Builder, tails: list[str], shape: Shape, where: str
         node = nir.AvgPool2d(kernel_size=pair(m.kernel_size), stride=pair(m.stride), padding=pair(m.padding))
         return b.add(where, node, tails), _shape_after(m, shape)
     if isinstance(m, nn.Flatten):
-        # our layers see time-major [T, B, ...]: dims 0 and 1 are not the sample's; NIR's dims are
-        start, end = (d - 2 if d >= 0 else d for d in (m.start_dim, m.end_dim))
+        # the layer sees [T, B, ...] or [B, ...] (see _Builder): the leading dims are not the sample's; NIR's dims are
+        lead = 1 if batch_major(m) else b.flatten_offset
+        start, end = (d - lead if d >= 0 else d for d in (m.start_dim, m.end_dim))
         if start < 0 and m.start_dim >= 0:
-            raise ConfigError(f"{where} (Flatten): start_dim={m.start_dim} would flatten time or batch ([T, B, ...] input); "
-                              "flatten from dim 2")
+            seen = "[T, B, ...]" if lead == 2 else "[B, ...]"
+            raise ConfigError(f"{where} (Flatten): start_dim={m.start_dim} would flatten time or batch ({seen} input); "
+                              f"flatten from dim {lead}")
         s, e = start % len(shape), end % len(shape)
         out = shape[:s] + (int(np.prod(shape[s:e + 1])),) + shape[e + 1:]
         return b.add(where, nir.Flatten(input_type={"input": np.array(shape)}, start_dim=start, end_dim=end), tails), out
@@ -208,7 +226,8 @@ def _lower(m: nn.Module, b: _Builder, tails: list[str], shape: Shape, where: str
         raise err
     raise ConfigError(
         f"{where or 'model'} ({type(m).__name__}): no NIR export for this layer. Exportable: Sequential chains of Linear, "
-        "Conv2d (+BatchNorm2d), BatchNorm, AvgPool2d, Flatten, LIF/PLIF/DLIF, and the stable-SNN VGG/WRN models"
+        "Conv2d (+BatchNorm2d), BatchNorm, AvgPool2d, Flatten, LIF/PLIF/DLIF, spikingjelly LIFNode/ParametricLIFNode/"
+        "IFNode, snntorch Leaky, and the stable-SNN VGG/WRN models"
     )
 
 
@@ -234,11 +253,14 @@ def _lower_wide_block(m: nn.Module, b: _Builder, tails: list[str], shape: Shape,
     return out, s_h
 
 
-def _sample_shape(model: nn.Module, sample_input: torch.Tensor) -> Shape:
+def _sample_shape(model: nn.Module, sample_input: torch.Tensor, library: str | None) -> Shape:
     """Per-sample shape of one time step: images `[B, ...]` for the stable-SNN models (repeated over
-    T inside), time-major `[T, B, ...]` for everything else."""
+    T inside), one step or `[T, B, ...]` for spikingjelly / snntorch models (`efficient.export.peers`),
+    time-major `[T, B, ...]` for everything else."""
     from efficient.models.stable_snn import _SpikingNet
 
+    if library is not None:
+        return peer_sample_shape(model, library, sample_input)
     if isinstance(model, _SpikingNet):
         if sample_input.dim() < 2:
             raise ConfigError(f"sample_input for {type(model).__name__} is an image batch [B, C, H, W]; got {list(sample_input.shape)}")
@@ -258,8 +280,10 @@ def to_nir(model: nn.Module, sample_input: torch.Tensor, dt: float = DEFAULT_DT)
     err = _unsupported_transformer(model)
     if err is not None:
         raise err
-    shape = _sample_shape(model, sample_input)
-    b = _Builder(float(dt))
+    library = peer_library(model)
+    shape = _sample_shape(model, sample_input, library)
+    one_step = library == "snntorch" or (library == "spikingjelly" and sample_input.dim() == len(shape) + 1)
+    b = _Builder(float(dt), flatten_offset=1 if one_step else 2)
     tails = b.add("input", nir.Input(input_type={"input": np.array(shape)}), [])
     was_training = model.training
     model.eval()
