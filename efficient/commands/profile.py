@@ -9,6 +9,12 @@ report.md used), so the totals equal summary.json's "cost". Examples:
     efficient profile runs/stata --compare runs/dense --plot compare.png
     efficient profile runs/stata --data random --input 1x8x8 --format md
     efficient profile spikformer-4-384 --memory --batch 8      # activation memory of a training step
+    efficient profile runs/stata --convention spikformer --memory-access --neurobench
+
+--convention picks how operands are charged (efficient, accumulate, spikingjelly, spikformer, stata,
+neurobench; each report states its convention, formula and source). --memory-access adds the
+memory-traffic energy (Lemaire et al. 2022) beside the compute-only number; --neurobench adds
+NeuroBench's metrics with NeuroBench's definitions.
 
 With --memory it measures instead what one training step (forward, loss, backward) keeps for
 backward at each memory level (efficient.memory: none, bits, recompute), on a random input of the
@@ -43,7 +49,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="inputs: 'val' (a run's own validation data; default for run dirs), 'random' (default for "
                         "zoo names), or a recipe YAML / dataset name for its validation inputs (also measures exits)")
     p.add_argument("--data-batches", type=int, default=4, metavar="K", help="validation batches used with --data DATASET (default 4)")
-    p.add_argument("--format", choices=("table", "json", "md", "csv"), default="table")
+    p.add_argument("--format", choices=("table", "json", "md", "csv", "html"), default="table")
+    p.add_argument("--convention", metavar="NAME",
+                   help="how operands are charged: efficient (default: operand-exact, integers as MACs), accumulate, "
+                        "spikingjelly, spikformer, stata, neurobench")
+    p.add_argument("--neurobench", action="store_true",
+                   help="also report NeuroBench's metrics (footprint, connection and activation sparsity, synaptic "
+                        "operations, membrane updates) with NeuroBench's definitions")
+    p.add_argument("--memory-access", action="store_true",
+                   help="add memory-access energy (weights, membrane potentials, spikes; Lemaire et al. 2022) beside "
+                        "the compute-only energy")
     p.add_argument("--plot", metavar="PNG", help="write energy / firing rate per layer to this PNG (both models with --compare)")
     p.add_argument("--compare", metavar="OTHER_MODEL",
                    help="profile a second model (zoo name or run dir) on its own inputs and show both, with ratios")
@@ -111,7 +126,8 @@ def _profile(name: str, args: argparse.Namespace, data: list[Any] | None, pretra
         model, label = load_run_model(run), run.label
         if mode in ("val", "random"):
             return profile_run_model(model, run, data=mode, samples=args.batch, input_shape=args.input,
-                                     timesteps=args.timesteps, energy=args.energy, flops_per_mac=args.flops_per_mac)
+                                     timesteps=args.timesteps, energy=args.energy, flops_per_mac=args.flops_per_mac,
+                                     **_counting(args))
     else:
         model, label = load(name, pretrained=pretrained), name
         trained_on = getattr(model, "pretrained_cfg", {}).get("data")
@@ -123,14 +139,19 @@ def _profile(name: str, args: argparse.Namespace, data: list[Any] | None, pretra
     flops_per_mac = args.flops_per_mac if args.flops_per_mac is not None else 2
     if mode == "random":
         return profile(model, input_shape=args.input, batch=args.batch or 1, timesteps=args.timesteps, energy=energy,
-                       flops_per_mac=flops_per_mac, name=label)
+                       flops_per_mac=flops_per_mac, name=label, **_counting(args))
     import torch
 
     from efficient.data import first_input
 
     inputs = torch.cat([first_input(b) for b in data])  # all K batches in one pass
     return profile(model, inputs=inputs, timesteps=args.timesteps, energy=energy, data=data, flops_per_mac=flops_per_mac,
-                   exit_threshold=args.exit_threshold, name=label)
+                   exit_threshold=args.exit_threshold, name=label, **_counting(args))
+
+
+def _counting(args: argparse.Namespace) -> dict[str, Any]:
+    """The counting options of `profile()` the command line chose."""
+    return {"convention": args.convention or "efficient", "neurobench": args.neurobench, "memory_access": args.memory_access}
 
 
 def _memory_levels(spec: str | None) -> list[str]:
@@ -153,7 +174,8 @@ def _memory(args: argparse.Namespace) -> int:
     from efficient.zoo import load
 
     levels = _memory_levels(args.memory_level)
-    for flag, given in (("--compare", args.compare), ("--plot", args.plot), ("--exit-threshold", args.exit_threshold is not None)):
+    for flag, given in (("--compare", args.compare), ("--plot", args.plot), ("--exit-threshold", args.exit_threshold is not None),
+                        ("--convention", args.convention), ("--neurobench", args.neurobench), ("--memory-access", args.memory_access)):
         if given:
             raise ConfigError(f"{flag} does not apply with --memory, which measures one model's training step")
     if args.data not in (None, "random"):
@@ -206,6 +228,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.energy is not None:
         resolve_energy(args.energy)  # fail on a bad preset before loading anything
+    if args.convention is not None:
+        from efficient.profiler.conventions import resolve_convention
+
+        resolve_convention(args.convention)
     if args.batch is not None and args.batch < 1:
         raise ConfigError(f"--batch must be >= 1, got {args.batch}")
     if args.memory_level is not None and not args.memory:
@@ -252,6 +278,10 @@ def run(args: argparse.Namespace) -> int:
         if other is not None:
             d = {"report": d, "compare": other.to_dict(), "comparison": cmp.to_dict()}
         text = json.dumps(d, indent=2, default=str)
+    elif args.format == "html":
+        if other is not None:
+            raise ConfigError("--format html writes one report; drop --compare (or use --format md)")
+        text = report.to_html(max_layers=args.layers)
     elif args.format == "md":
         text = report.to_markdown(max_layers=args.layers, depth=args.depth)
         if other is not None:

@@ -2,7 +2,7 @@
 profiled pass, with NeuroBench's definitions: the same modules hooked, the same counts, the same
 averages, so the numbers equal what `neurobench.benchmarks.Benchmark` reports on one batch.
 
-- footprint: bytes of parameters and buffers.
+- footprint: bytes of parameters and buffers, before the pass (snntorch's membrane state is a buffer).
 - connection_sparsity: zero weights / weights of the leaf nn.Linear / nn.Conv1d-3d modules, rounded to 4 decimals.
 - activation_sparsity: 1 - nonzero / all outputs of the activation modules (nn.ReLU, nn.Sigmoid and
   spiking neurons), pooled over layers, time steps and samples.
@@ -99,6 +99,10 @@ class NeuroBenchCollector:
         self._mem_first: dict[int, bool] = {}
 
     def __enter__(self) -> "NeuroBenchCollector":
+        # static metrics before the pass, as NeuroBench runs them before its workload (snntorch keeps
+        # membrane state in buffers, which a pass resizes)
+        self.footprint = footprint(self.model)
+        self.connection_sparsity = connection_sparsity(self.model)
         for m in _walk(self.model, lambda c: isinstance(c, CONNECTION_LAYERS + RECURRENT_LAYERS)):
             if isinstance(m, RECURRENT_LAYERS):
                 self.unsupported.append(type(m).__name__)
@@ -175,8 +179,8 @@ class NeuroBenchCollector:
         n = max(samples, 1)
         has_snntorch = bool(self._mem_first)
         return {
-            "footprint": footprint(self.model),
-            "connection_sparsity": connection_sparsity(self.model),
+            "footprint": self.footprint,
+            "connection_sparsity": self.connection_sparsity,
             "activation_sparsity": (self.outputs - self.spikes) / self.outputs if self.outputs else 0.0,
             "synaptic_operations": {"Effective_MACs": self.effective_macs / n, "Effective_ACs": self.effective_acs / n,
                                     "Dense": self.dense / n},

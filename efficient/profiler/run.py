@@ -111,6 +111,7 @@ def profile_run(
     energy: EnergySpec | None = None,
     flops_per_mac: float | None = None,
     name: str | None = None,
+    **counting: Any,
 ) -> Report:
     """Profile a run dir (or a run's .safetensors) the way its own cost report did.
 
@@ -118,6 +119,7 @@ def profile_run(
     recipe's `profile.samples`, as the run's report), so the totals equal `summary.json`'s "cost".
     data="random": a seeded random input of `input_shape` (default: the shape the model was built for),
     normalised as the run's data was. `energy` and `flops_per_mac` default to the recipe's `profile`.
+    `counting`: profile()'s convention, neurobench and memory_access.
     """
     run = find_run(path, checkpoint)
     if run is None:
@@ -127,13 +129,14 @@ def profile_run(
     if data == "val" and input_shape is not None:
         raise ConfigError("input_shape applies to random inputs; the validation data brings its own shape. Pass data='random'.")
     return profile_run_model(load_run_model(run), run, data=data, samples=samples, input_shape=input_shape,
-                             timesteps=timesteps, energy=energy, flops_per_mac=flops_per_mac, name=name)
+                             timesteps=timesteps, energy=energy, flops_per_mac=flops_per_mac, name=name, **counting)
 
 
 def profile_run_model(model: nn.Module, run: Run, *, data: Literal["val", "random"] = "val", samples: int | None = None,
                       input_shape: Any = None, timesteps: int | None = None, energy: EnergySpec | None = None,
-                      flops_per_mac: float | None = None, name: str | None = None) -> Report:
-    """`profile_run` on an already loaded model: inputs, energy and FLOP convention from the run's recipe."""
+                      flops_per_mac: float | None = None, name: str | None = None, **counting: Any) -> Report:
+    """`profile_run` on an already loaded model: inputs, energy and FLOP convention from the run's recipe.
+    `counting`: profile()'s convention, neurobench and memory_access."""
     from efficient.profiler.api import profile
 
     recipe = run.recipe
@@ -152,13 +155,14 @@ def profile_run_model(model: nn.Module, run: Run, *, data: Literal["val", "rando
         n = samples if samples is not None else recipe.profile.samples
         x = validation_inputs(build_data(recipe.data), n)
         exits = [x] if hasattr(model, "exit_layers") else None  # an early-exit model's exit distribution, as the run's
-        report = profile(model, inputs=x, data=exits, timesteps=timesteps, energy=energy, flops_per_mac=flops_per_mac, name=label)
+        report = profile(model, inputs=x, data=exits, timesteps=timesteps, energy=energy, flops_per_mac=flops_per_mac, name=label,
+                         **counting)
         shape = list(x.shape) if hasattr(x, "shape") else sorted(x) if isinstance(x, dict) else type(x).__name__
         report.meta["input"] = f"validation data of the run, first {int(report.totals['batch_size'])} samples {shape}"
     else:
         kind = random_kind(recipe) if recipe is not None else "normal"
         report = profile(model, input_shape=input_shape, batch=samples or 1, timesteps=timesteps, energy=energy,
-                         flops_per_mac=flops_per_mac, name=label, random=kind)
+                         flops_per_mac=flops_per_mac, name=label, random=kind, **counting)
     report.meta["weights"] = str(run.weights)
     report.meta["zoo_model"] = getattr(model, "zoo_name", None)
     return report
