@@ -89,6 +89,8 @@ CASES: list[Case] = [
          note="width shrunk to 64 (1.3B params do not fit a test run)"),
     Case("ee-gpt-7b", "ee-gpt-7b", {"n_embd": 64, "n_head": 4, "mlp_hidden": 128},
          note="width shrunk to 64 (7B params do not fit a test run)"),
+    # transformers' Llama (4 x 64, GQA 4/2 heads, byte vocabulary) with a shared-head exit at layer 2
+    Case("hf", "hf"),
     Case("stable-snn-digits", "stable-snn-digits", dict(SPIKING)),
     # the VGGs' two 4096-wide spiking FC layers and full conv widths (61M params for VGG-11) would
     # dominate the suite in float64: same layers, neurons and init, narrower
