@@ -8,6 +8,10 @@ blocks only), counted by `efficient.profile` at the same keep ratio (rho*, no wa
 
     python bench/stata.py                       # CIFAR (4-384, batch 4) + ImageNet-sized (8-512 @224, batch 1)
     python bench/stata.py --only cifar --steps 5 --batch 8
+    python bench/stata.py --only families       # QKFormer, Spikingformer, Meta-SpikeFormer at CIFAR size
+
+The encoder columns need the Spikformer layout (one flat token stem, then blocks); for the other
+families only the whole step is timed, and the ideal is their whole-model MAC ratio.
 """
 
 from __future__ import annotations
@@ -103,6 +107,7 @@ def macs(model, x) -> tuple[float, float]:
     finally:
         model.lean_inference = lean
     blocks = sum(l.dense_macs for l in rep.layers if l.name.startswith("blocks.") and not l.is_neuron)
+    blocks = blocks or float("nan")  # a family without a flat `blocks` stack: no encoder-level ideal
     return float(rep.totals["dense_macs"]), float(blocks)
 
 
@@ -145,11 +150,13 @@ def bench_pair(label, dense_name, stata_variants, img, batch, classes, steps, wa
         if sj is not None:
             steps_fns["spikingjelly-2.0 spikformer_cifar10"] = step_fn(sj, x, y, torch.optim.AdamW(sj.parameters(), lr=1e-4), reset, amp=amp)
         full = timed(steps_fns, steps, warmup)
-        enc = timed({k: encoder_fn(m, x, y, amp) for k, m in models.items()}, steps, warmup)
+        has_encoder = all(hasattr(m, "embed") and hasattr(m, "forward_blocks") for m in models.values())
+        enc = timed({k: encoder_fn(m, x, y, amp) for k, m in models.items()}, steps, warmup) if has_encoder else None
         for clock in CLOCKS:
             if DEVICE.type == "cuda" and clock == "cpu":
                 continue  # host CPU time says nothing about a GPU step
-            f, e = full[clock], enc[clock]
+            f = full[clock]
+            e = enc[clock] if enc is not None else {k: float("nan") for k in f}
             for k in f:
                 r = {"config": label, "amp": amp, "clock": clock, "model": k, "step_s": f[k], "speedup": f[dense_name] / f[k]}
                 if k in models:
@@ -167,9 +174,19 @@ def bench_pair(label, dense_name, stata_variants, img, batch, classes, steps, wa
     return rows
 
 
+# the newer spiking transformers at their CIFAR sizes, dense vs the zoo's STATA variant (its own
+# pruning schedule, at rho*)
+FAMILIES = [
+    ("qkformer-4-384", "qkformer-4-384-stata", "SSA blocks 1,2, rho 0.7"),
+    ("spikingformer-4-384", "spikingformer-stata", "blocks 2,3, rho 0.7"),
+    ("sdt-v2-cifar", "sdt-v2-stata", "blocks 4,6,8, rho 0.7"),
+]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=["cifar", "imagenet"], default=None)
+    ap.add_argument("--only", choices=["cifar", "imagenet", "families"], default=None,
+                    help="one part (default: cifar and imagenet; `families` runs only when named)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--batch", type=int, default=4, help="CIFAR batch (ImageNet-sized uses --imagenet-batch)")
@@ -215,6 +232,13 @@ def main() -> None:
             args.imagenet_img, args.imagenet_batch, 1000, args.imagenet_steps, args.warmup, amps=amps,
             **({} if args.imagenet_img == 224 else {"img_size": args.imagenet_img}),
         )
+    if args.only == "families":
+        for dense, stata, note in FAMILIES:
+            rows += bench_pair(
+                "CIFAR %dpx T=4 b%d" % (args.img, args.batch), dense, {f"{stata} ({note})": (stata, {})},
+                args.img, args.batch, 10, args.steps, args.warmup, amps=amps,
+                **({} if args.img == 32 else {"img_size": args.img}),
+            )
     print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, threads {torch.get_num_threads()}")
     print("| config | amp | clock | model | step s | speedup | ideal (MACs) | realized/ideal | encoder s | encoder speedup "
           "| ideal encoder | tokens in per block |")

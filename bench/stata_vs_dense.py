@@ -6,6 +6,11 @@ Reads each run's `summary.json`: final validation accuracy and the trainer's cos
 the accuracy difference paired by seed (`train.seed` of each run's config.yaml) with its 95 % t-interval.
 
     python bench/stata_vs_dense.py --dense runs/sd/dense_s0 ... --stata runs/sd/stata_s0 ...
+
+`--archive FILE.json` keeps what the table needs from each run (its summary and seed) under the run
+directory's name, so a study can be re-tabulated, or finished later, without the run directories:
+a run named on the command line is read from its directory when it exists (and stored in the
+archive), else from the archive.
 """
 
 from __future__ import annotations
@@ -23,14 +28,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stata_ablation import fmt, paired_diffs, t_interval  # noqa: E402
 
 
-def load(runs: list[str]) -> list[dict]:
-    """Each run's summary, with its seed (from config.yaml) under "seed", in seed order."""
+def load(runs: list[str], archive: dict | None = None) -> list[dict]:
+    """Each run's summary, with its seed (from config.yaml) under "seed", in seed order; read from
+    the run directory when it exists (and stored in `archive`), else from `archive`."""
     out = []
     for r in runs:
-        s = json.loads((Path(r) / "summary.json").read_text())
-        s["seed"] = load_yaml(Path(r) / "config.yaml")["train"]["seed"]
+        d = Path(r)
+        if (d / "summary.json").exists():
+            s = json.loads((d / "summary.json").read_text())
+            s["seed"] = load_yaml(d / "config.yaml")["train"]["seed"]
+            if archive is not None:
+                archive[d.name] = s
+        elif archive is not None and d.name in archive:
+            s = archive[d.name]
+        else:
+            raise SystemExit(f"{r}: no summary.json there" + (f" and no run {d.name!r} in the archive" if archive is not None else ""))
         out.append(s)
     return sorted(out, key=lambda s: s["seed"])
+
+
+def save_archive(path: Path, archive: dict) -> None:
+    """Write the archive atomically (a crash leaves the old file whole)."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(dict(sorted(archive.items())), indent=1))
+    tmp.replace(path)
 
 
 def accuracy_by_seed(runs: list[dict]) -> dict[int, float]:
@@ -45,8 +66,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dense", nargs="+", required=True)
     ap.add_argument("--stata", nargs="+", required=True)
+    ap.add_argument("--archive", type=Path, default=None, help="JSON file of run summaries (read and updated)")
     a = ap.parse_args()
-    rows = {"dense": load(a.dense), "stata": load(a.stata)}
+    archive = json.loads(a.archive.read_text()) if a.archive and a.archive.exists() else ({} if a.archive else None)
+    rows = {"dense": load(a.dense, archive), "stata": load(a.stata, archive)}
+    if a.archive:
+        save_archive(a.archive, archive)
     keys = [("acc", lambda s: 100 * s["val"]["acc"]), ("energy uJ/sample", lambda s: s["cost"]["energy_pj_per_sample"] / 1e6),
             ("MACs M/sample", lambda s: s["cost"]["macs"] / s["cost"]["batch_size"] / 1e6),
             ("SOPs M/sample", lambda s: s["cost"]["sops"] / s["cost"]["batch_size"] / 1e6),
