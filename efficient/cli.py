@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, str] = {
     "attack": "efficient.commands.attack",
     "merge": "efficient.commands.merge",
     "export": "efficient.commands.export",
+    "import": "efficient.commands.nir_import",
     "report": "efficient.commands.report",
 }
 

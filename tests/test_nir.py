@@ -439,3 +439,186 @@ def test_shape_mismatch_in_a_graph_is_named(tmp_path: Path) -> None:
     nir.write(tmp_path / "bad.nir", graph)
     with pytest.raises(ArtifactError, match=r"bad\.nir: the NIR graph cannot be read \(ValueError: .*fc1.*fc2"):
         efficient.load(tmp_path / "bad.nir")
+
+
+# ---------------------------------------------------------------------------------------------
+# spikingjelly and snntorch models exported by us (their importers: tests/test_nir_interop.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def _snntorch_conv(reset: str = "zero") -> nn.Sequential:
+    snn = pytest.importorskip("snntorch")
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.AvgPool2d(2), snn.Leaky(beta=0.8, init_hidden=True, reset_mechanism=reset),
+                        nn.Flatten(), nn.Linear(64, 5), snn.Leaky(beta=0.6, threshold=0.5, init_hidden=True, reset_mechanism=reset))
+    with torch.no_grad():
+        for m in (net[0], net[4]):
+            for p in m.parameters():
+                p.mul_(3.0)
+    return net.eval()
+
+
+def _typed(graph) -> None:
+    """The graph passes NIR's own type inference and every node carries its shapes."""
+    nir.NIRGraph(nodes=graph.nodes, edges=graph.edges, metadata=graph.metadata, type_check=True)
+    for name, node in graph.nodes.items():
+        assert node.input_type is not None and all(v is not None for v in node.input_type.values()), name
+
+
+def test_snntorch_conv_net_exports_and_round_trips(tmp_path: Path) -> None:
+    import snntorch.utils
+
+    net = _snntorch_conv()
+    x = (torch.rand(6, 3, 2, 8, 8) > 0.5).float()
+    graph = efficient.export.to_nir(net, x[0])  # snntorch models are called one step at a time: [B, ...]
+    _typed(graph)
+    assert [type(graph.nodes[k]).__name__ for k in ("0", "1", "2", "3", "4", "5")] == \
+        ["Conv2d", "AvgPool2d", "LIF", "Flatten", "Affine", "LIF"]
+    write_nir(graph, tmp_path / "snn.nir")
+    snntorch.utils.reset(net)
+    with torch.no_grad():
+        ref = torch.stack([net(x[t]) for t in range(6)])
+    ours = efficient.load(tmp_path / "snn.nir")
+    theirs, mems = [], []
+    def keep(m_, _i, o) -> None:  # snntorch keeps the step's membrane (before its delayed reset) in .mem
+        theirs.append(o.detach())
+        mems.append(m_.mem.detach())
+
+    for m in (net[2], net[5]):
+        m.register_forward_hook(keep)
+    snntorch.utils.reset(net)
+    with torch.no_grad():
+        for t in range(6):
+            net(x[t])
+    got = _spike_recorder(ours)
+    with torch.no_grad():
+        out = ours(x)
+    assert 0.05 < ref.mean() < 0.95
+    ref_layers = [(torch.stack(theirs[i::2]), torch.stack(mems[i::2]), thr) for i, thr in enumerate((1.0, 0.5))]
+    steps = _compared_steps(ref_layers, got)  # snntorch: conv on B rows per step and `mem > thr`; see TIE
+    assert torch.equal(out[steps], ref[steps])
+
+
+def test_spikingjelly_conv_net_exports_and_round_trips(tmp_path: Path) -> None:
+    pytest.importorskip("spikingjelly.activation_based")
+    from spikingjelly.activation_based import functional, layer, neuron
+
+    torch.manual_seed(0)
+    net = nn.Sequential(layer.Conv2d(2, 4, 3, padding=1), neuron.LIFNode(tau=2.0), layer.AvgPool2d(2), layer.Flatten(),
+                        layer.Linear(64, 5), neuron.IFNode(v_threshold=0.5),
+                        layer.Linear(5, 3), neuron.ParametricLIFNode(init_tau=3.0, decay_input=False))
+    with torch.no_grad():
+        for p in net.parameters():
+            p.mul_(3.0)
+    functional.set_step_mode(net, "m")
+    x = (torch.rand(6, 3, 2, 8, 8) > 0.5).float()
+    graph = efficient.export.to_nir(net, x, dt=1e-3)
+    _typed(graph)
+    assert {type(n).__name__ for n in graph.nodes.values()} >= {"Conv2d", "AvgPool2d", "Flatten", "LIF", "IF", "Affine"}
+    write_nir(graph, tmp_path / "sj.nir")
+    functional.reset_net(net)
+    with torch.no_grad():
+        ref = net(x)
+    assert 0.02 < ref.mean() < 0.98
+    assert torch.equal(efficient.load(tmp_path / "sj.nir")(x), ref)  # the same charge, the same [T*B] layers
+
+
+def test_peer_neurons_without_nir_form_name_the_layer() -> None:
+    pytest.importorskip("snntorch")
+    x = torch.rand(2, 2, 8, 8)
+    with pytest.raises(ConfigError, match=r"2 \(snntorch Leaky\): reset_mechanism='subtract' has no NIR form.*'zero'"):
+        efficient.export.to_nir(_snntorch_conv(reset="subtract"), x)
+    from spikingjelly.activation_based import functional, layer, neuron
+
+    sj = nn.Sequential(layer.Linear(4, 3), neuron.LIFNode(v_reset=None))
+    functional.set_step_mode(sj, "m")
+    with pytest.raises(ConfigError, match=r"1 \(spikingjelly LIFNode\): soft reset"):
+        efficient.export.to_nir(sj, torch.rand(3, 2, 4))
+    with pytest.raises(ConfigError, match=r"\[T, B, \.\.\.\] \(multi-step spikingjelly\)"):
+        efficient.export.to_nir(sj, torch.rand(4))
+
+
+SJ_NET_PY = '''
+import torch
+from torch import nn
+from spikingjelly.activation_based import functional, layer, neuron
+
+def build():
+    net = nn.Sequential(layer.Conv2d(2, 4, 3, padding=1), neuron.LIFNode(tau=2.0, decay_input=False), layer.AvgPool2d(2),
+                        layer.Flatten(), layer.Linear(64, 5), neuron.LIFNode(tau=2.0, decay_input=False))
+    functional.set_step_mode(net, "m")
+    return net
+'''
+
+
+def test_cli_exports_a_model_in_a_python_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("spikingjelly.activation_based")
+    from efficient.cli import main
+    from efficient.io import atomic_path  # noqa: F401  (the CLI writes atomically; nothing to clean up)
+
+    (tmp_path / "net.py").write_text(SJ_NET_PY)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("net_ref", tmp_path / "net.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    torch.manual_seed(0)
+    ref_net = mod.build()
+    with torch.no_grad():
+        for p in ref_net.parameters():
+            p.mul_(3.0)
+    torch.save(ref_net.state_dict(), tmp_path / "w.pt")
+    out = tmp_path / "net.nir"
+    assert main(["export", f"{tmp_path / 'net.py'}:build", "--input-shape", "4,1,2,8,8", "--weights", str(tmp_path / "w.pt"),
+                 "--to", "nir", str(out)]) == 0
+    assert "net.nir: 8 nodes (2 spiking)" in capsys.readouterr().out
+    x = (torch.rand(5, 3, 2, 8, 8) > 0.5).float()
+    with torch.no_grad():
+        ref = ref_net(x)
+    assert ref.mean() > 0.02 and torch.equal(efficient.load(out)(x), ref)
+    assert main(["import", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "input [2, 8, 8] -> output [5]" in printed and "LIF(tau=2.0" in printed, printed
+    assert main(["export", f"{tmp_path / 'net.py'}:nothing", "--input-shape", "1,2", "--to", "nir", str(out)]) == 2
+    assert "defines no 'nothing'" in capsys.readouterr().err
+    assert main(["export", f"{tmp_path / 'net.py'}:build", "--input-shape", "4,x", "--to", "nir", str(out)]) == 2
+    assert "--input-shape as positive integers" in capsys.readouterr().err
+
+
+def _write_graph(path: Path, nodes: dict, edges: list) -> Path:
+    nir.write(path, nir.NIRGraph(nodes=nodes, edges=edges, metadata={}, type_check=False))
+    return path
+
+
+def test_cli_import_bad_graphs_are_messages(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Unsupported nodes, recurrent edges, shape mismatches, damaged files: one line on stderr, exit 2, no traceback."""
+    from efficient.cli import main
+
+    n = 3
+    inp, out = nir.Input(input_type={"input": np.array([n])}), nir.Output(output_type={"output": np.array([n])})
+    lif = nir.LIF(tau=np.full(n, 2e-4), r=np.ones(n), v_leak=np.zeros(n), v_threshold=np.ones(n))
+    cuba = nir.CubaLIF(tau_syn=np.ones(n), tau_mem=np.ones(n), r=np.ones(n), v_leak=np.zeros(n), v_threshold=np.ones(n))
+    cases = {
+        "cuba.nir": ({"input": inp, "syn": cuba, "output": out}, [("input", "syn"), ("syn", "output")],
+                     r"cuba\.nir: the graph uses nodes efficient cannot run: 'syn' \(CubaLIF: .*synaptic current"),
+        "rnn.nir": ({"input": inp, "lif": lif, "w": nir.Linear(weight=np.eye(n)), "output": out},
+                    [("input", "lif"), ("lif", "w"), ("w", "lif"), ("lif", "output")], r"rnn\.nir: the graph is recurrent"),
+        "shape.nir": ({"input": nir.Input(input_type={"input": np.array([4])}), "fc1": nir.Affine(weight=np.ones((6, 4)), bias=np.zeros(6)),
+                       "fc2": nir.Affine(weight=np.ones((3, 5)), bias=np.zeros(3)), "output": out},
+                      [("input", "fc1"), ("fc1", "fc2"), ("fc2", "output")], r"shape\.nir: the NIR graph cannot be read .*fc1.*fc2.*do not chain"),
+        "conv.nir": ({"input": nir.Input(input_type={"input": np.array([1, 4, 4])}),
+                      "conv": nir.Conv2d(input_shape=np.array([4, 4]), weight=np.ones((2, 3, 3, 3)), stride=1, padding=1, dilation=1, groups=1, bias=np.zeros(2)),
+                      "output": out}, [("input", "conv"), ("conv", "output")],
+                     r"conv\.nir: the NIR graph cannot be read .*\[\[1 4 4\]\] -> conv\.input: \[\[3 4 4\]\].*do not chain"),
+    }
+    for name, (nodes, edges, message) in cases.items():
+        _write_graph(tmp_path / name, nodes, edges)
+        assert main(["import", str(tmp_path / name)]) == 2, name
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and err.startswith("error: "), err
+        assert __import__("re").search(message, err, __import__("re").S), (name, err)
+    (tmp_path / "zip.nir").write_bytes(b"PK\x03\x04 not hdf5")
+    assert main(["import", str(tmp_path / "zip.nir")]) == 2
+    assert "zip.nir: not a NIR file" in capsys.readouterr().err
+    assert main(["export", "stable-snn-digits", "neuron=lif", "--to", "nir", str(tmp_path / "bad.txt")]) == 2
+    assert "NIR graphs are written to a .nir file" in capsys.readouterr().err

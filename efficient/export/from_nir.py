@@ -53,6 +53,10 @@ def read_nir(path: str | Path):
     except ArtifactError:
         raise
     except Exception as e:  # h5py / nir raise OSError, KeyError, ValueError, AssertionError ... for damaged files
+        if "type mismatch" in str(e) or "Type inference" in str(e):  # nir.read's own type check of the edges
+            raise ArtifactError(f"{p}: the NIR graph cannot be read ({type(e).__name__}: {e}); the shapes of the nodes "
+                                "named there do not chain, so the graph's producer wrote it inconsistently. Export it "
+                                "again with shapes that match.") from None
         raise ArtifactError(f"{p}: the NIR graph cannot be read ({type(e).__name__}: {e}); the file is damaged or "
                             "written by an incompatible NIR version. Export it again.") from None
     if not isinstance(graph, nir.NIRGraph):
