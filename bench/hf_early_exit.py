@@ -1,6 +1,6 @@
 """Early exits on a transformers causal LM: our decoding against transformers', same weights, same prompts.
 
-    python bench/hf_early_exit.py --model runs/layerskip/checkpoint/hf --prompts 20 --new-tokens 128 --batch 1 --out hf_ee.json
+    python bench/hf_early_exit.py --model CHECKPOINT_DIR --prompts 20 --new-tokens 128 --batch 1 --out hf_ee.json
     python bench/hf_early_exit.py --random --prompts 2 --new-tokens 16 --batch 2 --out smoke.json   # smoke run, nothing to conclude
 
 `--model DIR`: a transformers checkpoint directory; with `early_exit.json` beside it (written by

@@ -43,6 +43,14 @@ def _qwen2(seed=0):
     return _damp(m)
 
 
+def _mistral(seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.MistralConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=N, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=32, max_position_embeddings=128, initializer_range=0.2,
+                                     sliding_window=64, eos_token_id=None, bos_token_id=None, pad_token_id=0)
+    return _damp(transformers.MistralForCausalLM(cfg).eval())
+
+
 def _gpt2(seed=0):
     torch.manual_seed(seed)
     cfg = transformers.GPT2Config(vocab_size=V, n_embd=64, n_layer=N, n_head=4, n_positions=128, initializer_range=0.2,
@@ -65,7 +73,7 @@ def _damp(m, k=2, f=0.1):
     return m
 
 
-FAMILIES = {"llama-gqa": _llama, "qwen2": _qwen2, "gpt2": _gpt2}
+FAMILIES = {"llama-gqa": _llama, "qwen2": _qwen2, "mistral": _mistral, "gpt2": _gpt2}
 
 
 def _prompts(batch: int, seed: int = 1):
