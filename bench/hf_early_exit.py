@@ -26,7 +26,9 @@ or mean exit layer, and for recompute/copy the held-out loss and its increase ov
 teacher-forced on `--loss-windows` windows of `--loss-len` tokens with each position decided by
 the exit rule (exact for recompute, whose deep layers read the full model's keys/values); copy's
 is decoded (forced decoding through its approximate keys/values). Prints a markdown table and
-the targets as PASS/FAIL (speculative >= 1.5x transformers greedy and >= 1.3x its assistant_early_exit, lossless; recompute >= 1.5x greedy at <= +1 % loss; realized >= 80 % of the layer-count ratio); `--out` writes everything as JSON.
+the targets as PASS/FAIL: speculative >= 1.5x transformers greedy and >= 1.3x its best
+assistant_early_exit, lossless; recompute >= 1.5x greedy at <= +1 % loss; realized speed-up
+>= 80 % of the layer-count ratio. `--out` writes everything as JSON.
 """
 
 from __future__ import annotations
