@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from efficient.config import load_recipe, parse_override, parse_yaml, validate
+from efficient.config import load_recipe, load_yaml, parse_override, parse_yaml, validate
 from efficient.errors import ConfigError
 
 RECIPES = sorted(Path(__file__).resolve().parents[1].joinpath("recipes").glob("*.yaml"))
@@ -85,10 +85,18 @@ def test_bad_override_grammar() -> None:
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[p.name for p in RECIPES])
-def test_shipped_recipes_validate(recipe: Path) -> None:
+def test_shipped_recipes_validate(recipe: Path, tmp_path: Path) -> None:
     from efficient.commands.validate import check_recipe
 
-    check_recipe(str(recipe), [])
+    overrides = []
+    if "path" in (load_yaml(recipe).get("model") or {}):
+        # the checkpoint directory is the user's: validate against a tiny one written here
+        transformers = pytest.importorskip("transformers")
+        cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=16, intermediate_size=32, num_hidden_layers=8,
+                                       num_attention_heads=2, num_key_value_heads=1)
+        transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "ckpt")
+        overrides = [f"model.path={tmp_path / 'ckpt'}"]
+    check_recipe(str(recipe), overrides)
 
 
 def test_resolved_config_round_trips(tiny_recipe: Path, tmp_path: Path) -> None:

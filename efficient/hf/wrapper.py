@@ -215,7 +215,12 @@ class EarlyExitLM(nn.Module, TracksProgress):
         if not (d / "config.json").exists():
             raise ArtifactError(f"{d}: not a transformers checkpoint directory (no config.json)")
         saved = read_exit_config(d)
-        model = AutoModelForCausalLM.from_pretrained(d, **hf_kwargs)
+        if _default_device().type == "meta":  # a shape-only build (`efficient validate`): the config, no weights
+            from transformers import AutoConfig
+
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(d), **hf_kwargs)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(d, **hf_kwargs)
         if saved is not None and saved.get("architecture") != type(model).__name__:
             raise ArtifactError(f"{d / CONFIG_FILE}: written for a {saved.get('architecture')}, but the directory holds a {type(model).__name__}")
         if saved is None and exits is None:
@@ -224,7 +229,7 @@ class EarlyExitLM(nn.Module, TracksProgress):
         wrapper = cls(model, exits if exits is not None else saved["exits"], head or saved.get("head", "shared"),
                       layer_dropout if layer_dropout is not None else saved.get("layer_dropout"))
         info = saved.get("heads_file")
-        if wrapper.head == "own" and info:
+        if wrapper.head == "own" and info and _default_device().type != "meta":
             wrapper._load_heads(d / info["name"], info.get("sha256"))
         return wrapper
 
@@ -240,6 +245,11 @@ class EarlyExitLM(nn.Module, TracksProgress):
             part = {n.split(".", 1)[1]: v for n, v in tensors.items() if n.split(".", 1)[0] == k}
             if part:
                 head.load_state_dict(part, strict=True)
+
+
+def _default_device() -> torch.device:
+    """The device new tensors go to (a `with torch.device(...)` block sets it)."""
+    return torch.empty(()).device
 
 
 def read_exit_config(directory: Path) -> dict[str, Any] | None:
