@@ -72,7 +72,7 @@ _CONVENTION_ROWS = (
     ("preset", "convention"), ("formula", "formula"), ("source", "source"), ("classification", "operands"),
     ("integer_operands", "integer operands"), ("real_input_layers", "real-valued input"), ("spike_matmul", "spike x spike"),
     ("first_layer", "first layer"), ("modules_only", "counted ops"), ("firing_rate", "firing rate"), ("timesteps", "T"),
-    ("energy", "energy"), ("flops", "FLOPs"), ("memory_access", "memory access"),
+    ("energy", "op energies"), ("flops", "FLOPs per MAC"), ("memory_access", "memory access"),
 )
 
 
