@@ -21,11 +21,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -219,6 +221,454 @@ def host_costs(rounds: int = 7, calls: int = 200) -> list[dict[str, Any]]:
     return rows
 
 
+# ------------------------------------------------------------------- device steps (bench/gpu.sh)
+#
+#   python bench/step.py --device cuda --sizes cifar imagenet --amp fp32 bf16 --json steps.json
+#   python bench/step.py --device cpu --dry-run --sizes cifar imagenet --amp fp32   (rehearsal: tiny models)
+#
+# A device step is zero_grad + forward (autocast) + cross-entropy + backward + AdamW, the same for every
+# model. Modes: ours eager, `torch.compile` default and reduce-overhead (what `train.compile` applies to
+# the forward: CUDA-graph replay with `cudagraph_mark_step_begin` per step, the loss cloned out of the
+# graph's memory); spikingjelly's Spikformer eager, compiled, and replayed by its own CUDA-graph helper
+# (`activation_based._cuda_graph.StaticCudaGraph` over forward + loss + backward, as its trainer does).
+# Each (model, amp) is one process. A wave (one image size) compiles and checks all its processes at
+# once, then times them one after the other: every compiled or replayed mode must give the eager loss
+# and gradients within a tolerance at the same weights and batch before it is timed.
+
+STEP_SIZES: dict[str, dict[str, Any]] = {
+    "cifar": {"batch": 64, "img": 32, "classes": 10, "models": ["spikformer-4-384", "spikformer-stata"], "peer": True},
+    "imagenet": {"batch": 32, "img": 224, "classes": 1000, "models": ["spikformer-8-512", "spikformer-8-512-stata"],
+                 "peer": False},
+}
+# --dry-run: the same models at toy width on small images (the code paths, not the numbers)
+DRY_STEP = {"cifar": {"batch": 2, "img": 32, "kw": {"embed_dim": 32, "num_heads": 2}},
+            "imagenet": {"batch": 2, "img": 64, "kw": {"embed_dim": 32, "num_heads": 2, "img_size": 64}}}
+OUR_MODES = ("eager", "default", "reduce-overhead")
+PEER_MODES = ("eager", "default", "cudagraph")
+# compiled/graph vs eager, same weights and batch: |loss difference| / |loss| and the gradient
+# difference's L2 norm over the eager gradients' (all parameters as one vector). A spike that flips
+# at its threshold under a reordered sum moves a few gradient entries; a wrong graph moves them all.
+CHECK_TOL = {"fp32": (1e-4, 2e-3), "bf16": (2e-2, 5e-2), "fp16": (2e-2, 5e-2)}
+READY = "READY "
+
+
+def _amp_ctx(device: torch.device, amp: str):
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak_reset(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak(device: torch.device) -> int | None:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+class DeviceStep:
+    """One model, one batch, one amp: a step callable per mode, checks against eager, timing."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec, self.dev, self.amp = spec, torch.device(spec["device"]), spec["amp"]
+        size = STEP_SIZES[spec["size"]]
+        dry = DRY_STEP[spec["size"]] if spec["dry"] else None
+        B, img = (dry["batch"], dry["img"]) if dry else (size["batch"], size["img"])
+        g = torch.Generator().manual_seed(0)
+        x = torch.rand(B, 3, img, img, generator=g)
+        y = torch.randint(0, size["classes"], (B,), generator=g)
+        torch.manual_seed(0)
+        self.peer = spec["model"] == "spikingjelly"
+        self.info: dict[str, Any] = {"batch": B, "img": img}
+        if self.peer:
+            from spikingjelly.activation_based import functional
+            from spikingjelly.activation_based.model.spikformer import Spikformer, spikformer_cifar10
+
+            self.reset = functional.reset_net
+            if dry:
+                self.model = Spikformer(T=4, img_size_h=img, img_size_w=img, patch_size=4, num_classes=size["classes"],
+                                        embed_dims=dry["kw"]["embed_dim"], num_heads=2, depths=4)
+            else:
+                self.model = spikformer_cifar10(T=4, num_classes=size["classes"])
+        else:
+            from efficient.zoo import create
+
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from stata import macs
+
+            self.reset = None
+            # built as stata.py builds it: at the final keep ratio (no warm-up told)
+            self.model = create(spec["model"], **(dry["kw"] if dry else {}))
+            m, b = macs(self.model.train(), x[:1])  # counted on the CPU before the move
+            self.info.update(macs=m, block_macs=b)
+        self.model = self.model.train().to(self.dev)
+        self.info["params_m"] = sum(p.numel() for p in self.model.parameters()) / 1e6
+        self.x, self.y = x.to(self.dev), y.to(self.dev)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.steps: dict[str, Callable[[], torch.Tensor]] = {}
+
+    # a step without the optimizer: zero_grad, forward, loss, backward; returns the loss (outliving a replay)
+    def _loss(self, fwd) -> torch.Tensor:
+        with _amp_ctx(self.dev, self.amp):
+            out = fwd(self.x)
+        if out.dim() == 3:  # spikingjelly's Spikformer: per-step logits [T, B, classes]
+            out = out.mean(0)
+        return F.cross_entropy(out.float(), self.y)
+
+    def make(self, mode: str) -> Callable[[], torch.Tensor]:
+        model = self.model
+        if mode == "eager" or mode == "default":
+            fwd = model if mode == "eager" else torch.compile(model)
+
+            def step() -> torch.Tensor:
+                for p in self.params:
+                    p.grad = None
+                loss = self._loss(fwd)
+                loss.backward()
+                if self.reset is not None:
+                    self.reset(model)
+                return loss.detach()
+        elif mode == "reduce-overhead":
+            fwd = torch.compile(model, mode="reduce-overhead")
+
+            def step() -> torch.Tensor:
+                torch.compiler.cudagraph_mark_step_begin()  # the previous replay's outputs may be overwritten now
+                for p in self.params:
+                    p.grad = None
+                loss = self._loss(fwd)
+                loss.backward()
+                return loss.detach().clone()
+        elif mode == "cudagraph":
+            if self.dev.type != "cuda":
+                raise RuntimeError("spikingjelly's StaticCudaGraph needs a CUDA device")
+            from spikingjelly.activation_based._cuda_graph import StaticCudaGraph, validate_cuda_graph_model
+
+            validate_cuda_graph_model(model)
+
+            def fwd_bwd(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+                with _amp_ctx(self.dev, self.amp):
+                    out = model(x)
+                loss = F.cross_entropy((out.mean(0) if out.dim() == 3 else out).float(), y)
+                loss.backward()
+                return loss
+
+            graph = StaticCudaGraph(fwd_bwd, warmup_steps=3)
+            captured: list[torch.Tensor] = []  # the gradient tensors the captured backward accumulates into
+
+            def step() -> torch.Tensor:
+                if captured:  # another mode may have replaced .grad since: point it back at the graph's tensors
+                    for p, g in zip(self.params, captured):
+                        p.grad = g
+                for p in self.params:  # its trainer zeroes in place: the graph accumulates into fixed tensors
+                    if p.grad is not None:
+                        p.grad.zero_()
+                loss = graph(self.x, self.y)
+                if graph._graph is not None and not captured:
+                    captured.extend(p.grad for p in self.params)
+                self.reset(model)
+                return loss.detach().clone()
+        else:
+            raise ValueError(f"unknown mode {mode!r}")
+        self.steps[mode] = step
+        return step
+
+    def grads(self) -> list[torch.Tensor]:
+        return [torch.zeros_like(p) if p.grad is None else p.grad.detach().float().clone() for p in self.params]
+
+    def prepare(self, modes: list[str]) -> dict[str, Any]:
+        """Compile and warm every mode, check each against eager; peak memory of each mode's first steps."""
+        out: dict[str, Any] = {}
+        ref_loss = ref_g = None
+        for mode in modes:
+            row: dict[str, Any] = {}
+            out[mode] = row
+            try:
+                step = self.make(mode)
+                if self.dev.type == "cuda":
+                    torch.cuda.empty_cache()
+                _peak_reset(self.dev)
+                counters = torch._dynamo.utils.counters
+                graphs0, skips0 = counters["stats"]["unique_graphs"], counters["inductor"]["cudagraph_skips"]
+                t0 = time.perf_counter()
+                for _ in range(1 if mode == "eager" else 3):  # compile, CUDA-graph warm-up and capture
+                    step()
+                _sync(self.dev)
+                row["warmup_s"] = time.perf_counter() - t0
+                if mode in ("default", "reduce-overhead"):  # graphs compiled (1 = no graph break); CUDA graphs refused
+                    row["graphs"] = counters["stats"]["unique_graphs"] - graphs0
+                    row["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"] - skips0
+                loss = step()  # the checked step (a replay in the graph modes)
+                _sync(self.dev)
+                row["peak_bytes"] = _peak(self.dev)
+                g = self.grads()
+                row["loss"] = float(loss)
+                if mode == "eager":
+                    ref_loss, ref_g = float(loss), g
+                    row["checked"] = "reference"
+                    continue
+                if ref_g is None:
+                    raise RuntimeError("no eager reference to check against")
+                num = sum(float((a - b).double().pow(2).sum()) for a, b in zip(g, ref_g))
+                den = sum(float(b.double().pow(2).sum()) for b in ref_g)
+                row["loss_rel"] = abs(float(loss) - ref_loss) / max(abs(ref_loss), 1e-12)
+                row["grad_rel"] = math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
+                tl, tg = CHECK_TOL[self.amp]
+                row["checked"] = "match" if row["loss_rel"] <= tl and row["grad_rel"] <= tg else "MISMATCH"
+                del g
+            except Exception as e:  # reported: a mode that cannot run is a failure of this part, not a crash of the rest
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            finally:
+                for p in self.params:
+                    p.grad = None
+        if self.dev.type == "cuda":
+            torch.cuda.empty_cache()
+        return out
+
+    def time(self, modes: list[str], steps: int, warmup: int) -> dict[str, dict[str, float]]:
+        """Median step ms per mode with AdamW, modes interleaved step by step in rotating order."""
+        opt = torch.optim.AdamW(self.params, lr=1e-5)
+        fns = {m: self.steps[m] for m in modes}
+        times: dict[str, list[float]] = {m: [] for m in modes}
+        for i in range(warmup + steps):
+            for m in modes[i % len(modes):] + modes[: i % len(modes)]:
+                _sync(self.dev)
+                t0 = time.perf_counter()
+                if m == "cudagraph":  # its trainer keeps the gradient tensors the graph writes into
+                    opt.zero_grad(set_to_none=False)
+                fns[m]()
+                opt.step()
+                _sync(self.dev)
+                if i >= warmup:
+                    times[m].append(time.perf_counter() - t0)
+        return {m: {"step_ms": 1e3 * statistics.median(v), "min_ms": 1e3 * min(v)} for m, v in times.items()}
+
+
+def gpu_child(spec: dict[str, Any]) -> int:
+    """One (model, amp): prepare, print READY, wait for a line on stdin, time, print RESULT."""
+    warnings.simplefilter("ignore")
+    t0 = time.perf_counter()
+    try:
+        bench = DeviceStep(spec)
+        checks = bench.prepare(spec["modes"])
+    except Exception as e:
+        print(READY + json.dumps({"error": f"{type(e).__name__}: {str(e)[:300]}"}), flush=True)
+        return 1
+    print(READY + json.dumps({"info": bench.info, "modes": checks, "prepare_s": time.perf_counter() - t0}), flush=True)
+    if not sys.stdin.readline().strip():
+        return 0  # the parent closed the pipe: no timing slot
+    ok = [m for m in spec["modes"] if checks[m].get("checked") in ("reference", "match")]
+    res = bench.time(ok, spec["steps"], spec["warmup"]) if ok else {}
+    print(RESULT + json.dumps(res), flush=True)
+    return 0
+
+
+def _wait_pids(path: str | None, max_s: float) -> None:
+    """Wait (at most max_s) until no process listed in `path` is alive: they share the device."""
+    if not path or not os.path.exists(path):
+        return
+    pids = [int(p) for p in Path(path).read_text().split() if p.strip().isdigit()]
+    t0 = time.perf_counter()
+    def alive(p: int) -> bool:
+        try:
+            os.kill(p, 0)
+            return True
+        except OSError:
+            return False
+    while any(alive(p) for p in pids) and time.perf_counter() - t0 < max_s:
+        time.sleep(0.5)
+    waited = time.perf_counter() - t0
+    if waited > 1:
+        print(f"# waited {waited:.0f} s for processes {pids} sharing the device before timing", flush=True)
+
+
+def _run_wave(jobs: list[dict[str, Any]], args: argparse.Namespace, deadline: float) -> list[dict[str, Any]]:
+    env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": str(max(2, (os.cpu_count() or 2) // max(1, len(jobs))))}
+    procs = []
+    for job in jobs:
+        cmd = [sys.executable, os.path.abspath(__file__), "--gpu-child", json.dumps(job)]
+        procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    # stderr drained in threads: a full pipe would stall a child
+    errs: list[list[str]] = [[] for _ in procs]
+    def drain(i: int) -> None:
+        for line in procs[i].stderr:  # type: ignore[union-attr]
+            errs[i].append(line)
+            del errs[i][:-20]
+    threads = [threading.Thread(target=drain, args=(i,), daemon=True) for i in range(len(procs))]
+    for t in threads:
+        t.start()
+
+    def read_tagged(p: subprocess.Popen, tag: str, until: float) -> dict[str, Any] | None:
+        box: list[str] = []
+        def reader() -> None:
+            for line in p.stdout:  # type: ignore[union-attr]
+                if line.startswith(tag):
+                    box.append(line[len(tag):])
+                    return
+        th = threading.Thread(target=reader, daemon=True)
+        th.start()
+        th.join(max(1.0, until - time.perf_counter()))
+        return json.loads(box[0]) if box else None
+
+    prep_until = min(deadline, time.perf_counter() + args.prepare_s)
+    results = []
+    for job, p, e in zip(jobs, procs, errs):
+        r = read_tagged(p, READY, prep_until) or {"error": f"not ready in time or exited ({''.join(e[-3:]).strip()[-300:]})"}
+        results.append({**job, **r})
+        state = "ready" if "error" not in r else f"failed: {r['error']}"
+        print(f"#   {job['model']} {job['amp']}: {state}" + (f" after {r['prepare_s']:.0f} s" if "prepare_s" in r else ""), flush=True)
+    _wait_pids(args.wait_pids, max(0.0, deadline - time.perf_counter()))
+    for res, p, e in zip(results, procs, errs):
+        if "error" in res or p.poll() is not None or time.perf_counter() > deadline - 5:
+            if "error" not in res:
+                res["error"] = "no time left to time it"
+            p.kill()
+            continue
+        p.stdin.write("go\n")  # type: ignore[union-attr]
+        p.stdin.flush()  # type: ignore[union-attr]
+        r = read_tagged(p, RESULT, min(deadline, time.perf_counter() + args.time_s))
+        if r is None:
+            res["error"] = f"timing did not finish ({''.join(e[-3:]).strip()[-300:]})"
+            p.kill()
+        else:
+            for mode, t in r.items():
+                res["modes"][mode].update(t)
+        print(f"#   {res['model']} {res['amp']}: timed", flush=True)
+    for p in procs:
+        try:
+            p.stdin.close()  # type: ignore[union-attr]
+        except OSError:
+            pass
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    return results
+
+
+def _best(res: dict[str, Any]) -> tuple[str, float] | None:
+    timed = [(m, r["step_ms"]) for m, r in res.get("modes", {}).items() if "step_ms" in r]
+    return min(timed, key=lambda t: t[1]) if timed else None
+
+
+def device_targets(results: list[dict[str, Any]]) -> bool:
+    """The step targets as PASS/FAIL lines; False when a target cannot be evaluated or fails."""
+    ok = True
+    by = {(r["size"], r["model"], r["amp"]): r for r in results}
+    def line(text: str, good: bool | None) -> None:
+        nonlocal ok
+        ok &= bool(good)
+        print(f"target {text} {'PASS' if good else 'FAIL' if good is not None else 'FAIL (not measured)'}")
+    ours_c, sj_c = by.get(("cifar", "spikformer-4-384", "fp32")), by.get(("cifar", "spikingjelly", "fp32"))
+    bo, bs = (_best(ours_c) if ours_c else None), (_best(sj_c) if sj_c else None)
+    if bo and bs:
+        line(f"CIFAR b64 fp32 step >= 1.5x spikingjelly's best mode: ours {bo[0]} {bo[1]:.2f} ms, spikingjelly {bs[0]} "
+             f"{bs[1]:.2f} ms: {bs[1] / bo[1]:.2f}x", bs[1] / bo[1] >= 1.5)
+    else:
+        line("CIFAR b64 fp32 step >= 1.5x spikingjelly's best mode", None)
+    for size, s in STEP_SIZES.items():
+        dense, stata = s["models"]
+        for amp in ("fp32", "bf16"):
+            d, st = by.get((size, dense, amp)), by.get((size, stata, amp))
+            if d is None and st is None:
+                continue
+            bd, bst = (_best(d) if d else None), (_best(st) if st else None)
+            if not (bd and bst and "macs" in d.get("info", {}) and "macs" in st.get("info", {})):
+                line(f"STATA >= 90% of its ideal speed-up ({size} {amp})", None)
+                continue
+            ideal = d["info"]["macs"] / st["info"]["macs"]
+            real = bd[1] / bst[1]
+            line(f"STATA >= 90% of its ideal speed-up ({size} {amp}, best modes {bd[0]} / {bst[0]}): {real:.2f}x of ideal "
+                 f"{ideal:.2f}x = {real / ideal:.0%}", real / ideal >= 0.9)
+    for size, s in STEP_SIZES.items():
+        for model in s["models"]:
+            f32, b16 = by.get((size, model, "fp32")), by.get((size, model, "bf16"))
+            if f32 is None or b16 is None:
+                continue
+            bf, bb = _best(f32), _best(b16)
+            if bf and bb:
+                line(f"bf16 not slower than fp32 ({size} {model}, best modes): bf16 {bb[1]:.2f} ms vs fp32 {bf[1]:.2f} ms",
+                     bb[1] <= bf[1])
+            else:
+                line(f"bf16 not slower than fp32 ({size} {model})", None)
+    return ok
+
+
+def device_main(args: argparse.Namespace) -> int:
+    t_start = time.perf_counter()
+    deadline = t_start + args.budget_s
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device visible")
+        return 1
+    try:
+        from importlib.metadata import version
+        sj = version("spikingjelly")
+    except Exception:
+        sj = None
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.machine()
+    print(f"# bench/step.py --device {args.device} -- {datetime.date.today()}, {name}, torch {torch.__version__}, "
+          f"spikingjelly {sj or 'not installed'}{' (dry run: toy widths)' if args.dry_run else ''}")
+    results: list[dict[str, Any]] = []
+    failed = False
+    for size in args.sizes:
+        s = STEP_SIZES[size]
+        models = list(s["models"]) + (["spikingjelly"] if s["peer"] and not args.no_peer else [])
+        if "spikingjelly" in models and sj is None:
+            print("# spikingjelly not installed: its rows are not measured")
+            models.remove("spikingjelly")
+        jobs = [{"size": size, "model": m, "amp": amp, "device": args.device, "dry": args.dry_run, "steps": args.steps,
+                 "warmup": args.warmup,
+                 "modes": [md for md in (PEER_MODES if m == "spikingjelly" else OUR_MODES)
+                           if not (args.dry_run and md == "cudagraph")]}
+                for amp in args.amp for m in models]
+        if time.perf_counter() > deadline - 30:
+            print(f"# {size}: skipped, the part's budget is spent")
+            failed = True
+            continue
+        print(f"# {size}: {len(jobs)} processes compile and check at once, then time one after the other", flush=True)
+        results += _run_wave(jobs, args, deadline)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"device": name, "torch": torch.__version__, "spikingjelly": sj,
+                                                   "results": results}, indent=1, default=str))
+    print("\n## training step on the device (zero_grad + forward + CE + backward + AdamW), median ms\n")
+    print("| size | model | amp | mode | check vs eager (loss rel, grad rel) | peak MiB (first steps) | step ms | warm-up s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        if "error" in r and "modes" not in r:
+            print(f"| {r['size']} | {r['model']} | {r['amp']} | | {r['error']} | | | |")
+            failed = True
+            continue
+        for mode, m in r["modes"].items():
+            if "error" in m:
+                chk = m["error"]
+            elif m.get("checked") == "reference":
+                chk = "reference"
+            else:
+                chk = f"{m['checked']} ({m['loss_rel']:.1e}, {m['grad_rel']:.1e})"
+            failed |= "error" in m or m.get("checked") == "MISMATCH" or "step_ms" not in m
+            peak = f"{m['peak_bytes'] / 2**20:,.0f}" if m.get("peak_bytes") is not None else "n/a"
+            st = f"{m['step_ms']:.2f}" if "step_ms" in m else r.get("error", "not timed")
+            ws = f"{m['warmup_s']:.1f}" if "warmup_s" in m else ""
+            print(f"| {r['size']} | {r['model']} | {r['amp']} | {mode} | {chk} | {peak} | {st} | {ws} |")
+    for size in args.sizes:
+        info = {r["model"]: r.get("info", {}) for r in results if r["size"] == size and r["amp"] == args.amp[0]}
+        dense, stata = STEP_SIZES[size]["models"]
+        if "macs" in info.get(dense, {}) and "macs" in info.get(stata, {}):
+            print(f"\n{size}: ideal STATA speed-up (profiler MACs, whole step) {info[dense]['macs'] / info[stata]['macs']:.2f}x")
+    met = device_targets(results) if not args.dry_run else True
+    if args.dry_run:  # toy widths: the targets' lines are printed for the rehearsal, not judged
+        device_targets(results)
+    print(f"\n# step part: {time.perf_counter() - t_start:.0f} s; checks {'FAILED' if failed else 'passed'}; "
+          f"targets {'met' if met else 'not all met (see target lines)'}")
+    return 1 if failed else 0
+
+
 def _load() -> str:
     try:
         return os.getloadavg().__repr__()
@@ -235,8 +685,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--no-host", action="store_true")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    dv = ap.add_argument_group("device steps (bench/gpu.sh): eager / compiled / CUDA-graph steps, fp32 and bf16")
+    dv.add_argument("--device", default="cpu", help="cuda: the device steps; cpu (default): the host-cost tables above")
+    dv.add_argument("--dry-run", action="store_true", help="the device steps on this CPU at toy widths (rehearsal)")
+    dv.add_argument("--sizes", nargs="+", default=list(STEP_SIZES), choices=list(STEP_SIZES))
+    dv.add_argument("--amp", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16", "fp16"])
+    dv.add_argument("--steps", type=int, default=15, help="timed steps per mode (after --warmup)")
+    dv.add_argument("--warmup", type=int, default=2, help="untimed steps per mode before timing (compiled already)")
+    dv.add_argument("--budget-s", type=float, default=600.0, help="the whole device part; what does not fit is skipped")
+    dv.add_argument("--prepare-s", type=float, default=240.0, help="per wave: compile and check")
+    dv.add_argument("--time-s", type=float, default=90.0, help="per process: timing")
+    dv.add_argument("--wait-pids", default=None, help="file of process ids sharing the device: time only once they are gone")
+    dv.add_argument("--json", default=None)
+    dv.add_argument("--gpu-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     warnings.simplefilter("ignore")
+    if args.gpu_child:
+        return gpu_child(json.loads(args.gpu_child))
+    if args.device != "cpu" or args.dry_run:
+        return device_main(args)
     torch.set_num_threads(os.cpu_count() or 1)
     if args.child:  # one model in this fresh process: no compiled kernels, caches or threads of another
         build = (lambda: _spikingjelly(args.batch)) if args.child == PEER else (lambda: _ours(args.child, args.batch))
