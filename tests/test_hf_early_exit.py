@@ -300,8 +300,11 @@ def test_no_curriculum_keeps_the_ramp() -> None:
 # --------------------------------------------------------------------------- profiler and training
 
 
-def test_profiler_counts_each_exit() -> None:
-    ee = early_exit(tiny("llama", torch.float32, _attn_implementation="eager"), exits=[1, 2])
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_profiler_counts_each_exit(attn: str) -> None:
+    # eager runs Q K^T and P V as matmuls over repeated KV heads; sdpa is one fused call that gets
+    # the grouped KV heads themselves: both must give the same count
+    ee = early_exit(tiny("llama", torch.float32, _attn_implementation=attn), exits=[1, 2])
     x = ids(b=2)
     rep = efficient.profile(ee, inputs=x)
     per = rep.exits["per_exit"]

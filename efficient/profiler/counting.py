@@ -432,6 +432,9 @@ def _sdpa(ctx: _Ctx, acc: LayerAcc, args: tuple, kwargs: dict, out: Any) -> None
     # Fused softmax attention: Q K^T classified by its operands; P V with P real-valued (softmax),
     # so V's spikes drive it when V is binary.
     q, k, v = args[0], args[1], args[2]
+    if q.dim() >= 3 and k.shape[-3] != q.shape[-3]:  # grouped KV heads (GQA): each serves Hq / Hkv query heads
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
     *lead, lq, e = q.shape
     s = k.shape[-2]
     ev = v.shape[-1]
