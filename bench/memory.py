@@ -554,6 +554,276 @@ def _load() -> str:
         return "n/a"
 
 
+# ----------------------------------------------------------------------------- on a CUDA device (bench/gpu.sh)
+#
+#   python bench/memory.py --device cuda --json memory_cuda.json      (about a minute on an H200)
+#   python bench/memory.py --device cpu --dry-run                      (rehearsal: batch 2, the same code)
+#
+# Per architecture at batch 64, T=4: our levels none / bits / recompute in one process (the level
+# switched on the same model), spikingjelly plain and memopt levels 1-4 in another (a fresh copy of
+# the plain model per level). Levels 2-4 search split points by measuring peak CUDA memory (spatial
+# splits need a split function, given for the Spikformer from spikingjelly's own builder; temporal
+# splits a chunk predicate; level 4 unwraps greedily); a search that passes --search-s is stopped and
+# its row says so. Every level is checked against its plain model first (loss and gradients at the
+# same weights and batch, tolerance below); then one step's peak above what was allocated before it
+# (`torch.cuda.max_memory_allocated`; weights, and no gradients, before the step) and the median step
+# time (forward + CE + backward, no optimizer).
+
+CUDA_ARCHS = ("spikformer-4-384", "stable-snn-vgg11")
+CUDA_T, CUDA_BATCH, DRY_BATCH = 4, 64, 2
+MEM_TOL = (1e-5, 1e-4)  # |loss difference| / |loss|, gradient-difference L2 / gradient L2 (all parameters)
+
+
+class SearchTimeout(BaseException):
+    """Raised by the alarm inside a memopt search; a BaseException so that memopt's own per-trial
+    `except Exception` does not swallow it."""
+
+
+def _dev_sync(dev) -> None:
+    import torch
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _dev_grads(model) -> list:
+    import torch
+    return [torch.zeros_like(p) if p.grad is None else p.grad.detach().float().clone() for p in model.parameters()]
+
+
+def _compare(loss: float, grads: list, ref: tuple[float, list]) -> dict:
+    num = sum(float((a - b).double().pow(2).sum()) for a, b in zip(grads, ref[1]))
+    den = sum(float(b.double().pow(2).sum()) for b in ref[1])
+    loss_rel = abs(loss - ref[0]) / max(abs(ref[0]), 1e-12)
+    grad_rel = math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
+    return {"loss_rel": loss_rel, "grad_rel": grad_rel, "match": loss_rel <= MEM_TOL[0] and grad_rel <= MEM_TOL[1]}
+
+
+def _dev_measure(model, x, y, dev, steps: int) -> dict:
+    """One step's peak above the memory allocated before it, then the median of `steps` steps."""
+    import torch
+    for p in model.parameters():
+        p.grad = None
+    gc.collect()
+    rec: dict[str, Any] = {}
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize(dev)
+        before = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        train_step(model, x, y)
+        torch.cuda.synchronize(dev)
+        rec.update(step_peak_bytes=torch.cuda.max_memory_allocated(dev) - before, allocated_before=before)
+    times = []
+    for _ in range(steps):
+        _dev_sync(dev)
+        t0 = time.perf_counter()
+        train_step(model, x, y)
+        _dev_sync(dev)
+        times.append(time.perf_counter() - t0)
+    rec["step_ms"] = 1e3 * statistics.median(times)
+    for p in model.parameters():
+        p.grad = None
+    return rec
+
+
+def _dev_inputs(arch: str, spec: dict):
+    import torch
+    x, y = _inputs(arch, spec["batch"], seed=1, img=spec.get("img"))
+    dev = torch.device(spec["device"])
+    return x.to(dev), y.to(dev), dev
+
+
+def run_cuda_ours(spec: dict) -> dict:
+    """Our levels on one model: check each against `none`, then peak and time."""
+    import torch
+    import efficient
+    from efficient import memory
+
+    arch = spec["arch"]
+    x, y, dev = _dev_inputs(arch, spec)
+    torch.manual_seed(0)
+    m = efficient.load(ARCHS[arch].ours, timesteps=spec["T"], **({"img_size": spec["img"]} if spec.get("img") else {}))
+    m = m.train().to(dev)
+    rows, ref = {}, None
+    for level in LEVELS:
+        memory.optimize(m, level)
+        train_step(m, x, y)  # warm-up
+        loss = train_step(m, x, y)
+        g = _dev_grads(m)
+        row: dict[str, Any] = {"loss": loss}
+        if ref is None:
+            ref = (loss, g)
+            row["check"] = "reference"
+        else:
+            c = _compare(loss, g, ref)
+            row.update(c, check="match" if c["match"] else "MISMATCH")
+        del g
+        if row["check"] != "MISMATCH":
+            row.update(_dev_measure(m, x, y, dev, spec["steps"]))
+        rows[level] = row
+    memory.optimize(m, "none")
+    return {"rows": rows, "params": sum(p.numel() for p in m.parameters())}
+
+
+def _memopt_level(model, arch: str, level: int, example, budget_s: float) -> dict:
+    """spikingjelly's memopt at `level` on `model` (on the device); SearchTimeout past budget_s."""
+    import signal
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from spikingjelly.activation_based import memopt, neuron
+
+    if arch.startswith("spikformer"):
+        from spikingjelly.activation_based.model.spikformer import SpikformerBuilder
+        kw = {"split_fn": SpikformerBuilder._memopt_split, "can_chunk": SpikformerBuilder._memopt_can_chunk}
+    else:  # a flat VGG: no sub-units to split spatially; its neurons chunk over time
+        kw = {"can_chunk": lambda mod: isinstance(mod, neuron.BaseNode)}
+
+    def stop(signum, frame):
+        raise SearchTimeout(f"memopt level {level} search passed {budget_s:.0f} s")
+
+    old = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, budget_s)
+    t0 = time.perf_counter()
+    try:
+        memopt.optimize_memory(model, PEERS[arch].targets(), lambda cur: cur(example), level=level, compress=True, **kw)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    wrapped = [w for w in model.modules() if isinstance(w, CheckpointWrapper)]
+    return {"search_s": time.perf_counter() - t0, "checkpointed": len(wrapped)}
+
+
+def run_cuda_sj(spec: dict) -> dict:
+    """spikingjelly plain, then memopt levels 1-4 on fresh copies: check, peak, time."""
+    import copy
+    import torch
+
+    arch = spec["arch"]
+    x, y, dev = _dev_inputs(arch, spec)
+    example = _inputs(arch, MEMOPT_EXAMPLE[0], seed=MEMOPT_EXAMPLE[1], img=spec.get("img"))[0].to(dev)
+    torch.manual_seed(0)
+    plain = _peer_module(arch, spec["T"], _img(arch, spec.get("img"))).train().to(dev)
+    pristine = copy.deepcopy(plain)
+    train_step(plain, x, y)
+    loss = train_step(plain, x, y)
+    ref = (loss, _dev_grads(plain))
+    rows = {"sj": {"loss": loss, "check": "reference", **_dev_measure(plain, x, y, dev, spec["steps"])}}
+    del plain
+    t_end = time.perf_counter() + spec["budget_s"]
+    for level in spec["levels"]:
+        key = f"sj-memopt-L{level}"
+        left = t_end - time.perf_counter()
+        if left < 5:
+            rows[key] = {"check": "skipped", "why": f"the part's budget is spent ({left:.0f} s left)"}
+            continue
+        m = copy.deepcopy(pristine)
+        try:
+            info = _memopt_level(m, arch, level, example, min(spec["search_s"], left - 3))
+        except SearchTimeout as e:
+            rows[key] = {"check": "skipped", "why": str(e)}
+            del m
+            continue
+        except RuntimeError as e:  # levels 2-4 refuse a model off CUDA (the CPU rehearsal)
+            rows[key] = {"check": "skipped", "why": f"{type(e).__name__}: {str(e)[:160]}"}
+            del m
+            continue
+        train_step(m, x, y)
+        loss = train_step(m, x, y)
+        c = _compare(loss, _dev_grads(m), ref)
+        row = {"loss": loss, **info, **c, "check": "match" if c["match"] else "MISMATCH"}
+        if c["match"]:
+            row.update(_dev_measure(m, x, y, dev, spec["steps"]))
+        rows[key] = row
+        del m
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return {"rows": rows}
+
+
+def cuda_main(args) -> int:
+    """The device table: our levels vs spikingjelly memopt, checked, then peak and time; targets."""
+    import torch
+
+    t_start = time.perf_counter()
+    dev = "cpu" if args.dry_run else args.device
+    if dev == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device visible")
+        return 1
+    try:
+        from importlib.metadata import version
+        sj_version = version("spikingjelly")
+    except Exception:
+        sj_version = None
+    name = torch.cuda.get_device_name() if dev == "cuda" else platform.machine()
+    B = DRY_BATCH if args.dry_run else CUDA_BATCH
+    print(f"# bench/memory.py --device {dev} -- {datetime.date.today()}, {name}, torch {torch.__version__}, "
+          f"spikingjelly {sj_version or 'not installed'}, batch {B}, T={CUDA_T}")
+    out: dict[str, Any] = {"device": name, "torch": torch.__version__, "spikingjelly": sj_version, "batch": B, "T": CUDA_T,
+                           "archs": {}}
+    failed = False
+    archs = [a for a in args.archs if a in CUDA_ARCHS] or list(CUDA_ARCHS)
+    for i, arch in enumerate(archs):
+        left = args.budget_s - (time.perf_counter() - t_start)
+        share = left / (len(archs) - i)  # this architecture's share of what is left
+        spec = {"arch": arch, "T": CUDA_T, "batch": B, "device": dev, "steps": args.steps or 5,
+                "img": QUICK_IMG.get(arch) if args.dry_run else None}
+        res: dict[str, Any] = {"ours": _child("cuda_ours", spec, timeout=max(20.0, 0.4 * share))}
+        if sj_version is not None:
+            left = args.budget_s - (time.perf_counter() - t_start)
+            share = left / (len(archs) - i)
+            res["sj"] = _child("cuda_sj", {**spec, "levels": [1, 2, 3, 4], "search_s": args.search_s,
+                                           "budget_s": max(10.0, share - 20)}, timeout=max(20.0, share))
+        out["archs"][arch] = res
+        for k, r in res.items():
+            if "error" in r:
+                print(f"# {arch} {k}: {r['error']}")
+                failed = True
+    print(f"\n## activation memory on the device: one step (forward + CE + backward), batch {B}, T={CUDA_T}\n")
+    print("| architecture | impl | check vs plain (loss rel, grad rel) | step peak MiB above weights | vs ours none | step ms "
+          "| time vs ours none |")
+    print("|---|---|---|---|---|---|---|")
+    for arch, res in out["archs"].items():
+        rows = {**res.get("ours", {}).get("rows", {}), **res.get("sj", {}).get("rows", {})}
+        base = rows.get("none", {})
+        for impl, r in rows.items():
+            chk = r["check"] if r["check"] in ("reference", "skipped") else f"{r['check']} ({r['loss_rel']:.1e}, {r['grad_rel']:.1e})"
+            if r["check"] == "skipped":
+                chk += f": {r['why']}"
+            if r["check"] == "MISMATCH":
+                failed = True
+            pk = r.get("step_peak_bytes")
+            pk_s = _mib(pk) if pk is not None else "n/a"
+            rel = f"{pk / base['step_peak_bytes']:.3f}" if pk is not None and base.get("step_peak_bytes") else ""
+            ms = f"{r['step_ms']:.1f}" if "step_ms" in r else ""
+            tr = f"{r['step_ms'] / base['step_ms']:.2f}" if "step_ms" in r and base.get("step_ms") else ""
+            extra = f" (search {r['search_s']:.1f} s, {r['checkpointed']} checkpointed)" if "search_s" in r else ""
+            print(f"| {arch} | {LABEL.get(impl, impl.replace('sj-memopt-', 'spikingjelly memopt '))}{extra} | {chk} | {pk_s} | "
+                  f"{rel} | {ms} | {tr} |")
+        out["archs"][arch]["targets"] = _cuda_targets(arch, rows, judged=not args.dry_run)
+    if args.json:
+        _write_json(args.json, out)
+    print(f"\n# memory part: {time.perf_counter() - t_start:.0f} s; checks {'FAILED' if failed else 'passed'}")
+    return 1 if failed else 0
+
+
+def _cuda_targets(arch: str, rows: dict, judged: bool) -> dict:
+    """recompute: at most 20 % of none's step peak, at most 1.25x its time, below spikingjelly memopt's best."""
+    none, rec = rows.get("none", {}), rows.get("recompute", {})
+    sj = [r["step_peak_bytes"] for k, r in rows.items() if k.startswith("sj-memopt") and r.get("step_peak_bytes") is not None]
+    if not (none.get("step_peak_bytes") and rec.get("step_peak_bytes") is not None):
+        print(f"target recompute peak <= 20% of none, time <= 1.25x, below spikingjelly memopt's best ({arch}): FAIL (not measured"
+              f"{'' if judged else ': no CUDA peak on a CPU rehearsal'})")
+        return {"met": False}
+    mem = rec["step_peak_bytes"] / none["step_peak_bytes"]
+    tim = rec["step_ms"] / none["step_ms"]
+    best_sj = min(sj) if sj else None
+    ok = mem <= 0.2 and tim <= 1.25 and (best_sj is None or rec["step_peak_bytes"] < best_sj)
+    sj_txt = f"{_mib(best_sj)} MiB" if best_sj is not None else "not measured"
+    print(f"target recompute peak <= 20% of none, time <= 1.25x, below spikingjelly memopt's best ({arch}): peak {mem:.1%} of none, "
+          f"time {tim:.2f}x, {_mib(rec['step_peak_bytes'])} MiB vs spikingjelly memopt best {sj_txt} "
+          f"{'PASS' if ok and best_sj is not None else 'FAIL'}")
+    return {"met": ok and best_sj is not None, "peak_vs_none": mem, "time_vs_none": tim, "sj_best_bytes": best_sj}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="batch 2, T 2 and 4, spikformer-8-512 on 64-px images: a smoke test")
@@ -577,13 +847,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", type=Path, help="PNG of saved GiB against T with the budget line")
     ap.add_argument("--probes", type=Path, help="reuse the checks and probes of an earlier --json file (same --quick)")
     ap.add_argument("--child", nargs=2, metavar=("KIND", "SPEC"), help=argparse.SUPPRESS)
+    ap.add_argument("--device", default="cpu", help="cuda: the device table (levels vs memopt 1-4, CUDA peaks); cpu: the tables above")
+    ap.add_argument("--dry-run", action="store_true", help="the device table's code on this CPU at batch 2 (rehearsal)")
+    ap.add_argument("--search-s", type=float, default=25.0, help="device table: stop a memopt level's search after this long")
+    ap.add_argument("--budget-s", type=float, default=150.0, help="device table: the whole part")
     args = ap.parse_args(argv)
 
     if args.child:
         kind, spec = args.child[0], json.loads(args.child[1])
-        res = {"case": run_case, "check": run_check, "probe": run_probe}[kind](spec)
+        res = {"case": run_case, "check": run_check, "probe": run_probe, "cuda_ours": run_cuda_ours,
+               "cuda_sj": run_cuda_sj}[kind](spec)
         print(RESULT + json.dumps(res), flush=True)
         return 0
+    if args.device != "cpu" or args.dry_run:
+        return cuda_main(args)
 
     table_Ts = (2, 4) if args.quick else (4, 16)      # the table's T
     # probe T: two to fit the line, a third to check it (default: the table's T and their middle)
