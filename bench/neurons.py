@@ -17,6 +17,7 @@ import os
 import platform
 import statistics
 import time
+from typing import Any
 
 import torch
 
@@ -317,6 +318,141 @@ def gpu_speed(shapes, repeats: int) -> bool:
     return ok
 
 
+# ---- neurons on the device (bench/gpu.sh): LIF, PLIF, DLIF vs spikingjelly and a compiled loop ----------
+
+LEAK = 0.9  # DLIF's charge H = leak * V + X
+NEURON_SHAPES = ((4, 32, 24576), (8, 64, 65536), (16, 32, 24576))  # the two benchmark shapes, then T=16
+TARGET_SHAPES = NEURON_SHAPES[:2]
+DRY_NEURON_SHAPES = ((4, 2, 96), (8, 2, 64), (16, 2, 48))
+
+
+def _plain_neuron(kind: str):
+    """The neuron as a user writes it in torch: a loop over T (hard reset to 0, detached, sigmoid surrogate)."""
+    def loop(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        v, out = torch.zeros_like(x[0]), []
+        rate = w.sigmoid()
+        for t in range(x.shape[0]):
+            if kind == "dlif":
+                h = LEAK * v + x[t]
+            elif kind == "plif":
+                h = v + (x[t] - v) * rate
+            else:
+                h = v + (x[t] - v) / TAU
+            s = K._Heaviside.apply(h - VTH, 0, ALPHA)
+            v = h * (1.0 - s.detach())
+            out.append(s)
+        return torch.stack(out)
+    return loop
+
+
+def _neuron_impls(kind: str, device: torch.device) -> dict:
+    """name -> fn(x, w) for one neuron kind; w is PLIF's parameter (rate = sigmoid(w)), unused by the others."""
+    backend = "triton" if device.type == "cuda" else "torch"
+    extra = {"dlif": lambda w: {"leak": LEAK}, "plif": lambda w: {"rate": w.sigmoid()}, "lif": lambda w: {}}[kind]
+    impls = {f"ours {backend}": lambda x, w: K.lif(x, TAU, VTH, 0.0, True, True, "sigmoid", ALPHA, backend=backend, **extra(w))}
+    try:
+        from spikingjelly.activation_based import functional, neuron, surrogate
+
+        node = None
+        if kind == "lif":
+            node = neuron.LIFNode(tau=TAU, decay_input=True, v_threshold=VTH, v_reset=0.0, detach_reset=True,
+                                  surrogate_function=surrogate.Sigmoid(alpha=ALPHA), step_mode="m")
+        elif kind == "plif":  # its w starts at -log(tau - 1) = 0: rate sigmoid(0) = 1/2, as ours; ours reads the same w
+            node = neuron.ParametricLIFNode(init_tau=TAU, decay_input=True, v_threshold=VTH, v_reset=0.0, detach_reset=True,
+                                            surrogate_function=surrogate.Sigmoid(alpha=ALPHA), step_mode="m")
+        if node is not None:
+            node = node.to(device)
+
+            def run(x, w, node=node):
+                functional.reset_net(node)
+                if kind == "plif":
+                    node.w = torch.nn.Parameter(w) if not isinstance(w, torch.nn.Parameter) else w
+                return node(x)
+
+            impls["spikingjelly " + ("Triton" if device.type == "cuda" else "torch (CPU)")] = run
+    except ImportError:
+        print("spikingjelly not installed: its rows are skipped")
+    impls["torch.compile plain loop"] = torch.compile(_plain_neuron(kind), dynamic=False)
+    return impls
+
+
+def _time_ms(fn, repeats: int, device: torch.device) -> float:
+    if device.type == "cuda":
+        return _cuda_ms(fn, repeats)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def neuron_speed(kinds, shapes, repeats: int, device: torch.device, target_shapes) -> tuple[bool, list[dict]]:
+    """Per neuron and shape: every implementation checked against the plain eager loop (spikes, input and
+    PLIF-rate gradients), then fwd+bwd timed (CUDA events); targets as PASS/FAIL lines. Returns
+    (every check passed, rows)."""
+    ok, rows = True, []
+    for knob in ("recompile_limit", "cache_size_limit"):  # one compiled loop per (neuron, shape): more than the default 8
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, 64)
+    for kind in kinds:
+        impls = _neuron_impls(kind, device)
+        oracle = _plain_neuron(kind)
+        for shape in shapes:
+            torch.manual_seed(0)
+            x0 = torch.randn(shape, device=device) * 1.5 + 0.5
+            g = torch.randn(shape, device=device)
+            w0 = torch.zeros((), device=device)
+            xr, wr = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+            sr = oracle(xr, wr)
+            sr.backward(g)
+            res: dict[str, Any] = {}
+            for name, fn in impls.items():
+                x, w = x0.clone().requires_grad_(), torch.nn.Parameter(w0.clone())
+                try:
+                    s = fn(x, w)  # first call: compiles / JIT-compiles its kernels
+                    s.backward(g)
+                except Exception as e:
+                    res[name] = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
+                    print(f"  {kind} {list(shape)} {name}: failed ({res[name]['error']})")
+                    continue
+                flips = int((s.detach() != sr.detach()).sum())
+                gx = float((x.grad - xr.grad).norm() / xr.grad.norm().clamp_min(1e-30))
+                gw = float((w.grad - wr.grad).abs() / wr.grad.abs().clamp_min(1e-6)) if kind == "plif" and w.grad is not None else 0.0
+                good = flips <= max(0, s.numel() // 10**6) and gx <= 1e-4 and gw <= 1e-3
+                rec = {"spike_flips": flips, "grad_x_rel": gx, "grad_rate_rel": gw, "match": good}
+                if not good:
+                    ok = False
+                    print(f"FAIL {kind} {list(shape)} {name} vs the plain loop: {flips} spikes differ, grad x rel {gx:.1e}, "
+                          f"grad rate rel {gw:.1e}")
+                else:
+                    def step(fn=fn, x=x, w=w):
+                        x.grad = None
+                        w.grad = None
+                        fn(x, w).backward(g)
+                    rec["ms"] = _time_ms(step, repeats, device)
+                res[name] = rec
+            timed = {n: r["ms"] for n, r in res.items() if "ms" in r}
+            ours = next((n for n in timed if n.startswith("ours")), None)
+            peers = {n: t for n, t in timed.items() if not n.startswith("ours")}
+            print(f"\n| {kind.upper()} {list(shape)} fp32 | fwd+bwd ms | check vs plain loop (spike flips, grad x rel) |")
+            print("|---|---|---|")
+            for n, r in res.items():
+                chk = r.get("error") or f"{'match' if r['match'] else 'MISMATCH'} ({r['spike_flips']}, {r['grad_x_rel']:.1e})"
+                print(f"| {n} | {r['ms']:.3f} | {chk} |" if "ms" in r else f"| {n} | not timed | {chk} |")
+            row = {"neuron": kind, "shape": list(shape), "impls": res}
+            if ours and peers:
+                best = min(peers, key=peers.get)
+                ratio = peers[best] / timed[ours]
+                row.update(best_peer=best, vs_best_peer=ratio)
+                judged = tuple(shape) in {tuple(s) for s in target_shapes}
+                verdict = ("PASS" if ratio >= 1.2 else "FAIL") if judged else "(reported, no target)"
+                print(f"target {kind.upper()} fwd+bwd >= 1.2x the best of spikingjelly and a compiled loop {list(shape)}: "
+                      f"ours {timed[ours]:.3f} ms, {best} {peers[best]:.3f} ms: {ratio:.2f}x {verdict}")
+            rows.append(row)
+    return ok, rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="4x32x24576,8x64x65536")
@@ -329,10 +465,28 @@ def main() -> None:
     p.add_argument("--check-only", action="store_true", help="with --gpu: the correctness pass alone")
     p.add_argument("--speed-only", action="store_true", help="with --gpu: the timings alone (after a --check-only run)")
     p.add_argument("--dry-run", action="store_true", help="with --gpu: rehearse the correctness pass on CPU (TRITON_INTERPRET=1)")
+    p.add_argument("--neurons", nargs="+", choices=["lif", "plif", "dlif"], default=None,
+                   help="with --gpu --speed-only: LIF/PLIF/DLIF vs spikingjelly and a compiled loop at the benchmark shapes and "
+                        "T=16, each checked first (with --dry-run: on this CPU at tiny shapes)")
     args = p.parse_args()
     if args.sj_child:
         _sj_child(args.sj_child[0], args.sj_child[1], int(args.sj_child[2]))
         return
+    if args.gpu and args.neurons:
+        import json
+
+        dev = torch.device("cpu" if args.dry_run else "cuda")
+        shapes = DRY_NEURON_SHAPES if args.dry_run else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+        name = torch.cuda.get_device_name() if dev.type == "cuda" else platform.machine()
+        print(f"# bench/neurons.py --neurons -- {name}, torch {torch.__version__}, "
+              f"SJ_LIF_CUDA_IMPLEMENTATION={os.environ.get('SJ_LIF_CUDA_IMPLEMENTATION', 'unset')}")
+        correct, rows = neuron_speed(args.neurons, shapes, max(args.repeats, 20 if dev.type == "cuda" else 3), dev,
+                                     shapes[:2] if args.dry_run else TARGET_SHAPES)
+        print(f"\nchecks before timing: {'all match' if correct else 'FAILURES above'}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": name, "torch": torch.__version__, "correct": correct, "rows": rows}, f, indent=1)
+        raise SystemExit(0 if correct else 1)
     if args.gpu:
         shapes = [tuple(int(s) for s in spec.split("x")) for spec in args.shapes.split(",")]
         if args.dry_run:  # CPU rehearsal under TRITON_INTERPRET=1: correctness path only, tiny shapes
