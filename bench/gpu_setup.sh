@@ -16,7 +16,9 @@ $PY -m pip install -q --no-deps --no-build-isolation -e .
 $PY - <<'PY'
 import importlib, torch, triton
 print(f"torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.cuda.is_available()}")
-for name in ("spikingjelly", "efficient"):
+# what bench/gpu.sh reaches: the package, spikingjelly's Spikformer, its memopt search and CUDA-graph helper
+for name in ("efficient", "spikingjelly", "spikingjelly.activation_based.model.spikformer",
+             "spikingjelly.activation_based.memopt", "spikingjelly.activation_based._cuda_graph"):
     try:
         importlib.import_module(name)
         print(f"{name}: ok")
