@@ -374,6 +374,18 @@ def test_spikingjelly_neuron_fed_time_and_batch_flattened_mixes_samples() -> Non
     assert "conv_fc.10.lif" in report["batch"].detail
 
 
+def test_multi_step_model_without_T_must_say_whether_its_input_is_time_major() -> None:
+    from spikingjelly.activation_based import functional
+
+    net = _csnn().conv_fc  # the CSNN's body: reads [T, B, ...] itself, names no T
+    seq = _fashion()[None].expand(4, -1, -1, -1, -1)  # [T=4, B=8, 1, 28, 28]
+    with pytest.raises(ConfigError, match="time_major=True"):
+        check(net, seq, only=["batch"], reset=functional.reset_net)
+    report = check(net, seq, only=["batch", "causality"], reset=functional.reset_net, time_major=True)
+    assert report.passed, str(report)  # samples on axis 1, steps on axis 0: both judged right
+    assert report["causality"].status == "PASS"
+
+
 def _snntorch_conv_net() -> nn.Module:
     """snntorch tutorial 6's convolutional network (`init_hidden=True` neurons in nn.Sequential)."""
     import snntorch as snn

@@ -68,6 +68,12 @@ def _is_time_major(model: nn.Module, x: Tensor, T: int | None, given: bool | Non
     return bool(spec is not None and T and x.dim() == len(spec.shape) + 2 and x.shape[0] == T)
 
 
+def _spec_free(model: nn.Module) -> bool:
+    from efficient.profiler.api import built_input_spec
+
+    return built_input_spec(model) is None
+
+
 def _check_batch_of(x: Tensor, batch_dim: int, T: int | None) -> Tensor:
     """The samples the batch, state, causality and gradient passes use: the example's first
     CHECK_BATCH (cycling a smaller example), one more where that equals T."""
@@ -136,11 +142,19 @@ def check(
         device, dtype = _device_dtype(model)
         example = example.to(device, dtype) if example.is_floating_point() else example.to(device)
         source = source_note or f"example {list(example.shape)}"
+    layers = spiking_layers(model)
+    if time_major is None and T is None and _spec_free(model) and any(_is_multi_step(m) for m in layers.values()):
+        # multi-step neurons read [T, B, ...]; whether the model or its caller adds the time axis
+        # cannot be told from the input's shape, and guessing wrong swaps samples and time steps
+        raise ConfigError(f"check({label}): its spiking layers are multi-step ([T, B, ...]) and the model names no T; "
+                          f"say whether example {list(example.shape)} is time-major: time_major=True (its first axis is "
+                          "time; timesteps= defaults to its length) or time_major=False with timesteps=T")
+    if time_major and T is None:
+        T = example.shape[0]
     tm = _is_time_major(model, example, T, time_major)
     batch_dim = 1 if tm else 0
     if example.dim() <= batch_dim:
         raise ConfigError(f"example {list(example.shape)} has no batch axis (expected [B, ...]{' or [T, B, ...]' if T else ''})")
-    layers = spiking_layers(model)
     x = _check_batch_of(example, batch_dim, T)
     s = _Setup(model, layers, {k: _is_multi_step(m) for k, m in layers.items()}, x, x.shape[batch_dim], batch_dim, tm, T,
                reset, seed, rtol)
