@@ -46,6 +46,9 @@ def op_cases(dtype):
         ("ssa-scores-anchor", torch.ops.efficient.ssa, (q, k, v, 0.125, True, True, "torch")),
         ("ssa-scores", torch.ops.efficient.ssa, (q, k, v, 0.125, False, True, "torch")),
         ("ssa-no-scores", torch.ops.efficient.ssa, (q, k, v, 0.125, False, False, "torch")),
+        # heads split off a [T, B, N, H, d] projection: q non-contiguous, as the Spikformer's fused QKV gives it
+        ("ssa-strided-q", torch.ops.efficient.ssa, (q.detach().transpose(2, 3).contiguous().transpose(2, 3).requires_grad_(q.requires_grad),
+                                                   k, v, 0.125, True, True, "torch")),
         ("stata_select", torch.ops.efficient.stata_select, (_randn(2, 2, 9, dtype=dtype, seed=8), 4, 1e-6, True, "torch")),
         ("token_gather", torch.ops.efficient.token_gather, (_randn(2, 2, 9, 4, dtype=dtype, seed=9, grad=True), idx, "torch")),
         ("token_scatter", torch.ops.efficient.token_scatter, (_randn(2, 2, 4, 4, dtype=dtype, seed=10, grad=True), idx, 9, "torch")),
