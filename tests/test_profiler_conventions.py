@@ -47,7 +47,7 @@ def _fc(convention, x: torch.Tensor, cout: int):
     ("accumulate", 4 * 5, (3 + 1) * 5),      # no integers here: as efficient
     ("spikingjelly", 60, 0),                 # one real value makes the tensor MACs
     ("spikformer", 0, (4 + 3 + 1) * 5),      # after the first layer: nonzeros x fan-out, whatever the values
-    ("stata", 4 * 5, (3 + 1) * 5),           # spikformer's count with the real anchor row kept as MACs
+    ("stata", 60, 0),                        # STATA's model: only an all-binary tensor is spikes
     ("neurobench", 8 * 5, 0),                # a value outside {-1, 0, 1}: Effective MACs = nonzero pairs
 ])
 def test_anchor_row_under_each_convention(convention, macs, sops):
@@ -55,7 +55,7 @@ def test_anchor_row_under_each_convention(convention, macs, sops):
     assert (fc.dense_macs, fc.macs, fc.sops) == (60, macs, sops)
     assert first.macs == 4 and first.sops == 0
     assert r.totals["energy_pj"] == pytest.approx(4.6 * (macs + 4) + 0.9 * sops)
-    if convention in ("efficient", "accumulate", "stata"):
+    if convention in ("efficient", "accumulate"):
         assert fc.real_operand_macs == 20
 
 
@@ -73,6 +73,7 @@ def test_neurobench_convention_skips_zero_weights():
     ("accumulate", 0, 4 * 3 + 2 * 3, 0, 12),          # value-weighted: sum 4 x fan-out 3
     ({"integer": "nonzero"}, 0, 3 * 3 + 2 * 3, 0, 9),  # as if binary: nonzeros 3 x 3
     ("spikingjelly", 24, 0, 24, 0),                   # whole tensor not binary: every row MACs
+    ("stata", 24, 0, 24, 0),                          # STATA's model: as spikingjelly's, integers dense
     ("spikformer", 0, (3 + 2) * 3, 0, 0),
     ("neurobench", 5 * 3, 0, 0, 0),                   # a 2 in the input: MACs over nonzero pairs
 ])

@@ -89,10 +89,12 @@ PRESETS: dict[str, Convention] = {
                 "every layer after the first is charged as accumulates, whatever its operand values)",
     ),
     "stata": Convention(
-        "stata", integer="nonzero", after_first="nonzero", real_rows="exact",
-        source="Zhuge et al., ICML 2024 (STATA), which builds on Spikformer's count; the paper body was not available, "
-               "so this is Spikformer's formula on the kept tokens with the real-valued anchor token charged as MACs",
-        formula="E = E_MAC x (FL_1 + MACs of real-valued anchor rows) + E_AC x sum_{l>1} FL_l x fr_l x T over kept tokens",
+        "stata", granularity="tensor",
+        source="STATA (Zhuge et al., ICML 2024) energy model, 45 nm (Horowitz, ISSCC 2014): only all-{0,1} operand "
+               "tensors are spikes; anything else, integer residual sums and a tensor holding a real anchor row "
+               "included, is dense MACs. This profiler's default before operand-exact counting",
+        formula="E = 4.6 pJ x MAC_dense + 0.9 pJ x SOP;  MAC_dense: MACs of ops whose operand tensor is not binary; "
+                "SOP_l = fr_l x MAC_l x T = nonzeros of the binary input (all T) x fan-out",
     ),
     "neurobench": Convention(
         "neurobench", modules_only=True,
