@@ -190,6 +190,31 @@ def _copy_reference(m, prompt, exits, tau, new):
     return toks, layers
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_copy_fill_of_every_skipped_layer_at_once_equals_each_layers_own_projection(family):
+    # the folded, stacked projection (norm scale and LayerNorm shift in the weights) against each
+    # layer's own norm + k/v projection + rotary, as a copy exit after layer e needs them
+    from efficient.decoding.hf_model import HFDecodeModel
+
+    dm = HFDecodeModel(FAMILIES[family]())
+    with torch.no_grad():  # give every layer its own norm scale (and shift) so a wrong fold shows
+        g = torch.Generator().manual_seed(3)
+        for w in dm.layers:
+            w.n1.copy_(1 + 0.5 * torch.randn(w.n1.shape, generator=g))
+            if w.n1b is not None:
+                w.n1b.copy_(0.3 * torch.randn(w.n1b.shape, generator=g))
+    h = torch.randn(2, 1, dm.embed.shape[1], generator=g) * 3
+    positions = torch.tensor([[5], [9]])
+    tables = dm.position_tables(positions)
+    rope = tables if len(tables) == 2 else ()
+    for e in (1, N - 1):
+        k, v = dm.fill_kv(h, e, rope)
+        for j, i in enumerate(range(e, N)):
+            k_i, v_i = dm.kv(h, i, rope)
+            torch.testing.assert_close(k[j], k_i, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(v[j], v_i, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("family", ["llama-gqa", "qwen2"])
 def test_copy_matches_transformers_modules_reference(family):
     m = FAMILIES[family]()

@@ -125,11 +125,9 @@ class _Run:
 
     def fill(self, h: torch.Tensor, slot: int, start: int) -> None:
         """Copy: keys/values of layers start+1..N at `slot` from the exited hidden state `h` [B, 1, C]."""
-        rope = self.rope(slot, 1)
-        for i in range(start, self.dm.num_layers):
-            k, v = self.dm.kv(h, i, rope)
-            self.cache.k[i][:, :, slot : slot + 1] = k
-            self.cache.v[i][:, :, slot : slot + 1] = v
+        k, v = self.dm.fill_kv(h, start, self.rope(slot, 1))
+        self.cache.K[start:, :, :, slot : slot + 1] = k
+        self.cache.V[start:, :, :, slot : slot + 1] = v
 
 
 def _confidence(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,21 +199,31 @@ def _layerwise(run: _Run, P: int, max_new: int, finished: torch.Tensor, eos: lis
             h = run.layers(h, start, depth, e)
             depth = e
             z = heads[e](h[:, -1])
-            if e == N:
-                take = ~chosen
-                arg = z.argmax(-1)
+            if B == 1:  # one row: the decision is one host read, no masks (this loop is overhead-bound)
+                took = e == N or float(_confidence(z)[0]) >= threshold
+                if took:
+                    tok, ex = z.argmax(-1), torch.full((1,), e, dtype=torch.long, device=dev)
+                    if forced is not None:
+                        logprobs[:, i] = _logprob(z, forced[:, i])
+                    chosen[:] = True
+                done = took
             else:
-                pmax, arg = _confidence(z)
-                take = ~chosen & (pmax >= threshold)
-            tok = torch.where(take, arg, tok)
-            ex = torch.where(take, e, ex)
-            if forced is not None:
-                logprobs[:, i] = torch.where(take, _logprob(z, forced[:, i]), logprobs[:, i])
-            chosen |= take
+                if e == N:
+                    take = ~chosen
+                    arg = z.argmax(-1)
+                else:
+                    pmax, arg = _confidence(z)
+                    take = ~chosen & (pmax >= threshold)
+                tok = torch.where(take, arg, tok)
+                ex = torch.where(take, e, ex)
+                if forced is not None:
+                    logprobs[:, i] = torch.where(take, _logprob(z, forced[:, i]), logprobs[:, i])
+                chosen |= take
+                done = e == N or bool((chosen | finished).all())
             if e == N:
                 c = n + 1
                 break
-            if bool((chosen | finished).all()):
+            if done:
                 if strategy == "copy":
                     run.fill(h[:, -1:], n, e)
                     fills += N - e

@@ -1,5 +1,5 @@
-"""The static KV cache of Hugging Face decoding: one preallocated key and one value tensor per
-layer, [B, kv_heads, max_len, head_dim], written by slot index.
+"""The static KV cache of Hugging Face decoding: one preallocated key and one value tensor,
+[layers, B, kv_heads, max_len, head_dim], written by slot index (`k[i]`, `v[i]`: layer i's views).
 
 Slots are shared by the batch: prompts are left-padded to one length P, so slot s holds every
 row's token s, and a row's position is its slot minus its padding. Padding slots are never read
@@ -18,9 +18,12 @@ class StaticKV:
 
     def __init__(self, layers: int, batch: int, kv_heads: int, head_dim: int, max_len: int, pad: torch.Tensor,
                  device: torch.device, dtype: torch.dtype) -> None:
-        shape = (batch, kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
+        shape = (layers, batch, kv_heads, max_len, head_dim)
+        # one tensor for all layers (`K[i]` is layer i's cache) so that a copy exit writes the keys
+        # and values of every skipped layer in one indexed store
+        self.K = torch.zeros(shape, device=device, dtype=dtype)
+        self.V = torch.zeros(shape, device=device, dtype=dtype)
+        self.k, self.v = list(self.K.unbind(0)), list(self.V.unbind(0))
         self.max_len = max_len
         slots = torch.arange(max_len, device=device)
         self.padded = bool((pad > 0).any())

@@ -91,6 +91,7 @@ class HFDecodeModel:
             self._read_gpt2(base)
         self.vocab_size = self.lm_head.shape[0]
         self.heads: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
+        self._stacked: dict[int, StackedKV] = {}
 
     # ---------------------------------------------------------------- reading weights
 
@@ -213,6 +214,41 @@ class HFDecodeModel:
         x = F.layer_norm(h, (C,), w.n2, w.n2b, self.eps)
         return h + F.linear(self.act(F.linear(x, w.w_in, w.b_in)), w.w_out, w.b_out)
 
+    def stacked_kv(self, e: int) -> StackedKV:
+        """Folded key/value projections of layers e+1..N (0-based e..N-1), built once per exit."""
+        if e not in self._stacked:
+            hq, hk, hd = self.heads_q, self.heads_kv, self.head_dim
+            ws, bs = [], []
+            for w in self.layers[e:]:
+                kv_w = w.wqkv[hq * hd :]  # [2 * hk * hd, C]: k rows then v rows
+                ws.append(kv_w * w.n1[None, :])
+                c = None if w.bqkv is None else w.bqkv[hq * hd :]
+                if w.n1b is not None:
+                    c = kv_w @ w.n1b + (0 if c is None else c)
+                bs.append(c)
+            bias = None if all(b is None for b in bs) else torch.cat([torch.zeros(2 * hk * hd, device=self.device, dtype=self.dtype)
+                                                                      if b is None else b for b in bs])
+            self._stacked[e] = StackedKV(torch.cat(ws), bias)
+        return self._stacked[e]
+
+    def fill_kv(self, h: torch.Tensor, e: int, rope: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy exit after layer e: the keys and values layers e+1..N would store for the hidden
+        state `h` [B, 1, C] entering them, as [N - e, B, kv_heads, 1, head_dim] each, from one
+        normalisation and one matmul (`stacked_kv`)."""
+        B, T, C = h.shape
+        hk, hd, L = self.heads_kv, self.head_dim, self.num_layers - e
+        if self.layers[0].n1b is None:  # RMSNorm without its scale (folded into the weights)
+            x = F.rms_norm(h, (C,), None, self.eps)
+        else:
+            x = F.layer_norm(h, (C,), None, None, self.eps)
+        st = self.stacked_kv(e)
+        kv = F.linear(x, st.weight, st.bias).view(B, T, L, 2, hk, hd).permute(2, 3, 0, 4, 1, 5)  # [L, 2, B, hk, T, hd]
+        k, v = kv[:, 0], kv[:, 1]
+        if len(rope) == 2:
+            cos, sin = rope
+            k = k * cos + _rotate_half(k) * sin
+        return k, v
+
     def kv(self, h: torch.Tensor, i: int, rope: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values layer i would store for the hidden state `h` [B, T, C] entering it."""
         w = self.layers[i]
@@ -228,6 +264,15 @@ class HFDecodeModel:
             cos, sin = rope
             k = k * cos + _rotate_half(k) * sin
         return k, v
+
+
+class StackedKV(NamedTuple):
+    """The key/value projections of layers e..N-1 folded into one matrix over the *unscaled*
+    normalised hidden state x_hat: layer i's norm scale g_i (and LayerNorm shift b_i) go into its
+    rows, W (g_i * x_hat + b_i) + c = (W diag g_i) x_hat + (W b_i + c)."""
+
+    weight: torch.Tensor  # [(N - e) * 2 * kv_heads * head_dim, C]: per layer its k rows, then its v rows
+    bias: torch.Tensor | None
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
