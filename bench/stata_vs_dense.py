@@ -10,7 +10,9 @@ the accuracy difference paired by seed (`train.seed` of each run's config.yaml) 
 `--archive FILE.json` keeps what the table needs from each run (its summary and seed) under the run
 directory's name, so a study can be re-tabulated, or finished later, without the run directories:
 a run named on the command line is read from its directory when it exists (and stored in the
-archive), else from the archive.
+archive), else from the archive. `--convention NAME` re-profiles each run directory with that
+counting convention (`efficient.profile_run`, the run's own validation samples) and uses those
+counts: runs trained under different profiler versions are then counted alike.
 """
 
 from __future__ import annotations
@@ -28,19 +30,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stata_ablation import fmt, paired_diffs, t_interval  # noqa: E402
 
 
-def load(runs: list[str], archive: dict | None = None) -> list[dict]:
+def load(runs: list[str], archive: dict | None = None, convention: str | None = None) -> list[dict]:
     """Each run's summary, with its seed (from config.yaml) under "seed", in seed order; read from
-    the run directory when it exists (and stored in `archive`), else from `archive`."""
+    the run directory when it exists (and stored in `archive`), else from `archive`. With
+    `convention`, the cost block is re-profiled under it (run directories only)."""
     out = []
     for r in runs:
         d = Path(r)
         if (d / "summary.json").exists():
             s = json.loads((d / "summary.json").read_text())
             s["seed"] = load_yaml(d / "config.yaml")["train"]["seed"]
+            if convention:
+                from efficient.profiler import profile_run
+
+                s["cost"] = dict(profile_run(d, convention=convention).totals)
+                s["cost_convention"] = convention
             if archive is not None:
                 archive[d.name] = s
         elif archive is not None and d.name in archive:
             s = archive[d.name]
+            if convention and s.get("cost_convention") != convention:
+                raise SystemExit(f"{r}: the archive holds its cost under {s.get('cost_convention', 'its training-time count')!r}, "
+                                 f"not {convention!r}, and the run directory is gone")
         else:
             raise SystemExit(f"{r}: no summary.json there" + (f" and no run {d.name!r} in the archive" if archive is not None else ""))
         out.append(s)
@@ -67,9 +78,10 @@ def main() -> None:
     ap.add_argument("--dense", nargs="+", required=True)
     ap.add_argument("--stata", nargs="+", required=True)
     ap.add_argument("--archive", type=Path, default=None, help="JSON file of run summaries (read and updated)")
+    ap.add_argument("--convention", default=None, help="re-profile the runs under this counting convention (e.g. stata, efficient)")
     a = ap.parse_args()
     archive = json.loads(a.archive.read_text()) if a.archive and a.archive.exists() else ({} if a.archive else None)
-    rows = {"dense": load(a.dense, archive), "stata": load(a.stata, archive)}
+    rows = {"dense": load(a.dense, archive, a.convention), "stata": load(a.stata, archive, a.convention)}
     if a.archive:
         save_archive(a.archive, archive)
     keys = [("acc", lambda s: 100 * s["val"]["acc"]), ("energy uJ/sample", lambda s: s["cost"]["energy_pj_per_sample"] / 1e6),
