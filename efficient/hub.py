@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from efficient.errors import ArtifactError, ConfigError
+from efficient.io import sha256_file
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 MANIFEST = WEIGHTS_DIR / "manifest.json"
@@ -100,14 +101,6 @@ def cache_dir() -> Path:
     if sys.platform == "darwin":
         return Path.home() / "Library" / "Caches" / "efficient"
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "efficient"
-
-
-def sha256_file(path: str | os.PathLike[str]) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def is_url(text: str) -> bool:

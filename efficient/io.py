@@ -206,6 +206,15 @@ def read_safetensors(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tens
     return tensors, meta
 
 
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    """Hex sha256 of a file's bytes, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def content_digest(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str]) -> str:
     """sha256 over the tensors (name, dtype, shape, bytes) and the metadata other than the digest
     itself, independent of the file layout; stored by save_model and checked by read_safetensors."""

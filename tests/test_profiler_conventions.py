@@ -13,6 +13,7 @@ from torch import nn
 from efficient.errors import ConfigError
 from efficient.profiler import CONVENTIONS, MemoryModel, profile, resolve_convention
 from efficient.profiler.counting import split_operand
+from test_profiler import TwoLayerSNN  # Linear -> LIF -> Linear whose spikes are known by hand
 
 ANCHOR = torch.tensor([[[0.5, -1.2, 0.3, 2.0],   # real-valued anchor row: 4 elements, all nonzero
                         [1.0, 0.0, 1.0, 1.0],    # spikes: 3
@@ -172,22 +173,6 @@ def test_conventions_block_in_every_output():
         console.print(t)
     text = console.export_text()
     assert "conventions" in text and "Zhou et al" in text
-
-
-class TwoLayerSNN(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        from efficient.models.neurons import LIF
-
-        self.fc1 = nn.Linear(4, 3, bias=False)
-        self.lif = LIF(tau=2.0, v_threshold=1.0)
-        self.fc2 = nn.Linear(3, 2, bias=False)
-        with torch.no_grad():
-            self.fc1.weight.copy_(torch.tensor([[10.0, 0, 0, 0], [0, 10.0, 0, 0], [0, 0, 0, 0]]))
-            self.fc2.weight.fill_(0.5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.lif(self.fc1(x)))
 
 
 def test_memory_access_energy_hand_counted():

@@ -4,7 +4,6 @@ for the interface and the save format)."""
 from __future__ import annotations
 
 import copy
-import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Literal
@@ -14,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from efficient.errors import ArtifactError, ConfigError
+from efficient.io import sha256_file as _sha256
 from efficient.hf import families
 from efficient.hf.dropout import LayerDropout, LayerDropoutConfig
 from efficient.models.ee_gpt import ExitState
@@ -265,14 +265,6 @@ def read_exit_config(directory: Path) -> dict[str, Any] | None:
     if cfg.get("version", 0) > VERSION:
         raise ArtifactError(f"{f}: format version {cfg.get('version')} is newer than this efficient reads ({VERSION}); upgrade efficient")
     return cfg
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def early_exit(model: nn.Module, exits: Iterable[int] | None = None, head: HeadMode = "shared",

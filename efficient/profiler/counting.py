@@ -382,6 +382,19 @@ def _conv(ctx: _Ctx, acc: LayerAcc, args: tuple, kwargs: dict, out: Any) -> None
         with torch.no_grad():
             return int(round(_occupancy(values.to(dt), w, *geo)))
 
+    def charge_real_and_int() -> None:
+        """Real-valued samples as MACs, integer ones by the convention."""
+        real_macs = int(per_elem * sx.real_numel)
+        acc.macs += real_macs
+        acc.real_macs += real_macs
+        if sx.int_numel:
+            im = _mask(sx, "int", x).to(dt)
+            weighted = occ(x.to(dt) * im) if ctx.conv.integer == "accumulate" else 0
+            nonzero = occ((x != 0).to(dt) * im) if ctx.conv.integer == "nonzero" else 0
+            _charge_int(ctx, acc, per_elem * sx.int_numel, weighted, nonzero)
+        if sx.mixed:
+            acc.mixed_ops += 1
+
     if _after_first(ctx, acc):
         keep_real = ctx.conv.real_rows == "exact" and sx.real_numel
         nz = (x != 0).to(dt) * (1.0 - _mask(sx, "real", x).to(dt) if keep_real else 1.0)
@@ -400,32 +413,14 @@ def _conv(ctx: _Ctx, acc: LayerAcc, args: tuple, kwargs: dict, out: Any) -> None
         acc.sops += occ(bm)
         acc.in_nnz += sx.bin_nnz
         acc.in_numel += x.numel() - sx.int_numel - sx.real_numel
-        real_macs = int(per_elem * sx.real_numel)
-        acc.macs += real_macs
-        acc.real_macs += real_macs
-        if sx.int_numel:
-            im = _mask(sx, "int", x).to(dt)
-            weighted = occ(x.to(dt) * im) if ctx.conv.integer == "accumulate" else 0
-            nonzero = occ((x != 0).to(dt) * im) if ctx.conv.integer == "nonzero" else 0
-            _charge_int(ctx, acc, per_elem * sx.int_numel, weighted, nonzero)
-        if sx.mixed:
-            acc.mixed_ops += 1
+        charge_real_and_int()
     elif sw is not None and sw.all_binary:
         ref = x if transposed else out
         acc.sops += sw.bin_nnz * batch * math.prod(ref.shape[2:])
         acc.in_nnz += sw.bin_nnz
         acc.in_numel += w.numel()
     else:
-        real_macs = int(per_elem * sx.real_numel)
-        acc.macs += real_macs
-        acc.real_macs += real_macs
-        if sx.int_numel:
-            im = _mask(sx, "int", x).to(dt)
-            weighted = occ(x.to(dt) * im) if ctx.conv.integer == "accumulate" else 0
-            nonzero = occ((x != 0).to(dt) * im) if ctx.conv.integer == "nonzero" else 0
-            _charge_int(ctx, acc, per_elem * sx.int_numel, weighted, nonzero)
-        if sx.mixed:
-            acc.mixed_ops += 1
+        charge_real_and_int()
 
 
 def _sdpa(ctx: _Ctx, acc: LayerAcc, args: tuple, kwargs: dict, out: Any) -> None:

@@ -7,7 +7,6 @@ checkpoint, and a corrupted `last` (disk full, truncation) falls back to `previo
 
 from __future__ import annotations
 
-import hashlib
 import os
 import random
 import shutil
@@ -20,19 +19,11 @@ import torch
 from torch import nn
 
 from efficient.errors import ArtifactError, ConfigError
-from efficient.io import read_json, read_torch, write_json
+from efficient.io import read_json, read_torch, sha256_file as _sha256, write_json
 from efficient.zoo import save_model
 
 MODEL_FILE, STATE_FILE, META_FILE = "model.safetensors", "trainer.pt", "meta.json"
 PREVIOUS = {"last": "previous"}  # checkpoints that keep their predecessor
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def rng_state() -> dict[str, Any]:
