@@ -220,54 +220,54 @@ def _triton_leaky_backward(gs, gm, m, m0, beta, thr, reset, surrogate, alpha, x_
 def _leaky_loop_forward(x, m0, beta, thr, *, reset: int, spike_dtype: torch.dtype):
     """snntorch order, x [T, N] -> (spikes [T, N], membrane [T, N] fp32); m0 is [N], beta and thr [N]
     or [1] (one value for all neurons), all fp32."""
-    m = torch.zeros_like(x[0], dtype=torch.float32) if m0 is None else m0
-    ms, ss = [], []
+    # only the recurrence runs per step; the cast and the spike threshold run once over all T
+    xf = x.float()
+    m = torch.zeros_like(xf[0]) if m0 is None else m0
+    ms = []
     for t in range(x.shape[0]):
-        xt = x[t].float()
-        r = m > thr
+        xt = xf[t]
         if reset == RESET_ZERO:
-            m = torch.where(r, beta * 0.0 + xt, beta * m + xt)
+            m = torch.where(m > thr, beta * 0.0 + xt, beta * m + xt)
         elif reset == RESET_SUBTRACT:
             base = beta * m + xt
-            m = torch.where(r, base - thr, base)
+            m = torch.where(m > thr, base - thr, base)
         else:
             m = beta * m + xt
         ms.append(m)
-        ss.append((m > thr).to(spike_dtype))
-    return torch.stack(ss), torch.stack(ms)
+    M = torch.stack(ms)
+    return (M > thr).to(spike_dtype), M
 
 
 def _leaky_loop_backward(gs, gm, m, m0, beta, thr, alpha, *, reset: int, surrogate: int, x_dtype: torch.dtype):
     """Reverse-time recurrence of the snntorch-order backward: (grad x, grad m0 or [0], grad beta [N], grad thr [N])."""
+    # What does not depend on the carried gradient runs once over all T (the surrogate, the spike
+    # gradient's share, which steps reset); only gh[t] = a[t] + carry and the carry run per step.
     T = m.shape[0]
+    gsg = gs.float() * surrogate_grad(m - thr, surrogate, alpha)
+    a = gsg if gm is None else gsg + gm.float()
+    mp = torch.cat([(m0 if m0 is not None else torch.zeros_like(m[0]))[None], m[:-1]])  # membrane before each step
+    r = mp > thr  # step t reset (its membrane crossed at t - 1)
     carry = torch.zeros_like(m[0])
-    gb = torch.zeros_like(m[0])
-    gt = torch.zeros_like(m[0])
-    gxs = [None] * T
+    ghs = [None] * T
     for t in range(T - 1, -1, -1):
-        mt = m[t]
-        mp = m[t - 1] if t > 0 else (m0 if m0 is not None else torch.zeros_like(mt))
-        gsg = gs[t].float() * surrogate_grad(mt - thr, surrogate, alpha)
-        gh = gsg + carry
-        if gm is not None:
-            gh = gh + gm[t].float()
-        gxs[t] = gh.to(x_dtype)
-        r = mp > thr
-        if reset == RESET_ZERO:
-            gb = gb + torch.where(r, 0.0, gh * mp)
-            carry = torch.where(r, 0.0, gh * beta)
-            gt = gt - gsg
-        else:
-            gb = gb + gh * mp
-            carry = gh * beta
-            gt = gt - (gsg + torch.where(r, gh, 0.0)) if reset == RESET_SUBTRACT else gt - gsg
+        gh = a[t] + carry
+        ghs[t] = gh
+        carry = torch.where(r[t], 0.0, gh * beta) if reset == RESET_ZERO else gh * beta
+    GH = torch.stack(ghs)
+    if reset == RESET_ZERO:
+        gb = torch.where(r, 0.0, GH * mp).sum(0)
+        gt = -gsg.sum(0)
+    else:
+        gb = (GH * mp).sum(0)
+        gt = -(gsg + torch.where(r, GH, 0.0)).sum(0) if reset == RESET_SUBTRACT else -gsg.sum(0)
+    gxs = GH.to(x_dtype)
     gm0 = carry if m0 is not None else m.new_empty(0)
     # a beta / threshold shared by all neurons arrives as [1]: its gradient is the sum over neurons
     if beta.shape[0] != m.shape[1]:
         gb = gb.sum(0, keepdim=True)
     if thr.shape[0] != m.shape[1]:
         gt = gt.sum(0, keepdim=True)
-    return torch.stack(gxs), gm0, gb, gt
+    return gxs, gm0, gb, gt
 
 
 def _run_leaky_forward(x, m0, beta, thr, reset, spike_dtype, impl):

@@ -304,15 +304,17 @@ def _triton_backward(gs, gm, h, rate, c, v_th, v_reset, charge, surrogate, alpha
 
 def _loop_forward(x, rate, c, v_th, v_reset, v0, *, charge: int, hard: bool, spike_dtype: torch.dtype):
     """x [T, N] -> (spikes [T, N], H [T, N] fp32); scalars arrive as 0-d fp32 tensors, v0 [N] or None."""
-    v = torch.zeros_like(x[0], dtype=torch.float32) + v_reset if v0 is None else v0.float()
-    hs, ss = [], []
+    # only the recurrence runs per step; casts and the spike threshold run once over all T (fewer
+    # dispatched ops per call: on small tensors the host cost of each op is the cost)
+    xf = x.float()
+    v = torch.zeros_like(xf[0]) + v_reset if v0 is None else v0.float()
+    hs = []
     for t in range(x.shape[0]):
-        h = _charge(x[t].float(), v, rate, c, v_reset, charge)
-        spike = h >= v_th
-        v = torch.where(spike, v_reset, h) if hard else torch.where(spike, h - v_th, h)
+        h = _charge(xf[t], v, rate, c, v_reset, charge)
+        v = torch.where(h >= v_th, v_reset, h) if hard else torch.where(h >= v_th, h - v_th, h)
         hs.append(h)
-        ss.append(spike.to(spike_dtype))
-    return torch.stack(ss), torch.stack(hs)
+    H = torch.stack(hs)
+    return (H >= v_th).to(spike_dtype), H
 
 
 def _loop_backward(
@@ -320,43 +322,45 @@ def _loop_backward(
     charge: int, hard: bool, detach: bool, surrogate: int, x_dtype: torch.dtype,
 ):
     """Reverse-time recurrence of the backward; returns (grad x [T, N], grad rate 0-d, grad v0 [N] or [0])."""
+    # Everything that does not depend on the carried gradient runs once over all T: the surrogate,
+    # the reset gradient and the spike gradient's share (a = dL/dS * dS/dH + dL/dH); only
+    # gh[t] = a[t] + carry * r[t] and the carry run per step.
     T = h.shape[0]
+    sg = surrogate_grad(h - v_th, surrogate, alpha)
+    a = gs.float() * sg
+    if gm is not None:
+        a = a + gm.float()
+    if hard:
+        r = (h < v_th).to(h.dtype)
+        if not detach:
+            r = r + (v_reset - h) * sg
+    elif detach:
+        r = None  # the carry passes unchanged
+    else:
+        r = 1.0 - v_th * sg
     carry = torch.zeros_like(h[0])
-    gxs = [None] * T
-    gk = h.new_zeros(())
+    ghs = [None] * T
     for t in range(T - 1, -1, -1):
-        ht = h[t]
-        sg = surrogate_grad(ht - v_th, surrogate, alpha)
-        if hard:
-            rg = (ht < v_th).to(ht.dtype)
-            if not detach:
-                rg = rg + (v_reset - ht) * sg
-            gh = gs[t].float() * sg + carry * rg
-        elif detach:
-            gh = gs[t].float() * sg + carry
-        else:
-            gh = gs[t].float() * sg + carry * (1.0 - v_th * sg)
-        if gm is not None:
-            gh = gh + gm[t].float()
-        if charge == CHARGE_DECAY_INPUT:
-            gx = gh * rate if rate is not None else gh / c
-        else:
-            gx = gh
-        gxs[t] = gx.to(x_dtype)
+        gh = a[t] + (carry if r is None else carry * r[t])
+        ghs[t] = gh
         if charge == CHARGE_LEAK:
             carry = gh * c
         else:
             carry = gh - (gh * rate if rate is not None else gh / c)
-        if rate is not None:
-            if t > 0:
-                hp = h[t - 1]
-                vp = torch.where(hp >= v_th, v_reset, hp) if hard else torch.where(hp >= v_th, hp - v_th, hp)
-            else:
-                vp = torch.zeros_like(ht) + v_reset if v0 is None else v0.float()
-            dk = (ht - vp) / rate if charge == CHARGE_DECAY_INPUT else v_reset - vp
-            gk = gk + (gh * dk).sum()
+    GH = torch.stack(ghs)
+    if charge == CHARGE_DECAY_INPUT:
+        gx = GH * rate if rate is not None else GH / c
+    else:
+        gx = GH
+    gk = h.new_zeros(())
+    if rate is not None:  # d H[t] / d rate from the membrane before step t (after its reset)
+        first = torch.zeros_like(h[:1]) + v_reset if v0 is None else v0.float()[None]
+        after = torch.where(h[:-1] >= v_th, v_reset, h[:-1]) if hard else torch.where(h[:-1] >= v_th, h[:-1] - v_th, h[:-1])
+        vp = torch.cat([first, after])
+        dk = (h - vp) / rate if charge == CHARGE_DECAY_INPUT else v_reset - vp
+        gk = (GH * dk).sum()
     gv0 = carry if v0 is not None else h.new_empty(0)
-    return torch.stack(gxs), gk, gv0
+    return gx.to(x_dtype), gk, gv0
 
 
 def _run_forward(x, rate, c, v_th, v_reset, charge, spike_dtype, impl, v0=None):
