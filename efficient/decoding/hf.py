@@ -184,9 +184,10 @@ def _layerwise(run: _Run, P: int, max_new: int, finished: torch.Tensor, eos: lis
     for i in range(max_new):
         n = P - 1 + i
         start, depth, h = n, 0, run.embed(n, 1)
-        chosen = torch.zeros(B, dtype=torch.bool, device=dev)
-        tok = torch.zeros(B, dtype=torch.long, device=dev)
-        ex = torch.full((B,), N, dtype=torch.long, device=dev)
+        if B > 1:
+            chosen = torch.zeros(B, dtype=torch.bool, device=dev)
+            tok = torch.zeros(B, dtype=torch.long, device=dev)
+            ex = torch.full((B,), N, dtype=torch.long, device=dev)
         for e in visit:
             j = start
             if strategy == "recompute" and depth > 0:  # pending slots computed to exactly `depth` sit right before the chunk
@@ -202,10 +203,9 @@ def _layerwise(run: _Run, P: int, max_new: int, finished: torch.Tensor, eos: lis
             if B == 1:  # one row: the decision is one host read, no masks (this loop is overhead-bound)
                 took = e == N or float(_confidence(z)[0]) >= threshold
                 if took:
-                    tok, ex = z.argmax(-1), torch.full((1,), e, dtype=torch.long, device=dev)
+                    tok, ex = z.argmax(-1), e
                     if forced is not None:
                         logprobs[:, i] = _logprob(z, forced[:, i])
-                    chosen[:] = True
                 done = took
             else:
                 if e == N:
