@@ -31,32 +31,6 @@ aten = torch.ops.aten
 SPIKE_MATMUL_CONVENTIONS = ("operand", "coincidence")
 
 
-def spike_nnz(x: torch.Tensor) -> int | None:
-    """Nonzero count when every value is 0 or 1 (a spike tensor), else None.
-
-    The integer residual stream ({0, 1, 2, ...}) is not spikes. Two passes: nonzeros == ones.
-    """
-    if x.dtype == torch.bool:
-        return int(torch.count_nonzero(x))
-    if x.is_complex() or x.device.type == "meta":
-        return None
-    if x.numel() == 0:
-        return 0
-    if x.dim() >= 2 and x.numel() > 4096:
-        # cheap early exit for real-valued tensors (any layout, no copy): the first 2-D slice
-        head = x[(0,) * (x.dim() - 2)] if x.dim() > 2 else x[0]
-        if not bool(((head == 0) | (head == 1)).all()):
-            return None
-    nz = int(torch.count_nonzero(x))
-    ones = int(torch.count_nonzero(x == 1))
-    return nz if nz == ones else None
-
-
-def is_binary(x: torch.Tensor) -> bool:
-    """True when every value is 0 or 1."""
-    return spike_nnz(x) is not None
-
-
 @dataclass
 class LayerAcc(LayerCounts):
     """Running counts for one module (the innermost module that issued the ops)."""
