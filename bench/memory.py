@@ -648,6 +648,7 @@ def run_cuda_ours(spec: dict) -> dict:
     for level in LEVELS:
         memory.optimize(m, level)
         train_step(m, x, y)  # warm-up
+        torch.manual_seed(0)  # the checked step draws the same dropout masks at every level
         loss = train_step(m, x, y)
         g = _dev_grads(m)
         row: dict[str, Any] = {"loss": loss}
@@ -704,6 +705,7 @@ def run_cuda_sj(spec: dict) -> dict:
     plain = _peer_module(arch, spec["T"], _img(arch, spec.get("img"))).train().to(dev)
     pristine = copy.deepcopy(plain)
     train_step(plain, x, y)
+    torch.manual_seed(0)  # the checked step draws the same dropout masks in every model
     loss = train_step(plain, x, y)
     ref = (loss, _dev_grads(plain))
     rows = {"sj": {"loss": loss, "check": "reference", **_dev_measure(plain, x, y, dev, spec["steps"])}}
@@ -727,6 +729,7 @@ def run_cuda_sj(spec: dict) -> dict:
             del m
             continue
         train_step(m, x, y)
+        torch.manual_seed(0)
         loss = train_step(m, x, y)
         c = _compare(loss, _dev_grads(m), ref)
         row = {"loss": loss, **info, **c, "check": "match" if c["match"] else "MISMATCH"}
