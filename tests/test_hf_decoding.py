@@ -190,16 +190,37 @@ def _copy_reference(m, prompt, exits, tau, new):
     return toks, layers
 
 
+def _module_kv(m, i: int, h: torch.Tensor, rope: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values transformers' own layer i computes for hidden states `h` [B, T, C] entering
+    it, [B, kv_heads, T, head_dim]: its norm, its projections, rotary in the rotate-half convention."""
+    B, T, C = h.shape
+    if hasattr(m, "transformer"):  # GPT-2: c_attn gives q, k, v side by side
+        b = m.transformer.h[i]
+        _, k, v = b.attn.c_attn(b.ln_1(h)).split(C, dim=2)
+        heads = m.config.n_head
+        return (t.view(B, T, heads, C // heads).transpose(1, 2) for t in (k, v))
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    layer = m.model.layers[i]
+    a = layer.self_attn
+    x = layer.input_layernorm(h)
+    k = a.k_proj(x).view(B, T, -1, a.head_dim).transpose(1, 2)
+    v = a.v_proj(x).view(B, T, -1, a.head_dim).transpose(1, 2)
+    cos, sin = rope
+    return k * cos + rotate_half(k) * sin, v
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_copy_fill_of_every_skipped_layer_at_once_equals_each_layers_own_projection(family):
     # the folded, stacked projection (norm scale and LayerNorm shift in the weights) against each
-    # layer's own norm + k/v projection + rotary, as a copy exit after layer e needs them
+    # transformers layer's own norm + k/v projection + rotary, as a copy exit after layer e needs them
     from efficient.decoding.hf_model import HFDecodeModel
 
-    dm = HFDecodeModel(FAMILIES[family]())
+    m = FAMILIES[family]()
+    dm = HFDecodeModel(m)
     with torch.no_grad():  # give every layer its own norm scale (and shift) so a wrong fold shows
         g = torch.Generator().manual_seed(3)
-        for w in dm.layers:
+        for w in dm.layers:  # views of the model's own parameters: both see the change
             w.n1.copy_(1 + 0.5 * torch.randn(w.n1.shape, generator=g))
             if w.n1b is not None:
                 w.n1b.copy_(0.3 * torch.randn(w.n1b.shape, generator=g))
@@ -210,7 +231,7 @@ def test_copy_fill_of_every_skipped_layer_at_once_equals_each_layers_own_project
     for e in (1, N - 1):
         k, v = dm.fill_kv(h, e, rope)
         for j, i in enumerate(range(e, N)):
-            k_i, v_i = dm.kv(h, i, rope)
+            k_i, v_i = _module_kv(m, i, h, rope)
             torch.testing.assert_close(k[j], k_i, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(v[j], v_i, rtol=1e-5, atol=1e-5)
 

@@ -249,22 +249,6 @@ class HFDecodeModel:
             k = k * cos + _rotate_half(k) * sin
         return k, v
 
-    def kv(self, h: torch.Tensor, i: int, rope: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values layer i would store for the hidden state `h` [B, T, C] entering it."""
-        w = self.layers[i]
-        B, T, C = h.shape
-        hq, hk, hd = self.heads_q, self.heads_kv, self.head_dim
-        x = F.rms_norm(h, (C,), w.n1, self.eps) if w.n1b is None else F.layer_norm(h, (C,), w.n1, w.n1b, self.eps)
-        kw, vw = w.wqkv[hq * hd : (hq + hk) * hd], w.wqkv[(hq + hk) * hd :]
-        kb = None if w.bqkv is None else w.bqkv[hq * hd : (hq + hk) * hd]
-        vb = None if w.bqkv is None else w.bqkv[(hq + hk) * hd :]
-        k = F.linear(x, kw, kb).view(B, T, hk, hd).transpose(1, 2)
-        v = F.linear(x, vw, vb).view(B, T, hk, hd).transpose(1, 2)
-        if len(rope) == 2:
-            cos, sin = rope
-            k = k * cos + _rotate_half(k) * sin
-        return k, v
-
 
 class StackedKV(NamedTuple):
     """The key/value projections of layers e..N-1 folded into one matrix over the *unscaled*
