@@ -150,27 +150,6 @@ def split_operand(x: torch.Tensor, per_sample: bool = False, max_int: int = MAX_
         )
 
 
-def spike_nnz(x: torch.Tensor) -> int | None:
-    """Nonzero count when every value is 0 or 1 (a spike tensor), else None.
-
-    The integer residual stream ({0, 1, 2, ...}) is not spikes."""
-    if x.dtype == torch.bool:
-        return int(torch.count_nonzero(x))
-    if x.is_complex() or x.device.type == "meta":
-        return None
-    if x.numel() == 0:
-        return 0
-    with torch.no_grad():
-        if not bool(((x == 0) | (x == 1)).all()):
-            return None
-        return int(torch.count_nonzero(x))
-
-
-def is_binary(x: torch.Tensor) -> bool:
-    """True when every value is 0 or 1."""
-    return spike_nnz(x) is not None
-
-
 class _Ctx:
     """The state a rule needs: the convention, whether the first op was charged, spike checks of
     parameters (cached per pass), and whether counting is paused (work done by the profiler itself)."""
