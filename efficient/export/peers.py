@@ -43,12 +43,12 @@ def _snntorch() -> Any:
 
 def peer_library(model: nn.Module) -> str | None:
     """"spikingjelly" or "snntorch" if `model` holds that library's neurons (the first found), else None."""
-    sj, snn = _sj_neuron_module(), _snntorch()
+    from efficient.profiler.neurons import neuron_library
+
     for m in model.modules():
-        if sj is not None and isinstance(m, sj.BaseNode):
-            return "spikingjelly"
-        if snn is not None and isinstance(m, snn.SpikingNeuron):
-            return "snntorch"
+        lib = neuron_library(m)
+        if lib in ("spikingjelly", "snntorch"):
+            return lib
     return None
 
 
