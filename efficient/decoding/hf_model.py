@@ -21,10 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from efficient.errors import ConfigError
-
-LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-GPT2_FAMILY = ("GPT2LMHeadModel",)
-SUPPORTED = LLAMA_FAMILY + GPT2_FAMILY
+from efficient.hf.families import LLAMA, SUPPORTED
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # cos/sin depend on the position only
 
 
@@ -78,7 +75,7 @@ class HFDecodeModel:
                 "(Llama, Mistral, Qwen2 and GPT-2 checkpoints load as these with AutoModelForCausalLM)")
         cfg = base.config
         self.hf, self.config, self.name = base, cfg, name
-        self.family = "llama" if name in LLAMA_FAMILY else "gpt2"
+        self.family = "llama" if name in LLAMA.classes else "gpt2"
         p = next(base.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.num_layers = cfg.num_hidden_layers
