@@ -106,13 +106,18 @@ class _Run:
         self.cos, self.sin = tables if len(tables) == 2 else (None, None)
         self.wpe = tables[0] if len(tables) == 1 else None
         self.steps = 0
+        self._rope_at, self._rope = None, ()
 
     def embed(self, slot: int, T: int) -> torch.Tensor:
         h = F.embedding(self.ids[:, slot : slot + T], self.dm.embed)
         return h if self.wpe is None else h + self.wpe[:, slot : slot + T]
 
     def rope(self, slot: int, T: int) -> tuple:
-        return () if self.cos is None else (self.cos[:, :, slot : slot + T], self.sin[:, :, slot : slot + T])
+        if self.cos is None:
+            return ()
+        if self._rope_at != (slot, T):  # the exits of one token reuse its slices
+            self._rope_at, self._rope = (slot, T), (self.cos[:, :, slot : slot + T], self.sin[:, :, slot : slot + T])
+        return self._rope
 
     def layers(self, h: torch.Tensor, slot: int, start: int, stop: int) -> torch.Tensor:
         """Layers start+1..stop on the chunk `h` [B, T, C] at slots slot..slot+T-1."""
@@ -201,9 +206,13 @@ def _layerwise(run: _Run, P: int, max_new: int, finished: torch.Tensor, eos: lis
             depth = e
             z = heads[e](h[:, -1])
             if B == 1:  # one row: the decision is one host read, no masks (this loop is overhead-bound)
-                took = e == N or float(_confidence(z)[0]) >= threshold
+                if e == N:
+                    took, arg = True, z.argmax(-1)
+                else:
+                    pmax, arg = _confidence(z)
+                    took = pmax.item() >= threshold
                 if took:
-                    tok, ex = z.argmax(-1), e
+                    tok, ex = arg, e
                     if forced is not None:
                         logprobs[:, i] = _logprob(z, forced[:, i])
                 done = took

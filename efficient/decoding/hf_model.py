@@ -215,15 +215,22 @@ class HFDecodeModel:
         """Folded key/value projections of layers e+1..N (0-based e..N-1), built once per exit."""
         if e not in self._stacked:
             hq, hk, hd = self.heads_q, self.heads_kv, self.head_dim
+            rotary = self._rotary is not None
             ws, bs = [], []
             for w in self.layers[e:]:
                 kv_w = w.wqkv[hq * hd :]  # [2 * hk * hd, C]: k rows then v rows
+                kv_b = None if w.bqkv is None else w.bqkv[hq * hd :]
+                if rotary:  # rows that give rotate_half(k) directly, so the rotary is one multiply-add
+                    kv_w = torch.cat([kv_w[: hk * hd], _rotate_half_rows(kv_w[: hk * hd], hk), kv_w[hk * hd :]])
+                    if kv_b is not None:
+                        kv_b = torch.cat([kv_b[: hk * hd], _rotate_half_rows(kv_b[: hk * hd], hk), kv_b[hk * hd :]])
                 ws.append(kv_w * w.n1[None, :])
-                c = None if w.bqkv is None else w.bqkv[hq * hd :]
+                c = kv_b
                 if w.n1b is not None:
                     c = kv_w @ w.n1b + (0 if c is None else c)
                 bs.append(c)
-            bias = None if all(b is None for b in bs) else torch.cat([torch.zeros(2 * hk * hd, device=self.device, dtype=self.dtype)
+            rows = ws[0].shape[0]
+            bias = None if all(b is None for b in bs) else torch.cat([torch.zeros(rows, device=self.device, dtype=self.dtype)
                                                                       if b is None else b for b in bs])
             self._stacked[e] = StackedKV(torch.cat(ws), bias)
         return self._stacked[e]
@@ -231,7 +238,7 @@ class HFDecodeModel:
     def fill_kv(self, h: torch.Tensor, e: int, rope: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy exit after layer e: the keys and values layers e+1..N would store for the hidden
         state `h` [B, 1, C] entering them, as [N - e, B, kv_heads, 1, head_dim] each, from one
-        normalisation and one matmul (`stacked_kv`)."""
+        normalisation, one matmul (`stacked_kv`) and, with rotary positions, one multiply-add."""
         B, T, C = h.shape
         hk, hd, L = self.heads_kv, self.head_dim, self.num_layers - e
         if self.layers[0].n1b is None:  # RMSNorm without its scale (folded into the weights)
@@ -239,21 +246,29 @@ class HFDecodeModel:
         else:
             x = F.layer_norm(h, (C,), None, None, self.eps)
         st = self.stacked_kv(e)
-        kv = F.linear(x, st.weight, st.bias).view(B, T, L, 2, hk, hd).permute(2, 3, 0, 4, 1, 5)  # [L, 2, B, hk, T, hd]
-        k, v = kv[:, 0], kv[:, 1]
-        if len(rope) == 2:
-            cos, sin = rope
-            k = k * cos + _rotate_half(k) * sin
-        return k, v
+        parts = 3 if len(rope) == 2 else 2
+        kv = F.linear(x, st.weight, st.bias).view(B, T, L, parts, hk, hd).permute(2, 3, 0, 4, 1, 5)  # [L, parts, B, hk, T, hd]
+        if parts == 2:
+            return kv[:, 0], kv[:, 1]
+        cos, sin = rope
+        return torch.addcmul(kv[:, 0] * cos, kv[:, 1], sin), kv[:, 2]
 
 
 class StackedKV(NamedTuple):
     """The key/value projections of layers e..N-1 folded into one matrix over the *unscaled*
     normalised hidden state x_hat: layer i's norm scale g_i (and LayerNorm shift b_i) go into its
-    rows, W (g_i * x_hat + b_i) + c = (W diag g_i) x_hat + (W b_i + c)."""
+    rows, W (g_i * x_hat + b_i) + c = (W diag g_i) x_hat + (W b_i + c). With rotary positions each
+    layer also has the rows of rotate_half(k) (a signed permutation of k's rows, `_rotate_half_rows`)."""
 
-    weight: torch.Tensor  # [(N - e) * 2 * kv_heads * head_dim, C]: per layer its k rows, then its v rows
+    weight: torch.Tensor  # [(N - e) * parts * kv_heads * head_dim, C]: per layer k rows, [rotate_half(k) rows,] v rows
     bias: torch.Tensor | None
+
+
+def _rotate_half_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows (or bias entries) `w` [heads * hd, ...] of a projection -> those whose output is
+    rotate_half of its output per head: (x1, x2) -> (-x2, x1) over each head's halves."""
+    x1, x2 = w.unflatten(0, (heads, 2, -1)).unbind(1)
+    return torch.stack((-x2, x1), 1).flatten(0, 2)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
