@@ -27,7 +27,7 @@ from torch import Tensor
 from efficient.kernels.lif_common import (
     _BLOCK, _NUM_WARPS, CHARGE_LEAK, HAS_TRITON, _check_compiler, _check_op_args, _choice, _choose_impl, _compiled,
     _Heaviside, _register_flops, _scalars, _surrogate_id, _triton_ready, _unviewed, check_input, default_alpha,
-    surrogate_grad,
+    eager_call, surrogate_grad,
 )
 
 if HAS_TRITON:
@@ -402,10 +402,10 @@ leaky_forward_op.register_autograd(_leaky_backward, setup_context=_leaky_setup_c
 
 
 class _EagerLeaky(torch.autograd.Function):
-    """`efficient::leaky_forward` and its backward for eager CPU calls: the same checks and loops as
-    the custom op, called directly. The op's Python dispatch and autograd wrapper cost ~0.2 ms per
-    layer and step, as much as the fused loop itself on a conv layer's 64k neurons; under
-    torch.compile (and on CUDA) the op is used, so graphs still see one opaque node."""
+    """`efficient::leaky_forward` and its backward for eager calls (`lif_common.eager_call`): the
+    same checks and implementations as the custom op, called directly. The op's Python dispatch and
+    autograd wrapper cost ~0.2 ms per layer and step, as much as the fused loop itself on a conv
+    layer's 64k neurons; under torch.compile the op is used, so graphs still see one opaque node."""
 
     @staticmethod
     def forward(ctx, *inputs):  # type: ignore[override]
@@ -479,7 +479,7 @@ def leaky(
         m0 = mem.reshape(-1).float() if mem is not None else None
         args = (x.reshape(x.shape[0], -1), m0, _per_neuron(beta, x, "beta"), _per_neuron(threshold, x, "threshold"),
                 rid, sid, alpha, spike_dtype, impl)
-        if x.device.type == "cpu" and not torch.compiler.is_compiling():
+        if eager_call(x):
             s, m = _EagerLeaky.apply(*args)  # same loops as the op, without its per-call dispatch cost
         else:
             s, m = torch.ops.efficient.leaky_forward(*args)

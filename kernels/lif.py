@@ -8,7 +8,8 @@ One kernel, four parts (see DESIGN.md, "Conventions"):
    the pre-reset potential H (fp32), the backward recomputes spikes and surrogate from it.
 3. One `torch.library` custom op pair, `efficient::lif_forward` / `efficient::lif_backward`, with
    fake implementations (so `torch.compile` traces models without graph breaks), an autograd
-   formula and a flop formula. Its CPU/CUDA implementation is chosen by `impl` (`IMPLS`): the
+   formula and a flop formula. Eager calls run the same implementations and formulas under a plain
+   autograd.Function (`_EagerLIF`), skipping the op's per-call dispatch cost (`eager_call` says when). Its CPU/CUDA implementation is chosen by `impl` (`IMPLS`): the
    Triton kernels, or the same loop written in torch and compiled with inductor into one fused
    C++/OpenMP loop (the fast CPU path), or that loop run eagerly.
 4. `lif`: the public entry point; `backend="auto"|"triton"|"torch"|"compile"|"loop"`, env
@@ -58,7 +59,7 @@ from efficient.kernels.lif_common import (  # noqa: F401
     _BLOCK, _NUM_WARPS, CHARGE_DECAY_INPUT, CHARGE_LEAK, CHARGE_NO_DECAY, COMPILE_MIN_NUMEL, HAS_TRITON, IMPLS,
     SURROGATE_ALPHA, SURROGATE_ATAN, SURROGATE_SIGMOID, SURROGATE_STE, SURROGATE_TRIANGLE, SURROGATES,
     _check_compiler, _check_op_args, _choose_impl, _compiled, _Heaviside, _register_flops, _scalars, _surrogate_id,
-    _triton_ready, _unviewed, check_input, default_alpha, resolve_backend, surrogate_grad,
+    _triton_ready, _unviewed, check_input, default_alpha, eager_call, resolve_backend, surrogate_grad,
 )
 
 if HAS_TRITON:
@@ -414,6 +415,10 @@ def lif_forward_op(
     reads x through its strides; the CPU loops index a dense [T, N], so a strided x is copied once
     for them.
     """
+    return _lif_forward_impl(x, rate, c, v_threshold, v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl, v0)
+
+
+def _lif_forward_impl(x, rate, c, v_threshold, v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl, v0=None):
     _check_op_args(x, charge, surrogate, impl)
     _check_state(v0, x, "v0")
     v0 = v0.contiguous() if v0 is not None else None
@@ -455,6 +460,12 @@ def lif_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of lif_forward from H (and v0) alone: (grad x [T, N] in x_dtype, grad rate 0-d fp32,
     grad v0 [N] fp32, or an empty tensor without v0)."""
+    return _lif_backward_impl(grad_spikes, grad_h, h, rate, c, v_threshold, v_reset, charge, surrogate, alpha,
+                              detach_reset, x_dtype, impl, v0)
+
+
+def _lif_backward_impl(grad_spikes, grad_h, h, rate, c, v_threshold, v_reset, charge, surrogate, alpha, detach_reset,
+                       x_dtype, impl, v0=None):
     gs = grad_spikes.contiguous()
     gm = grad_h.contiguous() if grad_h is not None else None
     v0 = v0.contiguous() if v0 is not None else None
@@ -479,17 +490,32 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, grad_spikes, grad_h):
+def _backward(ctx, grad_spikes, grad_h, backward_fn=lif_backward_op):
     h, rate, v0 = ctx.saved_tensors
     if grad_spikes is None:
         grad_spikes = torch.zeros_like(h)
-    gx, grate, gv0 = lif_backward_op(grad_spikes, grad_h, h, rate, *ctx.params, ctx.x_dtype, ctx.impl, v0)
+    gx, grate, gv0 = backward_fn(grad_spikes, grad_h, h, rate, *ctx.params, ctx.x_dtype, ctx.impl, v0)
     grate = grate.to(rate.dtype).reshape(rate.shape) if rate is not None and ctx.needs_input_grad[1] else None
     gv0 = gv0 if v0 is not None and ctx.needs_input_grad[11] else None
     return gx, grate, None, None, None, None, None, None, None, None, None, gv0
 
 
 lif_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerLIF(torch.autograd.Function):
+    """`efficient::lif_forward` and its backward for eager calls (`lif_common.eager_call`): the same
+    checks, implementations and saved tensors as the custom op, without its per-call dispatch."""
+
+    @staticmethod
+    def forward(ctx, *inputs):  # type: ignore[override]
+        out = _lif_forward_impl(*inputs)
+        _setup_context(ctx, inputs, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_spikes, grad_h):  # type: ignore[override]
+        return _backward(ctx, grad_spikes, grad_h, backward_fn=_lif_backward_impl)
 
 
 # forward per element and step: charge 4, compare 1, reset select 1;
@@ -576,9 +602,9 @@ def lif(
         x2 = x.reshape(x.shape[0], -1)
         r = rate.reshape(()).float() if rate is not None else None
         v0 = v_init.reshape(-1).float() if v_init is not None else None
-        s, h = torch.ops.efficient.lif_forward(
-            x2, r, c, float(v_threshold), vr, charge, sid, alpha, bool(detach_reset), spike_dtype, impl, v0
-        )
+        args = (x2, r, c, float(v_threshold), vr, charge, sid, alpha, bool(detach_reset), spike_dtype, impl, v0)
+        # eager: the op's implementation without its dispatch cost; traced or observed: the op
+        s, h = _EagerLIF.apply(*args) if eager_call(x) else torch.ops.efficient.lif_forward(*args)
         s, h = s.view(x.shape), h.view(x.shape)
     return (s, h) if return_membrane else s
 

@@ -281,6 +281,18 @@ def _choose_impl(backend: str, impl: Optional[str], x: Tensor) -> tuple[Optional
     return chosen, _IMPL_OF_BACKEND.get(chosen)
 
 
+def eager_call(x: Tensor) -> bool:
+    """Whether a neuron call may run its custom op's implementation under a plain
+    `torch.autograd.Function` instead of the op. The op's Python dispatch and autograd wrapper cost
+    about 0.2 ms per call and step, more than the fused loop on a small layer; the op is kept where
+    something must see it as one node: torch.compile and export (tracing), a Python dispatch mode
+    (FakeTensor, FLOP counters), a torch-function mode (memory's spike tracking), a functorch
+    transform, or a tensor subclass."""
+    return (type(x) is torch.Tensor and not torch.compiler.is_compiling()
+            and not torch._C._len_torch_dispatch_stack() and not torch._C._len_torch_function_stack()
+            and not torch._C._are_functorch_transforms_active())
+
+
 def _check_compiler(impl: Optional[str], x: Tensor) -> None:
     if impl == "inductor" and x.device.type == "cpu" and not _backend.have_cxx_compiler():
         raise RuntimeError("backend='compile' needs a C++ compiler on CPU (g++ or clang++); use backend='torch'")

@@ -465,3 +465,50 @@ def test_leaky_eager_path_equals_the_custom_op(reset, impl):
     assert torch.equal(s1, s2) and torch.equal(m1, m2)
     for a, b in zip(g1, g2):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("impl", ["loop", pytest.param("inductor", marks=needs_cxx)])
+@pytest.mark.parametrize("case", ["lif", "plif-soft", "v0"])
+def test_lif_eager_path_equals_the_custom_op(case, impl):
+    """Eager `lif` skips the op's dispatch (K._EagerLIF); spikes, membrane and every gradient must be
+    the op's, bit for bit: PLIF's rate, soft reset and an initial membrane included."""
+    torch.manual_seed(0)
+    x = (torch.randn(6, 40) + 0.6).requires_grad_()
+    rate = torch.tensor(0.4, requires_grad=True) if case == "plif-soft" else None
+    v0 = torch.rand(40, requires_grad=True) if case == "v0" else None
+    charge = K.CHARGE_NO_DECAY if case == "plif-soft" else K.CHARGE_DECAY_INPUT
+    args = (x, rate, 2.0, 1.0, None if case == "plif-soft" else 0.0, charge, K._surrogate_id("atan"), 2.0, True,
+            torch.float32, impl, v0)
+    wrt = [t for t in (x, rate, v0) if t is not None]
+    outs = []
+    for fn in (K._EagerLIF.apply, torch.ops.efficient.lif_forward):
+        s, h = fn(*args)
+        outs.append((s, h, torch.autograd.grad((s * torch.linspace(0, 1, 40)).sum() + h.pow(2).sum(), wrt)))
+    (s1, h1, g1), (s2, h2, g2) = outs
+    assert s1.sum() > 0 and (s1 == 0).any()
+    assert torch.equal(s1, s2) and torch.equal(h1, h2)
+    for a, b in zip(g1, g2):
+        assert torch.equal(a, b)
+
+
+def test_lif_runs_the_op_only_where_something_observes_it():
+    """Plain eager calls take the direct path; a dispatch mode (FLOP counters, FakeTensor) or a
+    torch-function mode (memory's spike tracking) sees the custom op."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x = _input((4, 10)).requires_grad_()
+
+    def node(out):  # the autograd node under lif's reshape
+        return type(out.grad_fn.next_functions[0][0]).__name__
+
+    assert node(K.lif(x, impl="loop")) == "_EagerLIFBackward"
+    assert node(K.leaky(x, 0.9, impl="loop")) == "_EagerLeakyBackward"
+    with FlopCounterMode(display=False):
+        assert "Eager" not in node(K.lif(x, impl="loop"))
+    class Passthrough(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Passthrough():
+        assert "Eager" not in node(K.leaky(x, 0.9, impl="loop"))
