@@ -39,7 +39,8 @@ except ImportError:  # pragma: no cover - exercised only without triton
     HAS_TRITON = False
 
 __all__ = [
-    "BACKENDS", "ENV_VAR", "HAS_TRITON", "have_cxx_compiler", "interpreter_on", "requested_backend", "resolve_backend",
+    "BACKENDS", "ENV_VAR", "HAS_TRITON", "eager_call", "eager_function", "have_cxx_compiler", "interpreter_on",
+    "requested_backend", "resolve_backend",
 ]
 
 BACKENDS = ("auto", "triton", "torch", "compile", "loop")
@@ -47,6 +48,36 @@ ENV_VAR = "EFFICIENT_BACKEND"
 
 # looked up once at import: the resolver also runs inside torch.compile tracing
 _HAVE_CXX = any(shutil.which(cc) for cc in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if cc)
+
+
+def eager_call(x: torch.Tensor, function_modes: bool = True) -> bool:
+    """Whether a kernel call may run its custom op's implementation directly (under a plain
+    `torch.autograd.Function`, `eager_function`, where it has a gradient) instead of the op. The op's
+    Python dispatch and autograd wrapper cost 0.1-0.2 ms per call, more than a small layer's
+    arithmetic; the op is kept where something must see it as one node: torch.compile and export
+    (tracing), a Python dispatch mode (FakeTensor, FLOP counters), a functorch transform, a tensor
+    subclass, and with `function_modes` a torch-function mode (memory's spike tracking)."""
+    return (type(x) is torch.Tensor and not torch.compiler.is_compiling()
+            and not torch._C._len_torch_dispatch_stack()
+            and not (function_modes and torch._C._len_torch_function_stack())
+            and not torch._C._are_functorch_transforms_active())
+
+
+def eager_function(name: str, forward, setup_context, backward) -> type:
+    """A `torch.autograd.Function` named `name` that runs a custom op's implementation `forward`
+    with the op's own `setup_context(ctx, inputs, output)` and `backward(ctx, *grads)`: the op's
+    semantics without its dispatch (see `eager_call`)."""
+
+    def fwd(ctx, *inputs):
+        out = forward(*inputs)
+        setup_context(ctx, inputs, out)
+        return out
+
+    def bwd(ctx, *grads):
+        return backward(ctx, *grads)
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd),
+                                                   "__doc__": eager_function.__doc__})
 
 
 def have_cxx_compiler() -> bool:

@@ -282,15 +282,8 @@ def _choose_impl(backend: str, impl: Optional[str], x: Tensor) -> tuple[Optional
 
 
 def eager_call(x: Tensor) -> bool:
-    """Whether a neuron call may run its custom op's implementation under a plain
-    `torch.autograd.Function` instead of the op. The op's Python dispatch and autograd wrapper cost
-    about 0.2 ms per call and step, more than the fused loop on a small layer; the op is kept where
-    something must see it as one node: torch.compile and export (tracing), a Python dispatch mode
-    (FakeTensor, FLOP counters), a torch-function mode (memory's spike tracking), a functorch
-    transform, or a tensor subclass."""
-    return (type(x) is torch.Tensor and not torch.compiler.is_compiling()
-            and not torch._C._len_torch_dispatch_stack() and not torch._C._len_torch_function_stack()
-            and not torch._C._are_functorch_transforms_active())
+    """Whether a neuron call may skip its custom op (`efficient.kernels._backend.eager_call`)."""
+    return _backend.eager_call(x)
 
 
 def _check_compiler(impl: Optional[str], x: Tensor) -> None:

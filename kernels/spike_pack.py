@@ -30,7 +30,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from efficient.kernels._backend import BACKENDS  # noqa: F401 - the accepted values
+from efficient.kernels._backend import BACKENDS, eager_call  # noqa: F401 - BACKENDS: the accepted values
 from efficient.kernels.token_select import resolve_backend  # triton or torch, as for the STATA kernels
 
 try:  # Triton is optional: the torch path covers CPU
@@ -170,6 +170,10 @@ def unpack_spikes_triton(bits: Tensor, shape: Sequence[int], dtype: torch.dtype)
 
 @torch.library.custom_op("efficient::pack_spikes", mutates_args=())
 def _pack_op(x: Tensor, backend: str) -> Tensor:
+    return _pack_impl(x, backend)
+
+
+def _pack_impl(x: Tensor, backend: str) -> Tensor:
     if backend == "triton":
         return pack_spikes_triton(x)
     return pack_spikes_torch(x)
@@ -182,6 +186,10 @@ def _(x: Tensor, backend: str) -> Tensor:
 
 @torch.library.custom_op("efficient::unpack_spikes", mutates_args=())
 def _unpack_op(bits: Tensor, shape: Sequence[int], dtype: torch.dtype, backend: str) -> Tensor:
+    return _unpack_impl(bits, shape, dtype, backend)
+
+
+def _unpack_impl(bits: Tensor, shape: Sequence[int], dtype: torch.dtype, backend: str) -> Tensor:
     if backend == "triton":
         return unpack_spikes_triton(bits, shape, dtype)
     return unpack_spikes_torch(bits, shape, dtype)
@@ -230,7 +238,9 @@ def pack_spikes(x: Tensor, backend: str = "auto") -> Tensor:
     i // 8 (little-endian in the byte); nonzero packs as 1. Reads a non-contiguous `x` in logical
     order. Not differentiable (x is detached)."""
     _check_spikes(x)
-    return _pack_op(x.detach(), resolve_backend(backend, x, "spike_pack"))
+    # no gradient: eager calls run the implementation directly, without the op's dispatch
+    pack = _pack_impl if eager_call(x, function_modes=False) else _pack_op
+    return pack(x.detach(), resolve_backend(backend, x, "spike_pack"))
 
 
 def unpack_spikes(bits: Tensor, shape: Sequence[int], dtype: torch.dtype, backend: str = "auto") -> Tensor:
@@ -238,7 +248,8 @@ def unpack_spikes(bits: Tensor, shape: Sequence[int], dtype: torch.dtype, backen
     on the device of `bits`. `shape` must be the packed tensor's: its numel must need exactly
     `bits.numel()` bytes."""
     shape = _check_unpack(bits, shape, dtype)
-    return _unpack_op(bits, shape, dtype, resolve_backend(backend, bits, "spike_pack"))
+    unpack = _unpack_impl if eager_call(bits, function_modes=False) else _unpack_op
+    return unpack(bits, shape, dtype, resolve_backend(backend, bits, "spike_pack"))
 
 
 def is_binary(x: Tensor) -> bool:

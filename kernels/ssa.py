@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from efficient.kernels._backend import eager_call, eager_function
 from efficient.kernels.token_select import HAS_TRITON, _next_pow2, resolve_backend
 
 if HAS_TRITON:
@@ -146,6 +147,10 @@ def ssa_triton(q: Tensor, k: Tensor, v: Tensor, scale: float, anchor: bool, scor
 
 @torch.library.custom_op("efficient::ssa", mutates_args=())
 def _ssa_op(q: Tensor, k: Tensor, v: Tensor, scale: float, anchor: bool, scores: bool, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    return _ssa_impl(q, k, v, scale, anchor, scores, backend)
+
+
+def _ssa_impl(q: Tensor, k: Tensor, v: Tensor, scale: float, anchor: bool, scores: bool, backend: str) -> tuple[Tensor, Tensor, Tensor]:
     if backend == "triton":
         y, s, c = ssa_triton(q, k, v, scale, anchor, scores)
     else:
@@ -202,6 +207,7 @@ def _ssa_backward(ctx, gy: Tensor, gs: Tensor | None, gc: Tensor | None):
 
 
 _ssa_op.register_autograd(_ssa_backward, setup_context=_ssa_setup)
+_EagerSSA = eager_function("_EagerSSA", _ssa_impl, _ssa_setup, _ssa_backward)  # eager calls: no op dispatch
 
 
 # ------------------------------------------------------------------------------------ public API
@@ -235,7 +241,7 @@ def spiking_attention(
     if resolve_backend(backend, q, "ssa") == "torch":
         # plain aten ops: autograd differentiates the reference and op counters see its matmuls
         return ssa_ref(q, k, v, float(scale), bool(anchor), bool(scores))
-    y, s, c = _ssa_op(q, k, v, float(scale), bool(anchor), bool(scores), "triton")
+    y, s, c = (_EagerSSA.apply if eager_call(q) else _ssa_op)(q, k, v, float(scale), bool(anchor), bool(scores), "triton")
     if not scores:
         return y, None, None
     return y, s, c

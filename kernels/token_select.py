@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from efficient.kernels import _backend
-from efficient.kernels._backend import BACKENDS  # noqa: F401 - the accepted values
+from efficient.kernels._backend import BACKENDS, eager_call, eager_function  # noqa: F401 - BACKENDS: the accepted values
 
 try:  # Triton is optional: the torch path covers CPU
     import triton
@@ -211,6 +211,10 @@ def _gather_triton(src: Tensor, idx: Tensor, n_out: int, scatter: bool) -> Tenso
 
 @torch.library.custom_op("efficient::stata_select", mutates_args=())
 def _select_op(scores: Tensor, k: int, eps: float, standardize: bool, backend: str) -> tuple[Tensor, Tensor]:
+    return _select_impl(scores, k, eps, standardize, backend)
+
+
+def _select_impl(scores: Tensor, k: int, eps: float, standardize: bool, backend: str) -> tuple[Tensor, Tensor]:
     if backend == "triton":
         return select_tokens_triton(scores, k, eps, standardize)
     return select_tokens_ref(scores, k, eps, standardize)
@@ -238,6 +242,10 @@ def _check_index_range(idx: Tensor, n: int) -> None:
 
 @torch.library.custom_op("efficient::token_gather", mutates_args=())
 def _gather_op(x: Tensor, idx: Tensor, backend: str) -> Tensor:
+    return _gather_impl(x, idx, backend)
+
+
+def _gather_impl(x: Tensor, idx: Tensor, backend: str) -> Tensor:
     _check_index_range(idx, x.shape[2])
     if backend == "triton":
         return _gather_triton(x, idx, idx.shape[1], scatter=False)
@@ -252,6 +260,10 @@ def _(x: Tensor, idx: Tensor, backend: str) -> Tensor:
 
 @torch.library.custom_op("efficient::token_scatter", mutates_args=())
 def _scatter_op(g: Tensor, idx: Tensor, n: int, backend: str) -> Tensor:
+    return _scatter_impl(g, idx, n, backend)
+
+
+def _scatter_impl(g: Tensor, idx: Tensor, n: int, backend: str) -> Tensor:
     # gather's backward: idx was checked by the forward (the kernel skips out-of-range rows anyway)
     if backend == "triton":
         return _gather_triton(g, idx, n, scatter=True)
@@ -276,6 +288,10 @@ def _gather_backward(ctx, g: Tensor):
 
 
 _gather_op.register_autograd(_gather_backward, setup_context=_gather_setup)
+# eager calls: the same implementation and saved index, the scatter called directly in backward
+_EagerGather = eager_function(
+    "_EagerGather", _gather_impl, _gather_setup,
+    lambda ctx, g: (_scatter_impl(g.contiguous(), ctx.saved_tensors[0], ctx.n, ctx.backend), None, None))
 
 
 def _scatter_setup(ctx, inputs, output) -> None:
@@ -306,7 +322,8 @@ def select_tokens(
     if not 1 <= k <= scores.shape[-1]:
         what = "an empty keep set" if k < 1 else "more tokens than there are"
         raise ValueError(f"k must be in 1..N={scores.shape[-1]} (k={k} asks for {what})")
-    return _select_op(scores.detach(), int(k), float(eps), bool(standardize), resolve_backend(backend, scores))
+    select = _select_impl if eager_call(scores, function_modes=False) else _select_op  # no gradient: no autograd node
+    return select(scores.detach(), int(k), float(eps), bool(standardize), resolve_backend(backend, scores))
 
 
 def gather_tokens(x: Tensor, idx: Tensor, backend: str = "auto") -> Tensor:
@@ -321,4 +338,5 @@ def gather_tokens(x: Tensor, idx: Tensor, backend: str = "auto") -> Tensor:
         raise ValueError(f"idx has {idx.shape[0]} keep sets but x has batch size B={x.shape[1]}: idx must be [B, k]")
     if idx.shape[1] < 1:
         raise ValueError("idx is an empty keep set (k=0): keep at least one token per sample")
-    return _gather_op(x, idx.to(torch.int64), resolve_backend(backend, x))
+    gather = _EagerGather.apply if eager_call(x) else _gather_op
+    return gather(x, idx.to(torch.int64), resolve_backend(backend, x))
