@@ -128,11 +128,11 @@ class _Run:
         self.steps += T * (stop - start)
         return h
 
-    def fill(self, h: torch.Tensor, slot: int, start: int) -> None:
-        """Copy: keys/values of layers start+1..N at `slot` from the exited hidden state `h` [B, 1, C]."""
-        k, v = self.dm.fill_kv(h, start, self.rope(slot, 1))
-        self.cache.K[start:, :, :, slot : slot + 1] = k
-        self.cache.V[start:, :, :, slot : slot + 1] = v
+    def fill(self, h: torch.Tensor, slot: int, start: int, normalized: bool = False) -> None:
+        """Copy: keys/values of layers start+1..N at `slot` from the exited hidden state `h` [B, 1, C]
+        (or its x_hat, `normalized`), written straight into the cache."""
+        out = (self.cache.K[start:, :, :, slot : slot + 1], self.cache.V[start:, :, :, slot : slot + 1])
+        self.dm.fill_kv(h, start, self.rope(slot, 1), normalized=normalized, out=out)
 
 
 def _confidence(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,6 +180,8 @@ def _layerwise(run: _Run, P: int, max_new: int, finished: torch.Tensor, eos: lis
     B, dev = run.ids.shape[0], run.ids.device
     visit = [e for e in exits if e < N] + [N] if threshold < 1 else [N]
     heads = {e: dm.head(e) for e in visit}
+    # copy: a shared exit head reads x_hat, which the key/value fill reuses (one normalisation)
+    nheads = {e: dm.normalized_head(e) if strategy == "copy" and e < N else None for e in visit}
     c = P - 1  # slots < c hold full-depth keys/values; c..n-1 are pending (recompute)
     states = torch.empty(B, run.cache.max_len, dm.embed.shape[1], device=dev, dtype=dm.dtype)
     depth_at = [0] * run.cache.max_len
@@ -204,7 +206,8 @@ def _layerwise(run: _Run, P: int, max_new: int, finished: torch.Tensor, eos: lis
                 h = states[:, start : n + 1]
             h = run.layers(h, start, depth, e)
             depth = e
-            z = heads[e](h[:, -1])
+            xhat = None if nheads[e] is None else dm.normalize(h[:, -1:])
+            z = heads[e](h[:, -1]) if xhat is None else nheads[e](xhat)[:, -1]
             if B == 1:  # one row: the decision is one host read, no masks (this loop is overhead-bound)
                 if e == N:
                     took, arg = True, z.argmax(-1)
@@ -234,7 +237,7 @@ def _layerwise(run: _Run, P: int, max_new: int, finished: torch.Tensor, eos: lis
                 break
             if done:
                 if strategy == "copy":
-                    run.fill(h[:, -1:], n, e)
+                    run.fill(h[:, -1:] if xhat is None else xhat, n, e, normalized=xhat is not None)
                     fills += N - e
                     c = n + 1
                 else:  # slots start..n now stand at depth e

@@ -89,6 +89,7 @@ class HFDecodeModel:
         self.vocab_size = self.lm_head.shape[0]
         self.heads: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
         self._stacked: dict[int, StackedKV] = {}
+        self._stacked_head: dict[str, tuple] = {}
 
     # ---------------------------------------------------------------- reading weights
 
@@ -170,6 +171,28 @@ class HFDecodeModel:
             return F.rms_norm(h, (h.shape[-1],), self.norm_w, self.eps)
         return F.layer_norm(h, (h.shape[-1],), self.norm_w, self.norm_b, self.eps)
 
+    def normalize(self, h: torch.Tensor) -> torch.Tensor:
+        """The unscaled normalisation x_hat of `h` that every layer's input norm and the final norm
+        share (RMSNorm or LayerNorm without its affine part; one eps for all of them)."""
+        if self.norm_b is None:
+            return F.rms_norm(h, (h.shape[-1],), None, self.eps)
+        return F.layer_norm(h, (h.shape[-1],), None, None, self.eps)
+
+    def normalized_head(self, k: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """Exit k's logits from x_hat (`normalize`), the final norm's scale and shift folded into the
+        LM head, W (g * x_hat + b) + c = (W diag g) x_hat + (W b + c); None for the wrapper's own
+        exit heads. A copy exit normalises once for its decision and its key/value fill."""
+        if self.own_heads and k != self.num_layers:
+            return None
+        if "folded" not in self._stacked_head:
+            w = self.lm_head * self.norm_w[None, :]
+            b = self.lm_head_b
+            if self.norm_b is not None:
+                b = self.lm_head @ self.norm_b + (0 if b is None else b)
+            self._stacked_head["folded"] = (w, b)
+        w, b = self._stacked_head["folded"]
+        return lambda x: F.linear(x, w, b)
+
     def head(self, k: int) -> Callable[[torch.Tensor], torch.Tensor]:
         """Hidden state after layer k -> logits: the final norm and LM head (the last layer, a plain
         model, a wrapper with shared heads), or the wrapper's own exit head k."""
@@ -235,23 +258,33 @@ class HFDecodeModel:
             self._stacked[e] = StackedKV(torch.cat(ws), bias)
         return self._stacked[e]
 
-    def fill_kv(self, h: torch.Tensor, e: int, rope: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    def fill_kv(self, h: torch.Tensor, e: int, rope: tuple, *, normalized: bool = False,
+                out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy exit after layer e: the keys and values layers e+1..N would store for the hidden
         state `h` [B, 1, C] entering them, as [N - e, B, kv_heads, 1, head_dim] each, from one
-        normalisation, one matmul (`stacked_kv`) and, with rotary positions, one multiply-add."""
+        normalisation, one matmul (`stacked_kv`) and, with rotary positions, one multiply-add.
+        `normalized`: `h` is already x_hat (`normalize`). `out`: (keys, values) views to write into
+        (the cache's slots), returned."""
         B, T, C = h.shape
         hk, hd, L = self.heads_kv, self.head_dim, self.num_layers - e
-        if self.layers[0].n1b is None:  # RMSNorm without its scale (folded into the weights)
-            x = F.rms_norm(h, (C,), None, self.eps)
-        else:
-            x = F.layer_norm(h, (C,), None, None, self.eps)
+        x = h if normalized else self.normalize(h)  # the layers' norm scales are folded into the weights
         st = self.stacked_kv(e)
         parts = 3 if len(rope) == 2 else 2
         kv = F.linear(x, st.weight, st.bias).view(B, T, L, parts, hk, hd).permute(2, 3, 0, 4, 1, 5)  # [L, parts, B, hk, T, hd]
         if parts == 2:
-            return kv[:, 0], kv[:, 1]
+            k, v = kv.unbind(1)
+            if out is None:
+                return k, v
+            out[0].copy_(k)
+            out[1].copy_(v)
+            return out
         cos, sin = rope
-        return torch.addcmul(kv[:, 0] * cos, kv[:, 1], sin), kv[:, 2]
+        k, k_rot, v = kv.unbind(1)
+        if out is None:
+            return torch.addcmul(k * cos, k_rot, sin), v
+        torch.mul(k, cos, out=out[0]).addcmul_(k_rot, sin)
+        out[1].copy_(v)
+        return out
 
 
 class StackedKV(NamedTuple):
