@@ -56,7 +56,8 @@ def eager_call(x: torch.Tensor, function_modes: bool = True) -> bool:
     Python dispatch and autograd wrapper cost 0.1-0.2 ms per call, more than a small layer's
     arithmetic; the op is kept where something must see it as one node: torch.compile and export
     (tracing), a Python dispatch mode (FakeTensor, FLOP counters), a functorch transform, a tensor
-    subclass, and with `function_modes` a torch-function mode (memory's spike tracking)."""
+    subclass, and with `function_modes` a torch-function mode (memory's spike tracking follows some
+    ops, such as the token gather, by name)."""
     return (type(x) is torch.Tensor and not torch.compiler.is_compiling()
             and not torch._C._len_torch_dispatch_stack()
             and not (function_modes and torch._C._len_torch_function_stack())

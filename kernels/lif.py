@@ -8,10 +8,11 @@ One kernel, four parts (see DESIGN.md, "Conventions"):
    the pre-reset potential H (fp32), the backward recomputes spikes and surrogate from it.
 3. One `torch.library` custom op pair, `efficient::lif_forward` / `efficient::lif_backward`, with
    fake implementations (so `torch.compile` traces models without graph breaks), an autograd
-   formula and a flop formula. Eager calls run the same implementations and formulas under a plain
-   autograd.Function (`_EagerLIF`), skipping the op's per-call dispatch cost (`eager_call` says when). Its CPU/CUDA implementation is chosen by `impl` (`IMPLS`): the
+   formula and a flop formula. Its CPU/CUDA implementation is chosen by `impl` (`IMPLS`): the
    Triton kernels, or the same loop written in torch and compiled with inductor into one fused
-   C++/OpenMP loop (the fast CPU path), or that loop run eagerly.
+   C++/OpenMP loop (the fast CPU path), or that loop run eagerly. Eager calls run the same
+   implementations and formulas under a plain autograd.Function (`_EagerLIF`), skipping the op's
+   per-call dispatch cost (`eager_call` says when).
 4. `lif`: the public entry point; `backend="auto"|"triton"|"torch"|"compile"|"loop"`, env
    `EFFICIENT_BACKEND` overrides `auto` (resolved by `efficient.kernels._backend`). `auto` = Triton
    on CUDA; on CPU the compiled loop for inputs of at least COMPILE_MIN_NUMEL elements, and the same

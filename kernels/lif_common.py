@@ -282,7 +282,9 @@ def _choose_impl(backend: str, impl: Optional[str], x: Tensor) -> tuple[Optional
 
 
 def eager_call(x: Tensor) -> bool:
-    """Whether a neuron call may skip its custom op (`efficient.kernels._backend.eager_call`)."""
+    """Whether a neuron call may skip its custom op (`efficient.kernels._backend.eager_call`). Under
+    a torch-function mode (memory's spike tracking) the op is kept: its implementation then runs
+    outside the mode, which the compiled CPU loop needs (dynamo cannot trace the mode's handler)."""
     return _backend.eager_call(x)
 
 

@@ -512,3 +512,4 @@ def test_lif_runs_the_op_only_where_something_observes_it():
 
     with Passthrough():
         assert "Eager" not in node(K.leaky(x, 0.9, impl="loop"))
+        assert "Eager" not in node(K.lif(x, impl="loop"))
