@@ -26,8 +26,8 @@ from torch import Tensor
 
 from efficient.kernels.lif_common import (
     _BLOCK, _NUM_WARPS, CHARGE_LEAK, HAS_TRITON, _check_compiler, _check_op_args, _choice, _choose_impl, _compiled,
-    _Heaviside, _register_flops, _scalars, _surrogate_id, _triton_ready, _unviewed, check_input, default_alpha,
-    eager_call, surrogate_grad,
+    _Heaviside, _register_flops, _scalars, _surrogate_id, _triton_ready, _unviewed, check_input,
+    default_alpha, eager_call, surrogate_grad,
 )
 
 if HAS_TRITON:

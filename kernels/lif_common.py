@@ -175,7 +175,15 @@ def _compiled(base: types.FunctionType, static: tuple):
     _compiled_names.append(code.co_name)
     fn = types.FunctionType(code, base.__globals__, code.co_name, base.__defaults__, base.__closure__)
     fn.__kwdefaults__ = dict(static)
-    return torch.compile(fn, dynamic=True, fullgraph=True)
+    compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+
+    def run(*args):
+        # one dispatch state for every caller (the custom op with and without autograd, the eager
+        # path): dynamo guards on the tensors' dispatch keys and would compile once per state
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            return compiled(*args)
+
+    return run
 
 
 _compiled_names: list[str] = []
