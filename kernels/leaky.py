@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from efficient.kernels._backend import eager_function
 from efficient.kernels.lif_common import (
     _BLOCK, _NUM_WARPS, CHARGE_LEAK, HAS_TRITON, _check_compiler, _check_op_args, _choice, _choose_impl, _compiled,
     _Heaviside, _register_flops, _scalars, _surrogate_id, _triton_ready, _unviewed, check_input,
@@ -401,21 +402,12 @@ def _leaky_backward(ctx, grad_spikes, grad_mem, backward_fn=leaky_backward_op):
 leaky_forward_op.register_autograd(_leaky_backward, setup_context=_leaky_setup_context)
 
 
-class _EagerLeaky(torch.autograd.Function):
-    """`efficient::leaky_forward` and its backward for eager calls (`lif_common.eager_call`): the
-    same checks and implementations as the custom op, called directly. The op's Python dispatch and
-    autograd wrapper cost ~0.2 ms per layer and step, as much as the fused loop itself on a conv
-    layer's 64k neurons; under torch.compile the op is used, so graphs still see one opaque node."""
-
-    @staticmethod
-    def forward(ctx, *inputs):  # type: ignore[override]
-        out = _leaky_forward_impl(*inputs)
-        _leaky_setup_context(ctx, inputs, out)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_spikes, grad_mem):  # type: ignore[override]
-        return _leaky_backward(ctx, grad_spikes, grad_mem, backward_fn=_leaky_backward_impl)
+# eager calls (`lif_common.eager_call`): the op's checks and implementations, called directly. The
+# op's Python dispatch and autograd wrapper cost ~0.2 ms per layer and step, as much as the fused
+# loop itself on a conv layer's 64k neurons; under torch.compile the op is used, so graphs still see
+# one opaque node.
+_EagerLeaky = eager_function("_EagerLeaky", _leaky_forward_impl, _leaky_setup_context,
+                             lambda ctx, gs, gm: _leaky_backward(ctx, gs, gm, backward_fn=_leaky_backward_impl))
 
 
 # snntorch order: leak 2, reset select 2, compare 1; backward: surrogate ~6, accumulate ~7

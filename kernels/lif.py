@@ -50,7 +50,7 @@ from torch import Tensor
 
 from efficient.kernels import leaky as _leaky_module
 from efficient.kernels import lif_common as _common
-from efficient.kernels._backend import BACKENDS
+from efficient.kernels._backend import BACKENDS, eager_function
 # re-exported: snntorch's order, and what both orders share
 from efficient.kernels.leaky import (  # noqa: F401
     RESET_NONE, RESET_SUBTRACT, RESET_ZERO, RESETS, _EagerLeaky, _reset_id, leaky, leaky_backward_op, leaky_forward_op,
@@ -504,19 +504,10 @@ def _backward(ctx, grad_spikes, grad_h, backward_fn=lif_backward_op):
 lif_forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-class _EagerLIF(torch.autograd.Function):
-    """`efficient::lif_forward` and its backward for eager calls (`lif_common.eager_call`): the same
-    checks, implementations and saved tensors as the custom op, without its per-call dispatch."""
-
-    @staticmethod
-    def forward(ctx, *inputs):  # type: ignore[override]
-        out = _lif_forward_impl(*inputs)
-        _setup_context(ctx, inputs, out)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_spikes, grad_h):  # type: ignore[override]
-        return _backward(ctx, grad_spikes, grad_h, backward_fn=_lif_backward_impl)
+# eager calls (`lif_common.eager_call`): the op's checks, implementations and saved tensors, without
+# its per-call dispatch
+_EagerLIF = eager_function("_EagerLIF", _lif_forward_impl, _setup_context,
+                           lambda ctx, gs, gh: _backward(ctx, gs, gh, backward_fn=_lif_backward_impl))
 
 
 # forward per element and step: charge 4, compare 1, reset select 1;
