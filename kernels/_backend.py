@@ -57,7 +57,8 @@ def eager_call(x: torch.Tensor, function_modes: bool = True) -> bool:
     arithmetic; the op is kept where something must see it as one node: torch.compile and export
     (tracing), a Python dispatch mode (FakeTensor, FLOP counters), a functorch transform, a tensor
     subclass, and with `function_modes` a torch-function mode (memory's spike tracking follows some
-    ops, such as the token gather, by name)."""
+    ops, such as the token gather, by name; a neuron's compiled CPU loop runs outside the mode only
+    inside the op, and dynamo cannot trace the mode's handler)."""
     return (type(x) is torch.Tensor and not torch.compiler.is_compiling()
             and not torch._C._len_torch_dispatch_stack()
             and not (function_modes and torch._C._len_torch_function_stack())
@@ -74,10 +75,7 @@ def eager_function(name: str, forward, setup_context, backward) -> type:
         setup_context(ctx, inputs, out)
         return out
 
-    def bwd(ctx, *grads):
-        return backward(ctx, *grads)
-
-    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd),
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(backward),
                                                    "__doc__": eager_function.__doc__})
 
 

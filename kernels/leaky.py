@@ -24,11 +24,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from efficient.kernels._backend import eager_function
+from efficient.kernels._backend import eager_call, eager_function
 from efficient.kernels.lif_common import (
     _BLOCK, _NUM_WARPS, CHARGE_LEAK, HAS_TRITON, _check_compiler, _check_op_args, _choice, _choose_impl, _compiled,
     _Heaviside, _register_flops, _scalars, _surrogate_id, _triton_ready, _unviewed, check_input,
-    default_alpha, eager_call, surrogate_grad,
+    default_alpha, surrogate_grad,
 )
 
 if HAS_TRITON:
@@ -402,7 +402,7 @@ def _leaky_backward(ctx, grad_spikes, grad_mem, backward_fn=leaky_backward_op):
 leaky_forward_op.register_autograd(_leaky_backward, setup_context=_leaky_setup_context)
 
 
-# eager calls (`lif_common.eager_call`): the op's checks and implementations, called directly. The
+# eager calls (`_backend.eager_call`): the op's checks and implementations, called directly. The
 # op's Python dispatch and autograd wrapper cost ~0.2 ms per layer and step, as much as the fused
 # loop itself on a conv layer's 64k neurons; under torch.compile the op is used, so graphs still see
 # one opaque node.

@@ -50,7 +50,7 @@ from torch import Tensor
 
 from efficient.kernels import leaky as _leaky_module
 from efficient.kernels import lif_common as _common
-from efficient.kernels._backend import BACKENDS, eager_function
+from efficient.kernels._backend import BACKENDS, eager_call, eager_function
 # re-exported: snntorch's order, and what both orders share
 from efficient.kernels.leaky import (  # noqa: F401
     RESET_NONE, RESET_SUBTRACT, RESET_ZERO, RESETS, _EagerLeaky, _reset_id, leaky, leaky_backward_op, leaky_forward_op,
@@ -60,7 +60,7 @@ from efficient.kernels.lif_common import (  # noqa: F401
     _BLOCK, _NUM_WARPS, CHARGE_DECAY_INPUT, CHARGE_LEAK, CHARGE_NO_DECAY, COMPILE_MIN_NUMEL, HAS_TRITON, IMPLS,
     SURROGATE_ALPHA, SURROGATE_ATAN, SURROGATE_SIGMOID, SURROGATE_STE, SURROGATE_TRIANGLE, SURROGATES,
     _check_compiler, _check_op_args, _choose_impl, _compiled, _Heaviside, _register_flops, _scalars, _surrogate_id,
-    _triton_ready, _unviewed, check_input, default_alpha, eager_call, resolve_backend, surrogate_grad,
+    _triton_ready, _unviewed, check_input, default_alpha, resolve_backend, surrogate_grad,
 )
 
 if HAS_TRITON:
@@ -504,7 +504,7 @@ def _backward(ctx, grad_spikes, grad_h, backward_fn=lif_backward_op):
 lif_forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-# eager calls (`lif_common.eager_call`): the op's checks, implementations and saved tensors, without
+# eager calls (`_backend.eager_call`): the op's checks, implementations and saved tensors, without
 # its per-call dispatch
 _EagerLIF = eager_function("_EagerLIF", _lif_forward_impl, _setup_context,
                            lambda ctx, gs, gh: _backward(ctx, gs, gh, backward_fn=_lif_backward_impl))

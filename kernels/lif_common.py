@@ -289,13 +289,6 @@ def _choose_impl(backend: str, impl: Optional[str], x: Tensor) -> tuple[Optional
     return chosen, _IMPL_OF_BACKEND.get(chosen)
 
 
-def eager_call(x: Tensor) -> bool:
-    """Whether a neuron call may skip its custom op (`efficient.kernels._backend.eager_call`). Under
-    a torch-function mode (memory's spike tracking) the op is kept: its implementation then runs
-    outside the mode, which the compiled CPU loop needs (dynamo cannot trace the mode's handler)."""
-    return _backend.eager_call(x)
-
-
 def _check_compiler(impl: Optional[str], x: Tensor) -> None:
     if impl == "inductor" and x.device.type == "cpu" and not _backend.have_cxx_compiler():
         raise RuntimeError("backend='compile' needs a C++ compiler on CPU (g++ or clang++); use backend='torch'")

@@ -282,16 +282,15 @@ def _gather_setup(ctx, inputs, output) -> None:
     ctx.n, ctx.backend = x.shape[2], backend
 
 
-def _gather_backward(ctx, g: Tensor):
+def _gather_backward(ctx, g: Tensor, scatter=_scatter_op):
     (idx,) = ctx.saved_tensors
-    return _scatter_op(g.contiguous(), idx, ctx.n, ctx.backend), None, None
+    return scatter(g.contiguous(), idx, ctx.n, ctx.backend), None, None
 
 
 _gather_op.register_autograd(_gather_backward, setup_context=_gather_setup)
 # eager calls: the same implementation and saved index, the scatter called directly in backward
-_EagerGather = eager_function(
-    "_EagerGather", _gather_impl, _gather_setup,
-    lambda ctx, g: (_scatter_impl(g.contiguous(), ctx.saved_tensors[0], ctx.n, ctx.backend), None, None))
+_EagerGather = eager_function("_EagerGather", _gather_impl, _gather_setup,
+                              lambda ctx, g: _gather_backward(ctx, g, scatter=_scatter_impl))
 
 
 def _scatter_setup(ctx, inputs, output) -> None:

@@ -89,7 +89,7 @@ class HFDecodeModel:
         self.vocab_size = self.lm_head.shape[0]
         self.heads: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
         self._stacked: dict[int, StackedKV] = {}
-        self._stacked_head: dict[str, tuple] = {}
+        self._folded_head: tuple[torch.Tensor, torch.Tensor | None] | None = None  # `normalized_head`'s weights
 
     # ---------------------------------------------------------------- reading weights
 
@@ -184,13 +184,12 @@ class HFDecodeModel:
         exit heads. A copy exit normalises once for its decision and its key/value fill."""
         if self.own_heads and k != self.num_layers:
             return None
-        if "folded" not in self._stacked_head:
-            w = self.lm_head * self.norm_w[None, :]
+        if self._folded_head is None:
             b = self.lm_head_b
             if self.norm_b is not None:
                 b = self.lm_head @ self.norm_b + (0 if b is None else b)
-            self._stacked_head["folded"] = (w, b)
-        w, b = self._stacked_head["folded"]
+            self._folded_head = (self.lm_head * self.norm_w[None, :], b)
+        w, b = self._folded_head
         return lambda x: F.linear(x, w, b)
 
     def head(self, k: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -244,9 +243,8 @@ class HFDecodeModel:
                 kv_w = w.wqkv[hq * hd :]  # [2 * hk * hd, C]: k rows then v rows
                 kv_b = None if w.bqkv is None else w.bqkv[hq * hd :]
                 if rotary:  # rows that give rotate_half(k) directly, so the rotary is one multiply-add
-                    kv_w = torch.cat([kv_w[: hk * hd], _rotate_half_rows(kv_w[: hk * hd], hk), kv_w[hk * hd :]])
-                    if kv_b is not None:
-                        kv_b = torch.cat([kv_b[: hk * hd], _rotate_half_rows(kv_b[: hk * hd], hk), kv_b[hk * hd :]])
+                    kv_w = _with_rotated_keys(kv_w, hk)
+                    kv_b = None if kv_b is None else _with_rotated_keys(kv_b, hk)
                 ws.append(kv_w * w.n1[None, :])
                 c = kv_b
                 if w.n1b is not None:
@@ -291,17 +289,19 @@ class StackedKV(NamedTuple):
     """The key/value projections of layers e..N-1 folded into one matrix over the *unscaled*
     normalised hidden state x_hat: layer i's norm scale g_i (and LayerNorm shift b_i) go into its
     rows, W (g_i * x_hat + b_i) + c = (W diag g_i) x_hat + (W b_i + c). With rotary positions each
-    layer also has the rows of rotate_half(k) (a signed permutation of k's rows, `_rotate_half_rows`)."""
+    layer also has the rows of rotate_half(k) (a signed permutation of k's rows, `_with_rotated_keys`)."""
 
     weight: torch.Tensor  # [(N - e) * parts * kv_heads * head_dim, C]: per layer k rows, [rotate_half(k) rows,] v rows
     bias: torch.Tensor | None
 
 
-def _rotate_half_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """Rows (or bias entries) `w` [heads * hd, ...] of a projection -> those whose output is
-    rotate_half of its output per head: (x1, x2) -> (-x2, x1) over each head's halves."""
-    x1, x2 = w.unflatten(0, (heads, 2, -1)).unbind(1)
-    return torch.stack((-x2, x1), 1).flatten(0, 2)
+def _with_rotated_keys(kv: torch.Tensor, heads: int) -> torch.Tensor:
+    """Key rows then value rows (or bias entries) `kv` [2 * heads * hd, ...] -> key rows, the rows
+    whose output is rotate_half of the keys per head ((x1, x2) -> (-x2, x1) over each head's
+    halves: a signed permutation), then value rows."""
+    k, v = kv.chunk(2)
+    x1, x2 = k.unflatten(0, (heads, 2, -1)).unbind(1)
+    return torch.cat([k, torch.stack((-x2, x1), 1).flatten(0, 2), v])
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
