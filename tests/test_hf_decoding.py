@@ -211,29 +211,56 @@ def _module_kv(m, i: int, h: torch.Tensor, rope: tuple) -> tuple[torch.Tensor, t
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_copy_fill_of_every_skipped_layer_at_once_equals_each_layers_own_projection(family):
-    # the folded, stacked projection (norm scale and LayerNorm shift in the weights) against each
-    # transformers layer's own norm + k/v projection + rotary, as a copy exit after layer e needs them
+def test_key_value_only_rows_store_each_layers_own_projection(family):
+    # a copy exit's deferred fill: rows of exited states ride along with the next token's call of a
+    # layer, storing transformers' own norm + k/v projection + rotary for them, while the token's own
+    # row comes out as if it had run alone
+    from efficient.decoding.hf_cache import StaticKV
     from efficient.decoding.hf_model import HFDecodeModel
 
     m = FAMILIES[family]()
     dm = HFDecodeModel(m)
-    with torch.no_grad():  # give every layer its own norm scale (and shift) so a wrong fold shows
+    with torch.no_grad():  # give every layer its own norm scale (and shift) so a mixed-up layer shows
         g = torch.Generator().manual_seed(3)
         for w in dm.layers:  # views of the model's own parameters: both see the change
             w.n1.copy_(1 + 0.5 * torch.randn(w.n1.shape, generator=g))
             if w.n1b is not None:
                 w.n1b.copy_(0.3 * torch.randn(w.n1b.shape, generator=g))
-    h = torch.randn(2, 1, dm.embed.shape[1], generator=g) * 3
-    positions = torch.tensor([[5], [9]])
-    tables = dm.position_tables(positions)
-    rope = tables if len(tables) == 2 else ()
-    for e in (1, N - 1):
-        k, v = dm.fill_kv(h, e, rope)
-        for j, i in enumerate(range(e, N)):
-            k_i, v_i = _module_kv(m, i, h, rope)
-            torch.testing.assert_close(k[j], k_i, rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(v[j], v_i, rtol=1e-5, atol=1e-5)
+    B, S, C = 2, 7, dm.embed.shape[1]
+    h = torch.randn(B, S, C, generator=g) * 3
+    pad = torch.zeros(B, dtype=torch.long)
+    tables = dm.position_tables(torch.arange(S)[None].expand(B, S))
+    for i in (0, N - 1):
+        rope = tables if len(tables) == 2 else ()
+        at = lambda a, b: tuple(t[:, :, a:b] for t in rope) if rope else ()  # noqa: E731
+        both = StaticKV(N, B, dm.heads_kv, dm.head_dim, S, pad, dm.device, dm.dtype)
+        alone = StaticKV(N, B, dm.heads_kv, dm.head_dim, S, pad, dm.device, dm.dtype)
+        for c in (both, alone):  # slots 0..2 hold earlier tokens
+            dm.layer(h[:, :3], i, c.k[i], c.v[i], 0, at(0, 3), c.mask(0, 3))
+        out = dm.layer(h[:, 3:], i, both.k[i], both.v[i], 3, at(3, S), both.mask(S - 1, 1), keys_only=S - 4)
+        k_i, v_i = _module_kv(m, i, h[:, 3 : S - 1], at(3, S - 1) if rope else ())
+        torch.testing.assert_close(both.k[i][:, :, 3 : S - 1], k_i, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(both.v[i][:, :, 3 : S - 1], v_i, rtol=1e-5, atol=1e-5)
+        for s in range(3, S - 1):  # the same slots written one call each, then the token alone
+            dm.layer(h[:, s : s + 1], i, alone.k[i], alone.v[i], s, at(s, s + 1), alone.mask(s, 1))
+        ref = dm.layer(h[:, S - 1 :], i, alone.k[i], alone.v[i], S - 1, at(S - 1, S), alone.mask(S - 1, 1))
+        assert out.shape == (B, 1, C)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decision_head_gives_the_exit_heads_logits(family):
+    # the confidence check's head scales after the matmul (RMSNorm models); the same logits as the
+    # final norm + LM head, and the plain head where that does not apply (LayerNorm, the last layer)
+    from efficient.decoding.hf_model import HFDecodeModel
+
+    dm = HFDecodeModel(FAMILIES[family]())
+    h = torch.randn(3, dm.embed.shape[1], generator=torch.Generator().manual_seed(0)) * 4
+    for k in (1, N - 1):
+        torch.testing.assert_close(dm.decision_head(k)(h), dm.head(k)(h), rtol=1e-5, atol=1e-5)
+    assert dm.decision_head(N) is dm.head(N)
+    if dm.norm_b is not None:
+        assert dm.decision_head(1) is dm.head(1)
 
 
 @pytest.mark.parametrize("family", ["llama-gqa", "qwen2"])
@@ -245,7 +272,9 @@ def test_copy_matches_transformers_modules_reference(family):
     toks, layers = _copy_reference(m, ids, exits, tau, NEW)
     assert out.tokens[0].tolist() == toks
     assert out.exit_layers[0].tolist() == layers
-    assert any(x < N for x in layers) and out.kv_fills == sum(N - x for x in layers)
+    assert any(x < N for x in layers)
+    # an exited slot's layer i is stored once a later token runs layer i (never for the last tokens)
+    assert out.kv_fills == sum(max(0, max(layers[j + 1 :], default=0) - x) for j, x in enumerate(layers)) > 0
 
 
 def test_forced_decoding_scores_the_deciding_head():

@@ -26,8 +26,11 @@ Strategies (`strategy=`):
   batch's stop are then missing for the whole batch. `recompute` (EE-LLM) leaves them pending and
   runs them, from the stored hidden states, as one chunk with the next token that reaches them:
   deep layers always read the full model's keys/values, so each row's tokens and exits are those
-  of the exit rule applied to the full model on that row alone. `copy` (CALM) computes them from
-  the exited hidden state (approximate; with batch > 1 it depends on the batch's stop depth).
+  of the exit rule applied to the full model on that row alone. `copy` (CALM's state copy) gives
+  them the keys/values of the exited hidden state (approximate; with batch > 1 it depends on the
+  batch's stop depth), computed as CALM does, together with the next token that reaches them:
+  that token's call of each layer takes the waiting slots' exited states as extra key/value-only
+  rows, so an exit costs no call of its own and slots no later token reaches are never filled.
 - `speculative` (LayerSkip self-speculation with one shared cache): a round feeds the last
   committed token and `num_draft` drafts through layers 1..k (`draft_layer`), each draft the exit
   head's argmax after layer k, saving every fed token's layer-k hidden state; verification runs
@@ -69,7 +72,7 @@ HF_STRATEGIES = ("full", "recompute", "copy", "speculative")
 @dataclass
 class HFGeneration:
     """Result of `generate_hf`. `layer_steps` counts (layer, slot) evaluations after the prompt for
-    the batch (recomputed and verified ones included; copy's key/value fills are `kv_fills`), so
+    the batch (recomputed and verified ones included; copy's key/value-only rows are `kv_fills`), so
     `full_layer_steps / layer_steps` is the layer-count speed-up bound of the run."""
 
     sequences: torch.Tensor  # [B, P + new]: the prompts as given, then the new tokens
@@ -128,16 +131,35 @@ class _Run:
         self.steps += T * (stop - start)
         return h
 
-    def fill(self, h: torch.Tensor, slot: int, start: int, normalized: bool = False) -> None:
-        """Copy: keys/values of layers start+1..N at `slot` from the exited hidden state `h` [B, 1, C]
-        (or its x_hat, `normalized`), written straight into the cache."""
-        out = (self.cache.K[start:, :, :, slot : slot + 1], self.cache.V[start:, :, :, slot : slot + 1])
-        self.dm.fill_kv(h, start, self.rope(slot, 1), normalized=normalized, out=out)
+    def layers_filling(self, h: torch.Tensor, slot: int, start: int, stop: int, filled: list[int],
+                       states: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Copy: layers start+1..stop on the token `h` [B, 1, C] at `slot`. A layer that last ran at
+        slot f < slot first stores the keys/values of slots f+1..slot-1 (tokens that exited below it)
+        from their exited hidden states `states[:, s]`, as key/value-only rows of the same call.
+        `filled[i]`: the first slot layer i has not stored. Returns the output and the rows filled."""
+        c, layer, mask, fills = self.cache, self.dm.layer, self.cache.mask(slot, 1), 0
+        for i in range(start, stop):
+            f = filled[i]
+            if f < slot:
+                states[:, slot] = h[:, 0]
+                h = layer(states[:, f : slot + 1], i, c.k[i], c.v[i], f, self.rope(f, slot + 1 - f), mask, keys_only=slot - f)
+                fills += slot - f
+            else:
+                h = layer(h, i, c.k[i], c.v[i], slot, self.rope(slot, 1), mask)
+            filled[i] = slot + 1
+        self.steps += stop - start
+        return h, fills
 
 
 def _confidence(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    acc = torch.promote_types(logits.dtype, torch.float32)
-    return torch.softmax(logits.to(acc), dim=-1).max(dim=-1)
+    """Max-probability and argmax per row of `logits` [B, V] (softmax in at least fp32)."""
+    return torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32)).max(dim=-1)
+
+
+def _max_prob(logits: torch.Tensor) -> float:
+    """One row's max-probability as a host number: one softmax, one full reduction, one read (the
+    batch-1 exit check, where every call is overhead)."""
+    return torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32)).max().item()
 
 
 def _logprob(logits: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
@@ -179,10 +201,9 @@ def _layerwise(run: _Run, P: int, max_new: int, finished: torch.Tensor, eos: lis
     dm, N = run.dm, run.dm.num_layers
     B, dev = run.ids.shape[0], run.ids.device
     visit = [e for e in exits if e < N] + [N] if threshold < 1 else [N]
-    heads = {e: dm.head(e) for e in visit}
-    # copy: a shared exit head reads x_hat, which the key/value fill reuses (one normalisation)
-    nheads = {e: dm.normalized_head(e) if strategy == "copy" and e < N else None for e in visit}
+    heads = {e: dm.decision_head(e) for e in visit}
     c = P - 1  # slots < c hold full-depth keys/values; c..n-1 are pending (recompute)
+    filled = [c] * N  # copy: the first slot each layer has not stored
     states = torch.empty(B, run.cache.max_len, dm.embed.shape[1], device=dev, dtype=dm.dtype)
     depth_at = [0] * run.cache.max_len
     exit_layers = torch.zeros(B, max_new, dtype=torch.long, device=dev)
@@ -204,18 +225,17 @@ def _layerwise(run: _Run, P: int, max_new: int, finished: torch.Tensor, eos: lis
                 states[:, start : n + 1] = h
                 start = j
                 h = states[:, start : n + 1]
-            h = run.layers(h, start, depth, e)
+            if strategy == "copy":
+                h, f = run.layers_filling(h, n, depth, e, filled, states)
+                fills += f
+            else:
+                h = run.layers(h, start, depth, e)
             depth = e
-            xhat = None if nheads[e] is None else dm.normalize(h[:, -1:])
-            z = heads[e](h[:, -1]) if xhat is None else nheads[e](xhat)[:, -1]
+            z = heads[e](h[:, -1])
             if B == 1:  # one row: the decision is one host read, no masks (this loop is overhead-bound)
-                if e == N:
-                    took, arg = True, z.argmax(-1)
-                else:
-                    pmax, arg = _confidence(z)
-                    took = pmax.item() >= threshold
+                took = e == N or _max_prob(z) >= threshold
                 if took:
-                    tok, ex = arg, e
+                    tok, ex = z.argmax(-1), e
                     if forced is not None:
                         logprobs[:, i] = _logprob(z, forced[:, i])
                 done = took
@@ -236,9 +256,8 @@ def _layerwise(run: _Run, P: int, max_new: int, finished: torch.Tensor, eos: lis
                 c = n + 1
                 break
             if done:
-                if strategy == "copy":
-                    run.fill(h[:, -1:] if xhat is None else xhat, n, e, normalized=xhat is not None)
-                    fills += N - e
+                if strategy == "copy":  # the layers above e store this slot when a later token reaches them
+                    states[:, n] = h[:, -1]
                     c = n + 1
                 else:  # slots start..n now stand at depth e
                     depth_at[start : n + 1] = [e] * (n + 1 - start)

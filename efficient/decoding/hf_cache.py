@@ -19,8 +19,6 @@ class StaticKV:
     def __init__(self, layers: int, batch: int, kv_heads: int, head_dim: int, max_len: int, pad: torch.Tensor,
                  device: torch.device, dtype: torch.dtype) -> None:
         shape = (layers, batch, kv_heads, max_len, head_dim)
-        # one tensor for all layers (`K[i]` is layer i's cache) so that a copy exit writes the keys
-        # and values of every skipped layer in one indexed store
         self.K = torch.zeros(shape, device=device, dtype=dtype)
         self.V = torch.zeros(shape, device=device, dtype=dtype)
         self.k, self.v = list(self.K.unbind(0)), list(self.V.unbind(0))

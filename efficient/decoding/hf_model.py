@@ -64,7 +64,8 @@ class HFDecodeModel:
     """Decode form of a supported transformers causal LM (see the module docstring).
 
     `layer(h, i, k_cache, v_cache, slot, rope, mask)` runs layer i on a chunk [B, T, C] at cache
-    slots slot..slot+T-1, writing its keys/values there and attending to slots 0..slot+T-1."""
+    slots slot..slot+T-1, writing its keys/values there and attending to slots 0..slot+T-1;
+    `keys_only=j` makes the first j rows write their keys/values only (copy exits' deferred fill)."""
 
     def __init__(self, model, exits: list[int] | None = None) -> None:
         base, self.wrapper = unwrap(model)
@@ -88,8 +89,7 @@ class HFDecodeModel:
             self._read_gpt2(base)
         self.vocab_size = self.lm_head.shape[0]
         self.heads: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
-        self._stacked: dict[int, StackedKV] = {}
-        self._folded_head: tuple[torch.Tensor, torch.Tensor | None] | None = None  # `normalized_head`'s weights
+        self._decision: tuple[torch.Tensor, float] | None = None  # `decision_head`'s folded weight, C * eps
 
     # ---------------------------------------------------------------- reading weights
 
@@ -104,7 +104,7 @@ class HFDecodeModel:
         self.heads_q, self.heads_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
-        self.act = m.layers[0].mlp.act_fn
+        self.act = _bare(m.layers[0].mlp.act_fn)
         windows = [getattr(cfg, "sliding_window", None)] if self.name == "MistralForCausalLM" else (
             [cfg.sliding_window] if "sliding_attention" in (getattr(cfg, "layer_types", None) or []) else [])
         self.sliding_window = min([w for w in windows if w], default=None)
@@ -132,7 +132,7 @@ class HFDecodeModel:
         self.heads_q = self.heads_kv = cfg.num_attention_heads
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.eps = cfg.layer_norm_epsilon
-        self.act = m.h[0].mlp.act
+        self.act = _bare(m.h[0].mlp.act)
         self.sliding_window = None
         self.embed, self.wpe = m.wte.weight.detach(), m.wpe.weight.detach()
         self.layers = []
@@ -171,27 +171,6 @@ class HFDecodeModel:
             return F.rms_norm(h, (h.shape[-1],), self.norm_w, self.eps)
         return F.layer_norm(h, (h.shape[-1],), self.norm_w, self.norm_b, self.eps)
 
-    def normalize(self, h: torch.Tensor) -> torch.Tensor:
-        """The unscaled normalisation x_hat of `h` that every layer's input norm and the final norm
-        share (RMSNorm or LayerNorm without its affine part; one eps for all of them)."""
-        if self.norm_b is None:
-            return F.rms_norm(h, (h.shape[-1],), None, self.eps)
-        return F.layer_norm(h, (h.shape[-1],), None, None, self.eps)
-
-    def normalized_head(self, k: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """Exit k's logits from x_hat (`normalize`), the final norm's scale and shift folded into the
-        LM head, W (g * x_hat + b) + c = (W diag g) x_hat + (W b + c); None for the wrapper's own
-        exit heads. A copy exit normalises once for its decision and its key/value fill."""
-        if self.own_heads and k != self.num_layers:
-            return None
-        if self._folded_head is None:
-            b = self.lm_head_b
-            if self.norm_b is not None:
-                b = self.lm_head @ self.norm_b + (0 if b is None else b)
-            self._folded_head = (self.lm_head * self.norm_w[None, :], b)
-        w, b = self._folded_head
-        return lambda x: F.linear(x, w, b)
-
     def head(self, k: int) -> Callable[[torch.Tensor], torch.Tensor]:
         """Hidden state after layer k -> logits: the final norm and LM head (the last layer, a plain
         model, a wrapper with shared heads), or the wrapper's own exit head k."""
@@ -205,9 +184,34 @@ class HFDecodeModel:
                                   f"{self.wrapped_exits[:-1]} (shared heads read any layer)")
         return self.heads[k]
 
+    def decision_head(self, k: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Exit k's logits for a confidence exit: `head(k)`, except for an RMSNorm model's shared head
+        in fp32/fp64, which scales after the matmul,
+        W (g * h * rsqrt(mean(h^2) + eps)) = (sqrt(C) W diag g) h * rsqrt(h.h + C eps):
+        fewer small calls than the norm alone (the same value up to rounding). The exit check is
+        what a confidence exit pays per token beyond its layers."""
+        if (k == self.num_layers or self.own_heads or self.norm_b is not None
+                or self.dtype not in (torch.float32, torch.float64)):
+            return self.head(k)
+        if self._decision is None:
+            C = self.lm_head.shape[1]
+            self._decision = (self.lm_head * (self.norm_w * C**0.5)[None, :], C * self.eps)
+        w, ceps = self._decision
+        b = self.lm_head_b
+
+        def logits(h: torch.Tensor) -> torch.Tensor:
+            z = F.linear(h, w).mul_(torch.linalg.vecdot(h, h)[..., None].add_(ceps).rsqrt_())
+            return z if b is None else z.add_(b)
+
+        return logits
+
     # ---------------------------------------------------------------- one layer
 
-    def layer(self, h: torch.Tensor, i: int, kc: torch.Tensor, vc: torch.Tensor, slot: int, rope: tuple, mask: torch.Tensor | None) -> torch.Tensor:
+    def layer(self, h: torch.Tensor, i: int, kc: torch.Tensor, vc: torch.Tensor, slot: int, rope: tuple,
+              mask: torch.Tensor | None, keys_only: int = 0) -> torch.Tensor:
+        """Layer i on `h` [B, T, C] at slots slot..slot+T-1 (see the class docstring). The first
+        `keys_only` rows only store their keys/values (the rest of the layer runs on the others,
+        whose queries `mask` describes); the output has T - keys_only rows."""
         w = self.layers[i]
         B, T, C = h.shape
         hq, hk, hd = self.heads_q, self.heads_kv, self.head_dim
@@ -224,6 +228,8 @@ class HFDecodeModel:
         end = slot + T
         kc[:, :, slot:end] = k
         vc[:, :, slot:end] = v
+        if keys_only:
+            q, h, T = q[:, :, keys_only:], h[:, keys_only:], T - keys_only
         y = F.scaled_dot_product_attention(q, kc[:, :, :end], vc[:, :, :end], attn_mask=mask, scale=w.scale, enable_gqa=hq != hk)
         h = h + F.linear(y.transpose(1, 2).reshape(B, T, hq * hd), w.wo, w.bo)
         if w.n2b is None:
@@ -233,75 +239,13 @@ class HFDecodeModel:
         x = F.layer_norm(h, (C,), w.n2, w.n2b, self.eps)
         return h + F.linear(self.act(F.linear(x, w.w_in, w.b_in)), w.w_out, w.b_out)
 
-    def stacked_kv(self, e: int) -> StackedKV:
-        """Folded key/value projections of layers e+1..N (0-based e..N-1), built once per exit."""
-        if e not in self._stacked:
-            hq, hk, hd = self.heads_q, self.heads_kv, self.head_dim
-            rotary = self._rotary is not None
-            ws, bs = [], []
-            for w in self.layers[e:]:
-                kv_w = w.wqkv[hq * hd :]  # [2 * hk * hd, C]: k rows then v rows
-                kv_b = None if w.bqkv is None else w.bqkv[hq * hd :]
-                if rotary:  # rows that give rotate_half(k) directly, so the rotary is one multiply-add
-                    kv_w = _with_rotated_keys(kv_w, hk)
-                    kv_b = None if kv_b is None else _with_rotated_keys(kv_b, hk)
-                ws.append(kv_w * w.n1[None, :])
-                c = kv_b
-                if w.n1b is not None:
-                    c = kv_w @ w.n1b + (0 if c is None else c)
-                bs.append(c)
-            rows = ws[0].shape[0]
-            bias = None if all(b is None for b in bs) else torch.cat([torch.zeros(rows, device=self.device, dtype=self.dtype)
-                                                                      if b is None else b for b in bs])
-            self._stacked[e] = StackedKV(torch.cat(ws), bias)
-        return self._stacked[e]
 
-    def fill_kv(self, h: torch.Tensor, e: int, rope: tuple, *, normalized: bool = False,
-                out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy exit after layer e: the keys and values layers e+1..N would store for the hidden
-        state `h` [B, 1, C] entering them, as [N - e, B, kv_heads, 1, head_dim] each, from one
-        normalisation, one matmul (`stacked_kv`) and, with rotary positions, one multiply-add.
-        `normalized`: `h` is already x_hat (`normalize`). `out`: (keys, values) views to write into
-        (the cache's slots), returned."""
-        B, T, C = h.shape
-        hk, hd, L = self.heads_kv, self.head_dim, self.num_layers - e
-        x = h if normalized else self.normalize(h)  # the layers' norm scales are folded into the weights
-        st = self.stacked_kv(e)
-        parts = 3 if len(rope) == 2 else 2
-        kv = F.linear(x, st.weight, st.bias).view(B, T, L, parts, hk, hd).permute(2, 3, 0, 4, 1, 5)  # [L, parts, B, hk, T, hd]
-        if parts == 2:
-            k, v = kv.unbind(1)
-            if out is None:
-                return k, v
-            out[0].copy_(k)
-            out[1].copy_(v)
-            return out
-        cos, sin = rope
-        k, k_rot, v = kv.unbind(1)
-        if out is None:
-            return torch.addcmul(k * cos, k_rot, sin), v
-        torch.mul(k, cos, out=out[0]).addcmul_(k_rot, sin)
-        out[1].copy_(v)
-        return out
-
-
-class StackedKV(NamedTuple):
-    """The key/value projections of layers e..N-1 folded into one matrix over the *unscaled*
-    normalised hidden state x_hat: layer i's norm scale g_i (and LayerNorm shift b_i) go into its
-    rows, W (g_i * x_hat + b_i) + c = (W diag g_i) x_hat + (W b_i + c). With rotary positions each
-    layer also has the rows of rotate_half(k) (a signed permutation of k's rows, `_with_rotated_keys`)."""
-
-    weight: torch.Tensor  # [(N - e) * parts * kv_heads * head_dim, C]: per layer k rows, [rotate_half(k) rows,] v rows
-    bias: torch.Tensor | None
-
-
-def _with_rotated_keys(kv: torch.Tensor, heads: int) -> torch.Tensor:
-    """Key rows then value rows (or bias entries) `kv` [2 * heads * hd, ...] -> key rows, the rows
-    whose output is rotate_half of the keys per head ((x1, x2) -> (-x2, x1) over each head's
-    halves: a signed permutation), then value rows."""
-    k, v = kv.chunk(2)
-    x1, x2 = k.unflatten(0, (heads, 2, -1)).unbind(1)
-    return torch.cat([k, torch.stack((-x2, x1), 1).flatten(0, 2), v])
+def _bare(act: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """An activation module's `forward` (the module call's hook machinery costs more than the op at
+    decode sizes), or the module itself when it has hooks."""
+    if isinstance(act, torch.nn.Module) and not (act._forward_hooks or act._forward_pre_hooks):
+        return act.forward
+    return act
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
