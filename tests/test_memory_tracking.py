@@ -123,6 +123,90 @@ def test_a_matmul_of_strided_spike_views_keeps_them_as_bits() -> None:
     assert sorted(p.bound for p in _packed(kept)) == [1, 1, 1, 4]
 
 
+# --------------------------------------------------------------------------- BatchNorm outputs
+
+
+class GainUnit(nn.Module):
+    """Conv -> BatchNorm -> times a per-step gain -> LIF (the stable-SNN unit), twice, read out:
+    the gain's product keeps the BatchNorm output for the gain's gradient."""
+
+    def __init__(self, write: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        super().__init__()
+        self.convs = nn.ModuleList([nn.Conv2d(2, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)])
+        self.bns = nn.ModuleList([nn.BatchNorm2d(4), nn.BatchNorm2d(4)])
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, 3))
+        self.lifs = nn.ModuleList([LIF(), LIF()])
+        self.out = nn.Linear(4 * 16, 3)
+        self.write = write
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T=3, B, 2, 4, 4]
+        T, B = x.shape[:2]
+        for conv, bn, lif in zip(self.convs, self.bns, self.lifs):
+            y = bn(conv(x.flatten(0, 1)))
+            if self.write is not None:
+                y = self.write(y)
+            x = lif(y.view(T, B, *y.shape[1:]) * self.gain.view(T, 1, 1, 1, 1))
+        return self.out(x.flatten(2).mean(0))
+
+
+def _gain_run(level: str, write=None, amp: bool = False) -> tuple[dict, list, dict]:
+    torch.manual_seed(0)
+    model = GainUnit(write).train()
+    plan = memory.optimize(model, level)
+    kept: list = []
+    if plan.hooks is not None:
+        plan.hooks.observer = lambda t, k: kept.append(k)
+    x = torch.randn(3, 5, 2, 4, 4, generator=torch.Generator().manual_seed(1)) * 2
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        loss = model(x).float().square().sum()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return grads, kept, {n: b.clone() for n, b in model.named_buffers()}
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16-autocast"])
+def test_a_batchnorm_output_is_kept_as_its_input_and_rebuilt_exactly(amp: bool) -> None:
+    from efficient.memory.spikes import RecomputedNorm
+
+    dense, _, dense_buffers = _gain_run("none", amp=amp)
+    bits, kept, bits_buffers = _gain_run("bits", amp=amp)
+    for n in dense:
+        assert torch.equal(dense[n], bits[n]), n
+    for n in dense_buffers:  # running statistics updated once, by the forward
+        assert torch.equal(dense_buffers[n], bits_buffers[n]), n
+    norms = [k for k in kept if isinstance(k, RecomputedNorm)]
+    assert len(norms) == 2 and all(k.shape == (3, 5, 4, 4, 4) for k in norms)
+    # nothing fp32 of the BatchNorm outputs' size is kept dense but the BatchNorm inputs themselves
+    # (autocast's bf16 copies of the spikes are made below the level spikes are tracked at)
+    dense_kept = [k for k in kept if isinstance(k, torch.Tensor) and k.shape[-3:] == (4, 4, 4) and k.dtype == torch.float32]
+    assert {k.untyped_storage().data_ptr() for k in dense_kept} <= {k.x.untyped_storage().data_ptr() for k in norms}
+
+
+def test_measured_bytes_drop_by_the_batchnorm_outputs() -> None:
+    from efficient.memory.measure import activation_memory
+
+    x = torch.randn(3, 5, 2, 4, 4, generator=torch.Generator().manual_seed(1))
+    got = {}
+    for level in ("none", "bits"):
+        torch.manual_seed(0)
+        got[level] = activation_memory(GainUnit().train(), x, lambda out: out.square().sum(), level=level).total_bytes
+    out_bytes = 2 * 15 * 4 * 16 * 4  # two BatchNorm outputs [15, 4, 4, 4] in fp32
+    spikes = 15 * 4 * 16 * 4  # the second conv's input spikes (and the readout's), dense vs bits
+    assert got["none"] - got["bits"] >= out_bytes + spikes - spikes // 16
+
+
+def test_a_batchnorm_output_written_in_place_is_kept_as_it_is() -> None:
+    # after an in-place write the saved tensor is no longer the normalisation of the input
+    from efficient.memory.spikes import RecomputedNorm
+
+    write = lambda y: y.mul_(1.5)  # noqa: E731
+    dense, _, _ = _gain_run("none", write)
+    bits, kept, _ = _gain_run("bits", write)
+    for n in dense:
+        assert torch.equal(dense[n], bits[n]), n
+    assert not [k for k in kept if isinstance(k, RecomputedNorm)]
+
+
 # --------------------------------------------------------------------------- AMP and FSDP2
 
 def _spikformer_grads(level: str, amp: bool) -> dict[str, torch.Tensor]:

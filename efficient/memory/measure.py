@@ -48,7 +48,7 @@ from torch import nn
 
 from efficient.memory import LEVELS, check_level, optimize
 from efficient.memory.recompute import is_wrapped, units
-from efficient.memory.spikes import PackedSaved, tensors_in as _tensors
+from efficient.memory.spikes import PackedSaved, RecomputedNorm, tensors_in as _tensors
 from efficient.data import first_input
 
 MEMORY_FILE = "memory.json"  # in a run dir: `write_run_memory`'s record, shown by `efficient report`
@@ -178,7 +178,8 @@ class _Recorder:
         if not self.recording:
             return
         packed = isinstance(kept, PackedSaved)
-        data = kept.data if packed else kept if isinstance(kept, torch.Tensor) else t
+        # a recomputed BatchNorm output holds only its input, which that BatchNorm keeps anyway
+        data = kept.data if packed or isinstance(kept, RecomputedNorm) else kept if isinstance(kept, torch.Tensor) else t
         key, nbytes = _storage(data)
         if not packed and key in self.skip:
             return

@@ -8,10 +8,16 @@ pass and a device sync per tensor): the neurons of a model report their outputs 
 of them. A view of a spike tensor (a reshape, a head split, one of the q/k/v slices of a fused
 unit) shares that storage and is packed as itself. The tracker holds weak references only: a spike
 tensor freed after the forward drops out, so its memory, if reused, is never mistaken for spikes.
+
+A training-mode BatchNorm output that backward needs (a stable-SNN neuron multiplies it by its
+per-step gain, a max-pool before a neuron takes it) is not kept either: BatchNorm keeps its input
+for its own backward anyway, and the output is that input's normalisation, recomputed from it by
+the same call (`RecomputedNorm`), so the values backward reads are the forward's, bit for bit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from dataclasses import dataclass
@@ -66,6 +72,7 @@ class SpikeTracker:
 
     def __init__(self) -> None:
         self._live: dict[tuple[str, int], tuple[list[weakref.ref[torch.Tensor]], int]] = {}
+        self._norms: dict[tuple[str, int], tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor], tuple]] = {}
         self._handles: list[Any] = []
 
     def watch(self, model: nn.Module) -> int:
@@ -119,15 +126,39 @@ class SpikeTracker:
     def is_spikes(self, t: torch.Tensor) -> bool:
         return self.bound(t) == 1
 
+    def add_norm(self, out: torch.Tensor, x: torch.Tensor, call: tuple) -> None:
+        """`out` is BatchNorm's training-mode output for the input `x`; `call` = (weight, bias,
+        running_mean, running_var, momentum, eps, autocast state) rebuilds it (`RecomputedNorm`)."""
+        if _trackable(out) and isinstance(x, torch.Tensor):
+            self._norms[_storage_key(out)] = (weakref.ref(out), weakref.ref(x), call)
+
+    def norm_of(self, t: torch.Tensor) -> RecomputedNorm | None:
+        """The recipe for `t` (a view of a live BatchNorm output whose input is alive), or None."""
+        if not _trackable(t) or not self._norms:
+            return None
+        key = _storage_key(t)
+        entry = self._norms.get(key)
+        if entry is None:
+            return None
+        out, x = entry[0](), entry[1]()
+        if out is None or x is None or out.untyped_storage().data_ptr() != key[1] or out._version != entry[2][-1]:
+            del self._norms[key]  # freed, reused or written since: no longer the normalisation of x
+            return None
+        w, b, rm, rv, momentum, eps, amp, _ = entry[2]
+        return RecomputedNorm(x, w, b, rm, rv, momentum, eps, amp, tuple(t.shape), tuple(t.stride()),
+                              t.storage_offset() - out.storage_offset(), t.dtype)
+
     def forget(self) -> None:
         """Drop every record (between steps: the tensors are gone anyway)."""
         self._live.clear()
+        self._norms.clear()
 
     def close(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
         self._live.clear()
+        self._norms.clear()
 
 
 # Functions whose output holds only values of their tensor inputs: views and copies, casts to another
@@ -303,6 +334,8 @@ class SpikePropagation(TorchFunctionMode):
             self.tracker.add(out, b)
             return out
         out = func(*args, **kwargs)
+        if name == "batch_norm" and not in_region():
+            self._record_norm(out, args, kwargs)
         for t in written:
             self.tracker.discard(t)
         if bound is not None and bound <= MAX_BOUND:
@@ -312,6 +345,21 @@ class SpikePropagation(TorchFunctionMode):
                     self.tracker.add(t, bound)
         return out
 
+
+    def _record_norm(self, out: Any, args: tuple, kwargs: dict) -> None:
+        """Remember a training-mode `F.batch_norm` output that autograd records, with its call."""
+        names = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
+        given = {**dict(zip(names, args)), **kwargs}
+        x = given.get("input")
+        if not (isinstance(out, torch.Tensor) and out.requires_grad and given.get("training")
+                and isinstance(x, torch.Tensor) and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+            return
+        dev = x.device.type
+        amp = (dev, _autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else None
+        rm, rv = given.get("running_mean"), given.get("running_var")
+        call = (given.get("weight"), given.get("bias"), rm, rv, given.get("momentum", 0.1), given.get("eps", 1e-5), amp,
+                out._version)
+        self.tracker.add_norm(out, x, call)
 
     def _matmul(self, func: Any, a: Any, b: Any) -> torch.Tensor | None:
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() < 2 or b.dim() < 2:
@@ -363,6 +411,46 @@ def pack_counts(t: torch.Tensor, bound: int) -> PackedSaved:
     return PackedSaved(t.contiguous().to(small).view(-1), tuple(t.shape), tuple(t.stride()), t.dtype, bound)
 
 
+def _autocast_dtype(device_type: str) -> torch.dtype:
+    if hasattr(torch, "get_autocast_dtype"):
+        return torch.get_autocast_dtype(device_type)
+    return torch.get_autocast_gpu_dtype() if device_type == "cuda" else torch.get_autocast_cpu_dtype()
+
+
+@dataclass(frozen=True)
+class RecomputedNorm:
+    """A saved training-mode BatchNorm output (or a view of it) kept as its input `x` (which the
+    BatchNorm keeps for its own backward: no bytes of its own) and rebuilt by the same call in
+    backward. The batch statistics come from `x` alone, so the rebuilt values are the forward's."""
+
+    x: torch.Tensor
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+    running_mean: torch.Tensor | None
+    running_var: torch.Tensor | None
+    momentum: float | None
+    eps: float
+    autocast: tuple[str, torch.dtype] | None
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self.x
+
+    def unpack(self) -> torch.Tensor:
+        # copies of the running statistics when the forward had some, so the call takes the same
+        # kernel and leaves the model's alone (they do not change a training-mode output)
+        rm = None if self.running_mean is None else self.running_mean.detach().clone()
+        rv = None if self.running_var is None else self.running_var.detach().clone()
+        amp = torch.autocast(self.autocast[0], self.autocast[1]) if self.autocast else contextlib.nullcontext()
+        with torch.no_grad(), amp:
+            y = torch.nn.functional.batch_norm(self.x, rm, rv, self.weight, self.bias, True, self.momentum, self.eps)
+        return y.as_strided(self.shape, self.stride, self.offset)
+
+
 class BitsHooks:
     """`torch.autograd.graph.saved_tensors_hooks` that keep tracked spikes as bits and tracked counts
     as uint8/int16 (exact: both are integers); other tensors pass through untouched. `packed` /
@@ -386,6 +474,11 @@ class BitsHooks:
         return kept
 
     def _pack(self, t: torch.Tensor) -> Any:
+        norm = self.tracker.norm_of(t)
+        if norm is not None:
+            self.packed += 1
+            self.bytes_saved += t.numel() * t.element_size()
+            return norm
         bound = self.tracker.bound(t)
         if bound is None or (bound > 1 and t.element_size() <= (1 if bound <= 255 else 2)):
             return t  # untracked, or already as small as its counts allow
@@ -395,7 +488,7 @@ class BitsHooks:
 
     @staticmethod
     def unpack(saved: Any) -> torch.Tensor:
-        return saved.unpack() if isinstance(saved, PackedSaved) else saved
+        return saved.unpack() if isinstance(saved, (PackedSaved, RecomputedNorm)) else saved
 
     def context(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
