@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 from efficient.accelerate import accelerate  # the function shadows its module's name, on purpose
+from efficient.batchnorm_fold import fold_batchnorm
 from efficient.checks import check
 from efficient.errors import ConfigError, DataError
 from efficient.hf import early_exit
@@ -15,7 +16,7 @@ from efficient.zoo import list_models, load, register_model
 
 __version__ = "0.1.0"
 
-__all__ = ["ConfigError", "DataError", "accelerate", "check", "list_models", "load", "register_model", "__version__"]
+__all__ = ["ConfigError", "DataError", "accelerate", "check", "fold_batchnorm", "list_models", "load", "register_model", "__version__"]
 
 
 def __getattr__(name: str):
