@@ -15,27 +15,21 @@ import argparse
 import copy
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import efficient
 from efficient.zoo import get_entry
 
-
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += 1
-        return func(*args, **(kwargs or {}))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step import OpCounter  # noqa: E402 - bench/ is not a package
 
 
 def _ops(model: torch.nn.Module, x: torch.Tensor) -> int:
-    mode = _Ops()
+    mode = OpCounter()
     with torch.no_grad(), mode:
         model(x)
     return mode.n

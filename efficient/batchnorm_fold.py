@@ -29,6 +29,7 @@ from torch.nn.utils.fusion import fuse_conv_bn_eval, fuse_linear_bn_eval
 from torch.overrides import TorchFunctionMode
 
 from efficient.errors import ConfigError
+from efficient.memory.spikes import tensors_in
 
 _LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -70,24 +71,13 @@ class _Uses(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if _has_tensor(out):
-            for t in _tensors((args, kwargs or {})):
+            for t in tensors_in((args, kwargs or {})):
                 self.uses[id(t)] += 1
         return out
 
 
-def _tensors(obj: Any):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for o in obj:
-            yield from _tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _tensors(o)
-
-
 def _has_tensor(obj: Any) -> bool:
-    return next(_tensors(obj), None) is not None
+    return next(tensors_in(obj), None) is not None
 
 
 def foldable_pairs(model: nn.Module, example: Any) -> list[tuple[str, str]]:
