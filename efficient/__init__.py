@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 from efficient.accelerate import accelerate  # the function shadows its module's name, on purpose
-from efficient.batchnorm_fold import fold_batchnorm
 from efficient.checks import check
 from efficient.errors import ConfigError, DataError
 from efficient.hf import early_exit
@@ -20,9 +19,13 @@ __all__ = ["ConfigError", "DataError", "accelerate", "check", "fold_batchnorm", 
 
 
 def __getattr__(name: str):
-    # `efficient.profile` lives in the profiler package, imported on first use.
+    # `efficient.profile` (the profiler package) and `efficient.fold_batchnorm` are imported on first use.
     if name == "profile":
         from efficient.profiler import profile
 
         return profile
+    if name == "fold_batchnorm":  # imports the kernels: on first use only
+        from efficient.batchnorm_fold import fold_batchnorm
+
+        return fold_batchnorm
     raise AttributeError(f"module 'efficient' has no attribute {name!r}")
