@@ -228,6 +228,36 @@ def test_patch_queries_get_no_gradient_from_intra_loss():
     assert torch.count_nonzero(q.grad[..., 0, :]) > 0 and torch.count_nonzero(k.grad) > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_closed_form_alignment_gradient_equals_the_autograd_composition(dtype):
+    # values and the gradient of any weighting of the two terms, with a silent anchor row, a flat
+    # mean-query row (masked) and a timestep shared by all samples; the spec is the autograd version
+    from efficient.objectives.stata import alignment_losses_reference
+
+    g = torch.Generator().manual_seed(3)
+    s = torch.randn(3, 4, 9, generator=g, dtype=torch.float64) * 2
+    s[0, 1] = 0.7
+    s[2] = s[1]
+    c = torch.randn(3, 4, 9, generator=g, dtype=torch.float64)
+    c[2, 3] = 1.0
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-5}[dtype]
+    for tau, (wi, we) in ((1.0, (1.0, 1.0)), (0.5, (0.3, 1.7)), (2.0, (0.0, 1.0))):
+        fast, ref = s.to(dtype).requires_grad_(), s.to(dtype).requires_grad_()
+        a, b = alignment_losses(fast, c, tau), alignment_losses_reference(ref, c, tau)
+        torch.testing.assert_close(torch.stack(a), torch.stack(b), rtol=tol, atol=tol)
+        (wi * a[0] + we * a[1]).backward()
+        (wi * b[0] + we * b[1]).backward()
+        assert fast.grad.dtype == dtype
+        scale = ref.grad.float().abs().max()
+        assert (fast.grad.float() - ref.grad.float()).abs().max() <= tol * scale, (tau, wi, we)
+
+
+def test_closed_form_alignment_records_one_backward_node():
+    s = torch.randn(3, 4, 9, requires_grad=True)
+    intra, inter = alignment_losses(s, torch.randn(3, 4, 9))
+    assert intra.grad_fn is inter.grad_fn and intra.grad_fn.next_functions[0][0].variable is s
+
+
 def test_alignment_losses_reach_the_anchor():
     m = tiny().train()
     m(digits_like(4))
