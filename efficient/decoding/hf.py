@@ -133,10 +133,10 @@ class _Run:
 
     def layers_filling(self, h: torch.Tensor, slot: int, start: int, stop: int, filled: list[int],
                        states: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Copy: layers start+1..stop on the token `h` [B, 1, C] at `slot`. A layer that last ran at
-        slot f < slot first stores the keys/values of slots f+1..slot-1 (tokens that exited below it)
-        from their exited hidden states `states[:, s]`, as key/value-only rows of the same call.
-        `filled[i]`: the first slot layer i has not stored. Returns the output and the rows filled."""
+        """Copy: layers start+1..stop on the token `h` [B, 1, C] at `slot`. `filled[i]` is the first
+        slot layer i has not stored; when it is below `slot`, the layer first stores slots
+        filled[i]..slot-1 (tokens that exited below it) from their exited hidden states
+        `states[:, s]`, as key/value-only rows of the same call. Returns the output and the rows filled."""
         c, layer, mask, fills = self.cache, self.dm.layer, self.cache.mask(slot, 1), 0
         for i in range(start, stop):
             f = filled[i]
