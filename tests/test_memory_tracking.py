@@ -207,6 +207,26 @@ def test_a_batchnorm_output_written_in_place_is_kept_as_it_is() -> None:
     assert not [k for k in kept if isinstance(k, RecomputedNorm)]
 
 
+def test_a_batchnorm_input_written_after_the_forward_is_an_error_not_a_wrong_gradient() -> None:
+    class Unit(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.bn, self.gain = nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Parameter(torch.ones(()))
+            self.lif = LIF()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.h = self.lin(x)
+            return self.lif((self.bn(self.h) * self.gain).view(2, 3, 4)).sum()
+
+    model = Unit().train()
+    memory.optimize(model, "bits")
+    loss = model(torch.randn(6, 4))
+    with torch.no_grad():
+        model.h.add_(1.0)  # the BatchNorm input changes before backward rebuilds its output
+    with pytest.raises(RuntimeError, match="modified in place"):
+        loss.backward()
+
+
 # --------------------------------------------------------------------------- AMP and FSDP2
 
 def _spikformer_grads(level: str, amp: bool) -> dict[str, torch.Tensor]:

@@ -144,9 +144,9 @@ class SpikeTracker:
         if out is None or x is None or out.untyped_storage().data_ptr() != key[1] or out._version != entry[2][-1]:
             del self._norms[key]  # freed, reused or written since: no longer the normalisation of x
             return None
-        w, b, rm, rv, momentum, eps, amp, _ = entry[2]
+        w, b, rm, rv, momentum, eps, amp, x_version, _ = entry[2]
         return RecomputedNorm(x, w, b, rm, rv, momentum, eps, amp, tuple(t.shape), tuple(t.stride()),
-                              t.storage_offset() - out.storage_offset(), t.dtype)
+                              t.storage_offset() - out.storage_offset(), t.dtype, x_version)
 
     def forget(self) -> None:
         """Drop every record (between steps: the tensors are gone anyway)."""
@@ -358,7 +358,7 @@ class SpikePropagation(TorchFunctionMode):
         amp = (dev, _autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else None
         rm, rv = given.get("running_mean"), given.get("running_var")
         call = (given.get("weight"), given.get("bias"), rm, rv, given.get("momentum", 0.1), given.get("eps", 1e-5), amp,
-                out._version)
+                x._version, out._version)
         self.tracker.add_norm(out, x, call)
 
     def _matmul(self, func: Any, a: Any, b: Any) -> torch.Tensor | None:
@@ -435,12 +435,18 @@ class RecomputedNorm:
     stride: tuple[int, ...]
     offset: int
     dtype: torch.dtype
+    x_version: int  # x's version counter at the forward: a later in-place write makes the rebuild wrong
 
     @property
     def data(self) -> torch.Tensor:
         return self.x
 
     def unpack(self) -> torch.Tensor:
+        if self.x._version != self.x_version:
+            raise RuntimeError(
+                "memory level 'bits': the input of a BatchNorm whose output backward needs was modified in place "
+                f"after the forward (version {self.x_version} -> {self.x._version}), so that output cannot be "
+                "rebuilt; write into a copy instead (or use memory level 'none')")
         # copies of the running statistics when the forward had some, so the call takes the same
         # kernel and leaves the model's alone (they do not change a training-mode output)
         rm = None if self.running_mean is None else self.running_mean.detach().clone()
