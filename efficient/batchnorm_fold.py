@@ -127,7 +127,10 @@ def foldable_pairs(model: nn.Module, example: Any) -> list[tuple[str, str]]:
 def _set(model: nn.Module, name: str, module: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, module) if not isinstance(parent, (nn.ModuleList, nn.Sequential)) else parent.__setitem__(int(child), module)
+    if isinstance(parent, (nn.ModuleList, nn.Sequential)):
+        parent[int(child)] = module
+    else:
+        setattr(parent, child, module)
 
 
 def fold_batchnorm(model: nn.Module, example: Any) -> list[str]:

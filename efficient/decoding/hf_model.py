@@ -104,7 +104,7 @@ class HFDecodeModel:
         self.heads_q, self.heads_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
-        self.act = _bare(m.layers[0].mlp.act_fn)
+        self.act = m.layers[0].mlp.act_fn
         windows = [getattr(cfg, "sliding_window", None)] if self.name == "MistralForCausalLM" else (
             [cfg.sliding_window] if "sliding_attention" in (getattr(cfg, "layer_types", None) or []) else [])
         self.sliding_window = min([w for w in windows if w], default=None)
@@ -132,7 +132,7 @@ class HFDecodeModel:
         self.heads_q = self.heads_kv = cfg.num_attention_heads
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.eps = cfg.layer_norm_epsilon
-        self.act = _bare(m.h[0].mlp.act)
+        self.act = m.h[0].mlp.act
         self.sliding_window = None
         self.embed, self.wpe = m.wte.weight.detach(), m.wpe.weight.detach()
         self.layers = []
@@ -238,14 +238,6 @@ class HFDecodeModel:
             return h + F.linear(self.act(g) * u, w.w_out, w.b_out)
         x = F.layer_norm(h, (C,), w.n2, w.n2b, self.eps)
         return h + F.linear(self.act(F.linear(x, w.w_in, w.b_in)), w.w_out, w.b_out)
-
-
-def _bare(act: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """An activation module's `forward` (the module call's hook machinery costs more than the op at
-    decode sizes), or the module itself when it has hooks."""
-    if isinstance(act, torch.nn.Module) and not (act._forward_hooks or act._forward_pre_hooks):
-        return act.forward
-    return act
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -355,7 +355,7 @@ class SpikePropagation(TorchFunctionMode):
                 and isinstance(x, torch.Tensor) and torch.is_grad_enabled()) or torch.compiler.is_compiling():
             return
         dev = x.device.type
-        amp = (dev, _autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else None
+        amp = (dev, torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else None
         rm, rv = given.get("running_mean"), given.get("running_var")
         call = (given.get("weight"), given.get("bias"), rm, rv, given.get("momentum", 0.1), given.get("eps", 1e-5), amp,
                 x._version, out._version)
@@ -409,12 +409,6 @@ def pack_counts(t: torch.Tensor, bound: int) -> PackedSaved:
         return PackedSaved(pack_spikes(t), tuple(t.shape), tuple(t.stride()), t.dtype)
     small = torch.uint8 if bound <= 255 else torch.int16
     return PackedSaved(t.contiguous().to(small).view(-1), tuple(t.shape), tuple(t.stride()), t.dtype, bound)
-
-
-def _autocast_dtype(device_type: str) -> torch.dtype:
-    if hasattr(torch, "get_autocast_dtype"):
-        return torch.get_autocast_dtype(device_type)
-    return torch.get_autocast_gpu_dtype() if device_type == "cuda" else torch.get_autocast_cpu_dtype()
 
 
 @dataclass(frozen=True)

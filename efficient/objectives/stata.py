@@ -26,13 +26,18 @@ from efficient.objectives import register_objective
 from efficient.objectives.classification import Classification
 
 
+def _centred(s: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(s - mean, population variance, the z-score's divisor sqrt(max(var, 1e-12)) + eps) per row."""
+    d = s - s.mean(-1, keepdim=True)
+    var = d.pow(2).mean(-1, keepdim=True)
+    return d, var, var.clamp_min(1e-12).sqrt() + eps
+
+
 def standardize(s: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row z-score over the last axis (population std) and the mask of rows with std > 0.
     Differentiable everywhere (the std is clamped before the sqrt, so constant rows give z = 0)."""
-    mu = s.mean(-1, keepdim=True)
-    var = (s - mu).pow(2).mean(-1, keepdim=True)
-    z = (s - mu) / (var.clamp_min(1e-12).sqrt() + eps)
-    return z, var.squeeze(-1) > 0
+    d, var, D = _centred(s, eps)
+    return d / D, var.squeeze(-1) > 0
 
 
 def alignment_losses_reference(s: torch.Tensor, c: torch.Tensor, tau: float = 1.0,
@@ -71,10 +76,7 @@ class _Alignment(torch.autograd.Function):
     def forward(ctx, s: torch.Tensor, c: torch.Tensor, tau: float, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.s_dtype = s.dtype
         dtype = torch.promote_types(s.dtype, torch.float32)
-        s = s.to(dtype)
-        d = s - s.mean(-1, keepdim=True)
-        var = d.pow(2).mean(-1, keepdim=True)
-        D = var.clamp_min(1e-12).sqrt() + eps
+        d, var, D = _centred(s.to(dtype), eps)
         logp = F.log_softmax(d / D / tau, -1)
         zc, valid_c = standardize(c.to(dtype), eps)
         q = F.softmax(zc / tau, -1)
