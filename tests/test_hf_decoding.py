@@ -248,21 +248,6 @@ def test_key_value_only_rows_store_each_layers_own_projection(family):
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_decision_head_gives_the_exit_heads_logits(family):
-    # the confidence check's head scales after the matmul (RMSNorm models); the same logits as the
-    # final norm + LM head, and the plain head where that does not apply (LayerNorm, the last layer)
-    from efficient.decoding.hf_model import HFDecodeModel
-
-    dm = HFDecodeModel(FAMILIES[family]())
-    h = torch.randn(3, dm.embed.shape[1], generator=torch.Generator().manual_seed(0)) * 4
-    for k in (1, N - 1):
-        torch.testing.assert_close(dm.decision_head(k)(h), dm.head(k)(h), rtol=1e-5, atol=1e-5)
-    assert dm.decision_head(N) is dm.head(N)
-    if dm.norm_b is not None:
-        assert dm.decision_head(1) is dm.head(1)
-
-
 @pytest.mark.parametrize("family", ["llama-gqa", "qwen2"])
 def test_copy_matches_transformers_modules_reference(family):
     m = FAMILIES[family]()

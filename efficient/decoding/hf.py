@@ -109,7 +109,7 @@ class _Run:
         self.cos, self.sin = tables if len(tables) == 2 else (None, None)
         self.wpe = tables[0] if len(tables) == 1 else None
         self.steps = 0
-        self._rope_at, self._rope = None, ()
+        self._rope_at, self._rope = None, {}
 
     def embed(self, slot: int, T: int) -> torch.Tensor:
         h = F.embedding(self.ids[:, slot : slot + T], self.dm.embed)
@@ -118,9 +118,12 @@ class _Run:
     def rope(self, slot: int, T: int) -> tuple:
         if self.cos is None:
             return ()
-        if self._rope_at != (slot, T):  # the exits of one token reuse its slices
-            self._rope_at, self._rope = (slot, T), (self.cos[:, :, slot : slot + T], self.sin[:, :, slot : slot + T])
-        return self._rope
+        if self._rope_at != slot + T:  # the layers of one token reuse their slices (keyed by the last slot + 1)
+            self._rope_at, self._rope = slot + T, {}
+        r = self._rope.get(T)
+        if r is None:
+            r = self._rope[T] = (self.cos[:, :, slot : slot + T], self.sin[:, :, slot : slot + T])
+        return r
 
     def layers(self, h: torch.Tensor, slot: int, start: int, stop: int) -> torch.Tensor:
         """Layers start+1..stop on the chunk `h` [B, T, C] at slots slot..slot+T-1."""
@@ -132,17 +135,17 @@ class _Run:
         return h
 
     def layers_filling(self, h: torch.Tensor, slot: int, start: int, stop: int, filled: list[int],
-                       states: torch.Tensor) -> tuple[torch.Tensor, int]:
+                       exited: list[torch.Tensor | None]) -> tuple[torch.Tensor, int]:
         """Copy: layers start+1..stop on the token `h` [B, 1, C] at `slot`. `filled[i]` is the first
         slot layer i has not stored; when it is below `slot`, the layer first stores slots
         filled[i]..slot-1 (tokens that exited below it) from their exited hidden states
-        `states[:, s]`, as key/value-only rows of the same call. Returns the output and the rows filled."""
+        `exited[s]` [B, 1, C], as key/value-only rows of the same call. Returns the output and the rows filled."""
         c, layer, mask, fills = self.cache, self.dm.layer, self.cache.mask(slot, 1), 0
         for i in range(start, stop):
             f = filled[i]
             if f < slot:
-                states[:, slot] = h[:, 0]
-                h = layer(states[:, f : slot + 1], i, c.k[i], c.v[i], f, self.rope(f, slot + 1 - f), mask, keys_only=slot - f)
+                rows = torch.cat(exited[f:slot] + [h], dim=1)
+                h = layer(rows, i, c.k[i], c.v[i], f, self.rope(f, slot + 1 - f), mask, keys_only=slot - f)
                 fills += slot - f
             else:
                 h = layer(h, i, c.k[i], c.v[i], slot, self.rope(slot, 1), mask)
@@ -201,12 +204,13 @@ def _layerwise(run: _Run, P: int, max_new: int, finished: torch.Tensor, eos: lis
     dm, N = run.dm, run.dm.num_layers
     B, dev = run.ids.shape[0], run.ids.device
     visit = [e for e in exits if e < N] + [N] if threshold < 1 else [N]
-    heads = {e: dm.decision_head(e) for e in visit}
+    heads = {e: dm.head(e) for e in visit}
     c = P - 1  # slots < c hold full-depth keys/values; c..n-1 are pending (recompute)
     filled = [c] * N  # copy: the first slot each layer has not stored
-    states = torch.empty(B, run.cache.max_len, dm.embed.shape[1], device=dev, dtype=dm.dtype)
+    states = torch.empty(B, run.cache.max_len, dm.embed.shape[1], device=dev, dtype=dm.dtype)  # recompute: pending slots' states
+    exited: list[torch.Tensor | None] = [None] * run.cache.max_len  # copy: exited states [B, 1, C] waiting for the layers above
     depth_at = [0] * run.cache.max_len
-    exit_layers = torch.zeros(B, max_new, dtype=torch.long, device=dev)
+    exit_layers: list = []  # per step: the exit layer (an int at batch 1, [B] otherwise)
     logprobs = torch.zeros(B, max_new, device=dev) if forced is not None else None
     fills, made = 0, 0
     for i in range(max_new):
@@ -226,20 +230,21 @@ def _layerwise(run: _Run, P: int, max_new: int, finished: torch.Tensor, eos: lis
                 start = j
                 h = states[:, start : n + 1]
             if strategy == "copy":
-                h, f = run.layers_filling(h, n, depth, e, filled, states)
+                h, f = run.layers_filling(h, n, depth, e, filled, exited)
                 fills += f
             else:
                 h = run.layers(h, start, depth, e)
             depth = e
-            z = heads[e](h[:, -1])
             if B == 1:  # one row: the decision is one host read, no masks (this loop is overhead-bound)
+                z = heads[e](h[:, -1] if h.shape[1] > 1 else h)
                 took = e == N or _max_prob(z) >= threshold
                 if took:
-                    tok, ex = z.argmax(-1), e
+                    tok, ex = z.argmax(), e
                     if forced is not None:
-                        logprobs[:, i] = _logprob(z, forced[:, i])
+                        logprobs[:, i] = _logprob(z.view(1, -1), forced[:, i])
                 done = took
             else:
+                z = heads[e](h[:, -1])
                 if e == N:
                     take = ~chosen
                     arg = z.argmax(-1)
@@ -257,7 +262,7 @@ def _layerwise(run: _Run, P: int, max_new: int, finished: torch.Tensor, eos: lis
                 break
             if done:
                 if strategy == "copy":  # the layers above e store this slot when a later token reaches them
-                    states[:, n] = h[:, -1]
+                    exited[n] = h
                     c = n + 1
                 else:  # slots start..n now stand at depth e
                     depth_at[start : n + 1] = [e] * (n + 1 - start)
@@ -266,11 +271,12 @@ def _layerwise(run: _Run, P: int, max_new: int, finished: torch.Tensor, eos: lis
         if forced is not None:
             tok = forced[:, i]
         run.ids[:, n + 1] = tok
-        exit_layers[:, i] = ex
+        exit_layers.append(ex)
         made += 1
         if eos and _all_done(tok, finished, eos):
             break
-    return made, exit_layers[:, :made], logprobs, {"kv_fills": fills}
+    ex = torch.tensor([exit_layers], device=dev) if B == 1 else torch.stack(exit_layers, 1)
+    return made, ex, logprobs, {"kv_fills": fills}
 
 
 def _speculative(run: _Run, P: int, max_new: int, finished: torch.Tensor, eos: list[int], draft_layer: int, num_draft: int):

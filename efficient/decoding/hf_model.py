@@ -89,7 +89,6 @@ class HFDecodeModel:
             self._read_gpt2(base)
         self.vocab_size = self.lm_head.shape[0]
         self.heads: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
-        self._decision: tuple[torch.Tensor, float] | None = None  # `decision_head`'s folded weight, C * eps
 
     # ---------------------------------------------------------------- reading weights
 
@@ -183,27 +182,6 @@ class HFDecodeModel:
                 raise ConfigError(f"decoding: no exit head after layer {k}; this model's own exit heads are after layers "
                                   f"{self.wrapped_exits[:-1]} (shared heads read any layer)")
         return self.heads[k]
-
-    def decision_head(self, k: int) -> Callable[[torch.Tensor], torch.Tensor]:
-        """Exit k's logits for a confidence exit: `head(k)`, except for an RMSNorm model's shared head
-        in fp32/fp64, which scales after the matmul,
-        W (g * h * rsqrt(mean(h^2) + eps)) = (sqrt(C) W diag g) h * rsqrt(h.h + C eps):
-        fewer small calls than the norm alone (the same value up to rounding). The exit check is
-        what a confidence exit pays per token beyond its layers."""
-        if (k == self.num_layers or self.own_heads or self.norm_b is not None
-                or self.dtype not in (torch.float32, torch.float64)):
-            return self.head(k)
-        if self._decision is None:
-            C = self.lm_head.shape[1]
-            self._decision = (self.lm_head * (self.norm_w * C**0.5)[None, :], C * self.eps)
-        w, ceps = self._decision
-        b = self.lm_head_b
-
-        def logits(h: torch.Tensor) -> torch.Tensor:
-            z = F.linear(h, w).mul_(torch.linalg.vecdot(h, h)[..., None].add_(ceps).rsqrt_())
-            return z if b is None else z.add_(b)
-
-        return logits
 
     # ---------------------------------------------------------------- one layer
 
