@@ -30,7 +30,10 @@ reset the kernel's peak-RSS mark (`/proc/self/clear_refs` "5" resets VmHWM, Linu
 clear_refs cannot be written, the first step is measured instead from `ru_maxrss`, and the cell says
 so. A watchdog thread stops the case if RSS passes --max-gb.
 
-Step time: the measured step and `--steps - 1` more, the median (after the warm-up step). The
+Step time: the measured step and `--steps - 1` more, the median (after the warm-up step). Cells in
+separate processes minutes apart see the machine at different speeds; `--beside` times the
+implementations side by side instead (one process per architecture and T, the steps in rotation,
+the median of per-round ratios), which is the comparison to read for a time ratio. The
 saved bytes of a cell are counted in one further forward (the counting hook slows a step, so no
 timed step has it).
 
@@ -388,6 +391,66 @@ def run_case(spec: dict) -> dict:
     return {"arch": arch, "impl": impl, "T": T, "batch": B, "peak_bytes": peak, "peak_how": how,
             "step_s": statistics.median(times), "times_s": times, "warmup_s": warm, "threads": torch.get_num_threads(),
             "param_bytes": _param_bytes(model), **saved, **info}
+
+
+def run_beside(spec: dict) -> dict:
+    """Step times of several implementations in one process, in rotation: each round runs every
+    implementation's step once (the order rotated by one each round), so a drift of the machine's
+    speed falls on all of them alike; per-round ratios to the first implementation."""
+    import torch
+
+    arch, T, B, rounds, impls, img = spec["arch"], spec["T"], spec["batch"], spec["rounds"], spec["impls"], spec["img"]
+    x, y = _inputs(arch, B, img=img)
+    models = {impl: build(arch, impl, T, img)[0] for impl in impls}
+    for m in models.values():  # warm-up: one-off allocations and compilations
+        train_step(m, x, y)
+        for p in m.parameters():
+            p.grad = None
+    times: dict[str, list[float]] = {impl: [] for impl in impls}
+    for r in range(rounds):
+        for impl in impls[r % len(impls):] + impls[: r % len(impls)]:
+            _trim()
+            t0 = time.perf_counter()
+            train_step(models[impl], x, y)
+            times[impl].append(time.perf_counter() - t0)
+            for p in models[impl].parameters():
+                p.grad = None
+    ref = times[impls[0]]
+    ratios = {impl: [t / b for t, b in zip(ts, ref)] for impl, ts in times.items()}
+    return {"arch": arch, "T": T, "batch": B, "rounds": rounds, "threads": torch.get_num_threads(), "times_s": times,
+            "median_s": {i: statistics.median(ts) for i, ts in times.items()},
+            "ratio_median": {i: statistics.median(rs) for i, rs in ratios.items()},
+            "ratio_min": {i: min(rs) for i, rs in ratios.items()}, "ratio_max": {i: max(rs) for i, rs in ratios.items()}}
+
+
+def beside_main(args) -> int:
+    """`--beside`: the step-time table of the implementations side by side (see `run_beside`)."""
+    import torch
+
+    load0 = _load()
+    print(f"# bench/memory.py --beside -- {datetime.date.today()}, {platform.machine()} {os.cpu_count()} cores, "
+          f"torch {torch.__version__}, load before {load0}")
+    print(f"# command: python bench/memory.py {' '.join(sys.argv[1:])}")
+    print("\n| architecture | T | batch | impl | median step s | time vs %s (median of rounds) | range over rounds |" % LABEL[args.impls[0]])
+    print("|---|---|---|---|---|---|---|")
+    out = []
+    for arch in args.archs:
+        for T in args.beside_ts:
+            B = args.beside_batch or ARCHS[arch].batch
+            res = _child("beside", {"arch": arch, "T": T, "batch": B, "rounds": args.rounds, "impls": args.impls,
+                                    "img": None}, timeout=7200)
+            out.append(res)
+            if "error" in res:
+                print(f"| {arch} | {T} | {B} | | {res['error']} | | |")
+                continue
+            for impl in args.impls:
+                print(f"| {arch} | {T} | {B} | {LABEL[impl]} | {res['median_s'][impl]:.2f} | {res['ratio_median'][impl]:.3f} | "
+                      f"{res['ratio_min'][impl]:.3f}-{res['ratio_max'][impl]:.3f} |", flush=True)
+    print(f"\n# load after {_load()}")
+    if args.json:
+        _write_json(args.json, {"date": str(datetime.date.today()), "machine": f"{platform.machine()} {os.cpu_count()} cores",
+                                "torch": torch.__version__, "load_before": load0, "rounds": args.rounds, "beside": out})
+    return 0
 
 
 def _grads(model) -> list:
@@ -857,6 +920,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="write every measurement here")
     ap.add_argument("--plot", type=Path, help="PNG of saved GiB against T with the budget line")
     ap.add_argument("--probes", type=Path, help="reuse the checks and probes of an earlier --json file (same --quick)")
+    ap.add_argument("--beside", action="store_true",
+                    help="step times only: --impls side by side in one process per (architecture, T), in rotation for --rounds "
+                         "rounds, ratios to the first of --impls")
+    ap.add_argument("--rounds", type=int, default=5, help="--beside: rounds (each runs every implementation once)")
+    ap.add_argument("--beside-ts", nargs="*", type=int, default=[4], help="--beside: the T values")
+    ap.add_argument("--beside-batch", type=int, default=None, help="--beside: the batch (default: the architecture's table batch)")
     ap.add_argument("--child", nargs=2, metavar=("KIND", "SPEC"), help=argparse.SUPPRESS)
     ap.add_argument("--device", default="cpu", help="cuda: the device table (levels vs memopt 1-4, CUDA peaks); cpu: the tables above")
     ap.add_argument("--dry-run", action="store_true", help="the device table's code on this CPU at batch 2 (rehearsal)")
@@ -867,11 +936,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         kind, spec = args.child[0], json.loads(args.child[1])
         res = {"case": run_case, "check": run_check, "probe": run_probe, "cuda_ours": run_cuda_ours,
-               "cuda_sj": run_cuda_sj}[kind](spec)
+               "cuda_sj": run_cuda_sj, "beside": run_beside}[kind](spec)
         print(RESULT + json.dumps(res), flush=True)
         return 0
     if args.device != "cpu" or args.dry_run:
         return cuda_main(args)
+    if args.beside:
+        return beside_main(args)
 
     table_Ts = (2, 4) if args.quick else (4, 16)      # the table's T
     # probe T: two to fit the line, a third to check it (default: the table's T and their middle)

@@ -41,7 +41,7 @@ try:  # Triton is optional: the torch path covers CPU
 except ImportError:  # pragma: no cover - triton is installed with torch on Linux
     HAS_TRITON = False
 
-__all__ = ["PackedSpikes", "is_binary", "pack", "pack_spikes", "unpack_spikes"]
+__all__ = ["PackedSpikes", "is_binary", "pack", "pack_binary", "pack_spikes", "unpack_spikes"]
 
 
 def packed_nbytes(numel: int) -> int:
@@ -97,12 +97,48 @@ def pack_spikes_torch(x: Tensor) -> Tensor:
 
 
 def unpack_spikes_torch(bits: Tensor, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
-    """Shift-and-mask broadcast: `(bits[:, None] >> [0..7]) & 1` is [bytes, 8] of 0/1 in element
-    order; cast, drop the padding, reshape (the result is contiguous)."""
+    """Floating dtypes: each byte looks up its 8 values in a [256, 8] table (one gather writes the
+    result: 1.3-2.8x faster than shifting on a 2-core x86 CPU at 6-13M elements). Bool: shift and
+    mask, `(bits[:, None] >> [0..7]) & 1`. Then drop the padding and reshape (contiguous)."""
     n = math.prod(shape)
-    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
-    flat = ((bits.reshape(-1, 1) >> shifts) & 1).to(dtype).reshape(-1)
+    if dtype.is_floating_point:
+        flat = torch.nn.functional.embedding(bits.reshape(-1).to(torch.int32), _unpack_table(dtype, bits.device)).reshape(-1)
+    else:
+        shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+        flat = ((bits.reshape(-1, 1) >> shifts) & 1).to(dtype).reshape(-1)
     return flat[:n].reshape(shape)
+
+
+_TABLES: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+
+
+def _unpack_table(dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Row b holds the 8 bits of byte b as 0/1 of `dtype`, least significant first."""
+    key = (dtype, device)
+    if key not in _TABLES:
+        b = torch.arange(256, device=device)
+        _TABLES[key] = ((b[:, None] >> torch.arange(8, device=device)) & 1).to(dtype)
+    return _TABLES[key]
+
+
+_BIT_WEIGHTS: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+
+
+def pack_binary(x: Tensor) -> Tensor:
+    """`pack_spikes(x)` for an `x` known to hold only 0 and 1 (a neuron's output): on CPU, for a
+    floating x whose numel is a multiple of 8, each byte is one dot product of 8 values with the
+    bit weights 1, 2, ..., 128, so the whole pack is one matrix-vector product ([n / 8, 8] @ [8])
+    and a cast (4-6x faster than `pack_spikes` on a 2-core x86 CPU at 6-13M elements). The sums
+    are integers below 256, exact in every floating dtype (bf16 holds them too). Values other than
+    0 and 1 give other bytes: use `pack_spikes` where x is not known to be binary. Elsewhere
+    (CUDA, other dtypes or sizes) it is `pack_spikes`."""
+    if x.device.type != "cpu" or not x.dtype.is_floating_point or x.numel() % 8:
+        return pack_spikes(x)
+    key = (x.dtype, x.device)
+    if key not in _BIT_WEIGHTS:
+        _BIT_WEIGHTS[key] = (2 ** torch.arange(8)).to(x.dtype)
+    with torch.autocast("cpu", enabled=False):  # the sums stay in x's dtype
+        return (x.detach().reshape(-1, 8) @ _BIT_WEIGHTS[key]).to(torch.uint8)
 
 
 # --------------------------------------------------------------------------------- Triton kernels

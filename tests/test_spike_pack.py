@@ -66,6 +66,25 @@ def test_reference_equals_the_cpu_path_bit_for_bit(n, p):
             assert f.dtype == r.dtype == dtype and torch.equal(f, r)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_pack_binary_gives_the_reference_bytes_for_spikes(dtype):
+    # the matrix-vector path (floating, numel a multiple of 8) and its fallback (other sizes, dtypes)
+    for shape in [(8,), (4, 16), (3, 5, 8), (2, 3, 64, 11), (7,), (3, 5, 7), (0,)]:
+        x = spikes(shape, dtype, p=0.5, seed=math.prod(shape))
+        want = sp.pack_spikes_ref(x)
+        assert torch.equal(sp.pack_binary(x), want)
+        assert torch.equal(sp.pack_binary(x.clone().requires_grad_()), want)  # a saved neuron output needs grad
+        if x.dim() > 1:
+            v = x.transpose(0, -1)
+            assert torch.equal(sp.pack_binary(v), sp.pack_spikes_ref(v))
+    x = torch.ones(64, dtype=dtype)
+    assert sp.pack_binary(x).tolist() == [255] * 8
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert sp.pack_binary(x).tolist() == [255] * 8
+    for other in (torch.ones(16, dtype=torch.bool), torch.ones(16, dtype=torch.int32)):
+        assert sp.pack_binary(other).tolist() == [255, 255]
+
+
 def test_nonzero_packs_as_one():
     x = torch.tensor([0.0, -0.0, 2.5, -1.0, float("nan"), float("inf"), 1e-40, -3.0, 0.0, 7.0])
     want = [0, 0, 1, 1, 1, 1, 1, 1, 0, 1]

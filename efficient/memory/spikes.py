@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from efficient.kernels.spike_pack import pack_spikes, unpack_spikes
+from efficient.kernels.spike_pack import pack_binary, unpack_spikes
 
 
 def is_neuron(m: nn.Module) -> bool:
@@ -405,8 +405,8 @@ class PackedSaved:
 
 def pack_counts(t: torch.Tensor, bound: int) -> PackedSaved:
     """`t` (non-negative integers up to `bound`) as bits, uint8 or int16, whichever holds it."""
-    if bound == 1:
-        return PackedSaved(pack_spikes(t), tuple(t.shape), tuple(t.stride()), t.dtype)
+    if bound == 1:  # a tracked spike tensor holds only 0 and 1
+        return PackedSaved(pack_binary(t), tuple(t.shape), tuple(t.stride()), t.dtype)
     small = torch.uint8 if bound <= 255 else torch.int16
     return PackedSaved(t.contiguous().to(small).view(-1), tuple(t.shape), tuple(t.stride()), t.dtype, bound)
 
