@@ -409,7 +409,8 @@ def run_beside(spec: dict) -> dict:
     times: dict[str, list[float]] = {impl: [] for impl in impls}
     for r in range(rounds):
         for impl in impls[r % len(impls):] + impls[: r % len(impls)]:
-            _trim()
+            # no malloc_trim between steps, as in a training loop: a trim would make every step
+            # fault its memory in afresh, which costs most the level that keeps the most
             t0 = time.perf_counter()
             train_step(models[impl], x, y)
             times[impl].append(time.perf_counter() - t0)
