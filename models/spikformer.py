@@ -172,18 +172,16 @@ class SSA(nn.Module):
         b = None if units[0].linear.bias is None else torch.cat([u.linear.bias for u in units])
         y = F.linear(x.flatten(0, 2), w, b)
         bns = [u.bn for u in units]
-        for bn in bns:  # what BatchNorm.forward does in training before normalizing
-            bn.num_batches_tracked.add_(1)
+        # what BatchNorm.forward does in training before normalizing (one multi-tensor op for the three)
+        torch._foreach_add_([bn.num_batches_tracked for bn in bns], 1)
         m0 = bns[0].momentum
         factor = 1.0 / float(bns[0].num_batches_tracked) if m0 is None else m0
         rm = torch.cat([bn.running_mean for bn in bns])
         rv = torch.cat([bn.running_var for bn in bns])
         y = F.batch_norm(y, rm, rv, torch.cat([bn.weight for bn in bns]), torch.cat([bn.bias for bn in bns]),
                          True, factor, bns[0].eps)
-        with torch.no_grad():
-            for i, bn in enumerate(bns):
-                bn.running_mean.copy_(rm[i * C:(i + 1) * C])
-                bn.running_var.copy_(rv[i * C:(i + 1) * C])
+        with torch.no_grad():  # the updated statistics back into each unit's buffers, one multi-tensor copy
+            torch._foreach_copy_([bn.running_mean for bn in bns] + [bn.running_var for bn in bns], [*rm.split(C), *rv.split(C)])
         s = self.q.lif(y.reshape(T, B, N, 3 * C))
         # one split, not three slices: its backward concatenates the three gradients, where slices
         # would each zero-fill a full-width gradient and add them up
