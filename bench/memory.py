@@ -404,18 +404,14 @@ def run_beside(spec: dict) -> dict:
     models = {impl: build(arch, impl, T, img)[0] for impl in impls}
     for m in models.values():  # warm-up: one-off allocations and compilations
         train_step(m, x, y)
-        for p in m.parameters():
-            p.grad = None
     times: dict[str, list[float]] = {impl: [] for impl in impls}
     for r in range(rounds):
         for impl in impls[r % len(impls):] + impls[: r % len(impls)]:
             # no malloc_trim between steps, as in a training loop: a trim would make every step
             # fault its memory in afresh, which costs most the level that keeps the most
             t0 = time.perf_counter()
-            train_step(models[impl], x, y)
+            train_step(models[impl], x, y)  # sets the gradients to None first
             times[impl].append(time.perf_counter() - t0)
-            for p in models[impl].parameters():
-                p.grad = None
     ref = times[impls[0]]
     ratios = {impl: [t / b for t, b in zip(ts, ref)] for impl, ts in times.items()}
     return {"arch": arch, "T": T, "batch": B, "rounds": rounds, "threads": torch.get_num_threads(), "times_s": times,

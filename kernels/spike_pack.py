@@ -22,6 +22,7 @@ ops have no autograd formula (nor a flop formula: packing does no arithmetic a c
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from dataclasses import dataclass
@@ -109,19 +110,17 @@ def unpack_spikes_torch(bits: Tensor, shape: Sequence[int], dtype: torch.dtype) 
     return flat[:n].reshape(shape)
 
 
-_TABLES: dict[tuple[torch.dtype, torch.device], Tensor] = {}
-
-
+@functools.cache
 def _unpack_table(dtype: torch.dtype, device: torch.device) -> Tensor:
     """Row b holds the 8 bits of byte b as 0/1 of `dtype`, least significant first."""
-    key = (dtype, device)
-    if key not in _TABLES:
-        b = torch.arange(256, device=device)
-        _TABLES[key] = ((b[:, None] >> torch.arange(8, device=device)) & 1).to(dtype)
-    return _TABLES[key]
+    b = torch.arange(256, device=device)
+    return ((b[:, None] >> torch.arange(8, device=device)) & 1).to(dtype)
 
 
-_BIT_WEIGHTS: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+@functools.cache
+def _bit_weights(dtype: torch.dtype) -> Tensor:
+    """1, 2, 4, ..., 128 in `dtype` (CPU)."""
+    return (2 ** torch.arange(8)).to(dtype)
 
 
 def pack_binary(x: Tensor) -> Tensor:
@@ -134,11 +133,8 @@ def pack_binary(x: Tensor) -> Tensor:
     (CUDA, other dtypes or sizes) it is `pack_spikes`."""
     if x.device.type != "cpu" or not x.dtype.is_floating_point or x.numel() % 8:
         return pack_spikes(x)
-    key = (x.dtype, x.device)
-    if key not in _BIT_WEIGHTS:
-        _BIT_WEIGHTS[key] = (2 ** torch.arange(8)).to(x.dtype)
     with torch.autocast("cpu", enabled=False):  # the sums stay in x's dtype
-        return (x.detach().reshape(-1, 8) @ _BIT_WEIGHTS[key]).to(torch.uint8)
+        return (x.detach().reshape(-1, 8) @ _bit_weights(x.dtype)).to(torch.uint8)
 
 
 # --------------------------------------------------------------------------------- Triton kernels

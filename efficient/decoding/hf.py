@@ -235,16 +235,15 @@ def _layerwise(run: _Run, P: int, max_new: int, finished: torch.Tensor, eos: lis
             else:
                 h = run.layers(h, start, depth, e)
             depth = e
+            z = heads[e](h[:, -1])
             if B == 1:  # one row: the decision is one host read, no masks (this loop is overhead-bound)
-                z = heads[e](h[:, -1] if h.shape[1] > 1 else h)
                 took = e == N or _max_prob(z) >= threshold
                 if took:
-                    tok, ex = z.argmax(), e
+                    tok, ex = z.argmax(-1), e
                     if forced is not None:
-                        logprobs[:, i] = _logprob(z.view(1, -1), forced[:, i])
+                        logprobs[:, i] = _logprob(z, forced[:, i])
                 done = took
             else:
-                z = heads[e](h[:, -1])
                 if e == N:
                     take = ~chosen
                     arg = z.argmax(-1)
