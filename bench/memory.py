@@ -97,9 +97,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 LEVELS = ("none", "bits", "recompute")
-IMPLS = ("none", "bits", "recompute", "sj", "sj-memopt")
+IMPLS = ("none", "bits", "recompute", "recompute-budget", "sj", "sj-memopt")
+RECOMPUTE_BUDGET = 0.2  # recompute-budget: at most this fraction of none's saved bytes (planned on the step's own batch)
 LABEL = {"none": "ours none", "bits": "ours bits", "recompute": "ours recompute", "sj": "spikingjelly",
-         "sj-memopt": "spikingjelly memopt L1"}
+         "recompute-budget": f"ours recompute, budget {RECOMPUTE_BUDGET:.0%}", "sj-memopt": "spikingjelly memopt L1"}
 MiB, GiB = 2**20, 2**30
 RESULT = "RESULT "  # a child's last line: RESULT <json>
 
@@ -310,16 +311,22 @@ def _memopt(model, arch: str, img: int | None) -> dict:
     return {"checkpointed": len(wrapped), "compressed": sum(w.checkpoint_fn.keywords.get("compressor") is not None for w in wrapped)}
 
 
-def build(arch: str, impl: str, T: int, img: int | None = None) -> tuple[Any, Any, dict]:
-    """The model of `impl` at T (training mode), its memory plan (ours) and what was done to it."""
+def build(arch: str, impl: str, T: int, img: int | None = None, example: Any = None) -> tuple[Any, Any, dict]:
+    """The model of `impl` at T (training mode), its memory plan (ours) and what was done to it.
+    `recompute-budget` plans its units on `example` (the step's images)."""
     import torch
 
     torch.manual_seed(0)
-    if impl in LEVELS:
+    if impl in LEVELS or impl == "recompute-budget":
         import efficient
         from efficient import memory
 
         m = efficient.load(ARCHS[arch].ours, timesteps=T, **({"img_size": img} if img else {})).train()
+        if impl == "recompute-budget":
+            t0 = time.perf_counter()
+            plan = memory.optimize(m, "recompute", budget=RECOMPUTE_BUDGET, example=example)
+            return m, plan, {"summary": plan.summary(), "plan_s": time.perf_counter() - t0, "keep": plan.keep,
+                             "kept_fraction": plan.kept_fraction, "rerun_share": plan.rerun_share}
         plan = memory.optimize(m, impl)
         return m, plan, {"summary": plan.summary()}
     m = _peer_module(arch, T, _img(arch, img)).train()
@@ -364,7 +371,7 @@ def run_case(spec: dict) -> dict:
     _watchdog(int(spec["max_gb"] * GiB))
     arch, impl, T, B, steps, img = spec["arch"], spec["impl"], spec["T"], spec["batch"], spec["steps"], spec["img"]
     x, y = _inputs(arch, B, img=img)
-    model, plan, info = build(arch, impl, T, img)
+    model, plan, info = build(arch, impl, T, img, example=x)
     _trim()
     base0, hwm0 = _rss(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     times = []
@@ -401,7 +408,8 @@ def run_beside(spec: dict) -> dict:
 
     arch, T, B, rounds, impls, img = spec["arch"], spec["T"], spec["batch"], spec["rounds"], spec["impls"], spec["img"]
     x, y = _inputs(arch, B, img=img)
-    models = {impl: build(arch, impl, T, img)[0] for impl in impls}
+    built = {impl: build(arch, impl, T, img, example=x) for impl in impls}
+    models = {impl: b[0] for impl, b in built.items()}
     for m in models.values():  # warm-up: one-off allocations and compilations
         train_step(m, x, y)
     times: dict[str, list[float]] = {impl: [] for impl in impls}
@@ -417,7 +425,8 @@ def run_beside(spec: dict) -> dict:
     return {"arch": arch, "T": T, "batch": B, "rounds": rounds, "threads": torch.get_num_threads(), "times_s": times,
             "median_s": {i: statistics.median(ts) for i, ts in times.items()},
             "ratio_median": {i: statistics.median(rs) for i, rs in ratios.items()},
-            "ratio_min": {i: min(rs) for i, rs in ratios.items()}, "ratio_max": {i: max(rs) for i, rs in ratios.items()}}
+            "ratio_min": {i: min(rs) for i, rs in ratios.items()}, "ratio_max": {i: max(rs) for i, rs in ratios.items()},
+            "plans": {i: b[2] for i, b in built.items() if b[2]}}
 
 
 def beside_main(args) -> int:
@@ -519,7 +528,7 @@ def run_probe(spec: dict) -> dict:
     rec: dict[str, Any] = {"saved": {}}
     t_start = time.perf_counter()
     for T, batches in {Ta: (b1, b2, b3), Tb: (b1, b2), Tc: (b1,)}.items():
-        model, plan, info = build(arch, impl, T, img)
+        model, plan, info = build(arch, impl, T, img, example=_inputs(arch, b1, img=img)[0])
         for B in batches:
             x, y = _inputs(arch, B, img=img)
             rec["saved"][f"{T},{B}"] = count_saved(model, x, y)

@@ -40,6 +40,10 @@ def _unit(v: Any) -> str | None:
     return None if v is None or 0 <= v < 1 else "must be in [0, 1)"
 
 
+def _fraction(v: Any) -> str | None:
+    return None if v is None or 0 <= v <= 1 else "must be in [0, 1]"
+
+
 def _loggers(v: list[str]) -> str | None:
     from efficient.report.loggers import logger_names_problem
 
@@ -122,6 +126,10 @@ class TrainConfig:
     # activation memory of a step (efficient.memory): none | bits (spikes saved as bits, same gradients)
     # | recompute (units keep only their inputs and recompute the rest in backward)
     memory: Literal["none", "bits", "recompute"] = "none"
+    # recompute only: keep at most this fraction of none's activation bytes (measured on the first
+    # batch before training); as few units as that needs rerun whole, the others only their neurons.
+    # null: every unit reruns whole (the least memory)
+    memory_budget: float | None = _opt(_fraction, default=None)
     deterministic: bool = False
     threads: int | None = _opt(_positive, default=None)
     out_dir: str = "runs"

@@ -57,8 +57,9 @@ def test_twenty_steps_of_the_digits_stata_recipe_per_level(tmp_path: Path) -> No
     assert bn and all(torch.equal(w_none[k], w_rec[k]) or torch.allclose(w_none[k].double(), w_rec[k].double(), rtol=1e-4, atol=1e-6) for k in bn)
 
 
-def test_resume_of_a_recompute_run_equals_an_uninterrupted_one(tmp_path: Path) -> None:
-    overrides = [*STATA_DIGITS, "train.max_steps=6", "train.memory=recompute"]
+@pytest.mark.parametrize("budget", [[], ["train.memory_budget=0.5"]], ids=["every-unit-whole", "budget"])
+def test_resume_of_a_recompute_run_equals_an_uninterrupted_one(tmp_path: Path, budget: list[str]) -> None:
+    overrides = [*STATA_DIGITS, "train.max_steps=6", "train.memory=recompute", *budget]
     recipe = ROOT / "recipes" / "stata_digits.yaml"
     straight = tmp_path / "straight"
     Trainer(load_recipe(recipe, overrides), straight).fit()
@@ -67,6 +68,9 @@ def test_resume_of_a_recompute_run_equals_an_uninterrupted_one(tmp_path: Path) -
         _interrupt_after(Trainer(load_recipe(recipe, overrides), half), 3).fit()
     resumed = Trainer(load_recipe(half / "config.yaml"), half, resume=True)
     assert resumed.recipe.train.memory == "recompute" and resumed.memory_plan.level == "recompute"
+    if budget:  # the plan depends on shapes only: the resumed run reruns the same units whole
+        assert resumed.memory_plan.budget == 0.5 and resumed.memory_plan.keep
+        assert "within the budget of 50 %" in resumed.memory_plan.summary()
     resumed.fit()
     a = load_file(str(straight / "checkpoint" / "last" / "model.safetensors"))
     b = load_file(str(half / "checkpoint" / "last" / "model.safetensors"))
@@ -178,3 +182,100 @@ def test_a_recomputed_unit_replays_its_random_draws_and_counts_batch_statistics_
     g1, b1 = step("recompute")
     assert all(torch.equal(g1[k], g0[k]) for k in g0)
     assert all(torch.equal(b1[k], b0[k]) for k in b0) and int(b1["0.bn.num_batches_tracked"]) == 1
+
+
+# --------------------------------------------------------------------------- a byte budget
+
+class _ConvUnit(nn.Module):
+    """Conv -> BatchNorm -> LIF on [T, B, C, H, W]: its conv costs c_in x 9 MACs per output element."""
+
+    recompute_unit = True
+
+    def __init__(self, c_in: int, c_out: int) -> None:
+        from efficient.models.neurons import LIF
+
+        super().__init__()
+        self.conv, self.bn, self.lif = nn.Conv2d(c_in, c_out, 3, padding=1), nn.BatchNorm2d(c_out), LIF(backend="torch")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        T, B = x.shape[:2]
+        y = self.bn(self.conv(x.flatten(0, 1)))
+        return self.lif(y.reshape(T, B, *y.shape[1:]))
+
+
+def _budget_net() -> nn.Module:
+    # a wide, cheap first unit (2 input channels, 16x16) and two narrow, costly ones (32 in, 4x4 after a pool)
+    torch.manual_seed(0)
+    pool = nn.Module()
+    pool.forward = lambda x: torch.nn.functional.max_pool2d(x.flatten(0, 1), 4).reshape(*x.shape[:3], 4, 4)
+    return nn.Sequential(_ConvUnit(2, 32), pool, _ConvUnit(32, 32), _ConvUnit(32, 32))
+
+
+def _budget_step(net: nn.Module, x: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    net.zero_grad(set_to_none=True)
+    (net(x) * torch.linspace(-1, 1, 32).reshape(32, 1, 1)).sum().backward()
+    return {k: p.grad for k, p in net.named_parameters()}, {k: b.clone() for k, b in net.named_buffers()}
+
+
+def test_a_budget_keeps_the_outputs_that_save_most_rerun_flops_per_byte() -> None:
+    """Under a budget the narrow convolutions of 32 channels (288 MACs per output value) keep their
+    outputs before the wide one of 2 channels (18), as many as fit; the step keeps at most the
+    budget of none's bytes (measured independently), trains as none does within fp32 rounding, and
+    updates BatchNorm statistics once."""
+    from efficient.memory.measure import activation_memory
+
+    x = torch.rand(3, 2, 2, 16, 16, generator=torch.Generator().manual_seed(1)) * 3
+    ref = _budget_net()
+    g0, b0 = _budget_step(ref, x)
+    none = activation_memory(ref, x, backward=False).total_bytes
+    net = _budget_net()
+    assert memory.optimize(net, "recompute").keep == {}
+    floor = activation_memory(net, x, backward=False).total_bytes
+    narrow = 3 * 2 * 32 * 4 * 4 * 4  # bytes of one narrow convolution's fp32 output
+    budget = (floor + 2 * narrow + narrow // 2) / none  # room for both narrow outputs, not the wide one
+    plan = memory.optimize(net, "recompute", budget=budget, example=x)
+    assert plan.units == ["0", "2", "3"] and plan.keep == {"2": [0], "3": [0]}, plan
+    kept = activation_memory(net, x, backward=False).total_bytes
+    assert kept == floor + 2 * narrow and kept <= budget * none and plan.kept_fraction == pytest.approx(kept / none)
+    # each convolution does the same MACs (2x9x32 per value at 16x16, 32x9x32 at 4x4): the wide one
+    # still reruns, a third of them, for 16x fewer bytes kept
+    assert plan.rerun_share == pytest.approx(1 / 3)
+    assert f"within the budget of {100 * budget:g} %" in plan.summary()
+    g1, b1 = _budget_step(net, x)
+    for k in g0:
+        assert torch.allclose(g1[k], g0[k], rtol=1e-4, atol=1e-5), k
+    assert all(torch.equal(b1[k], b0[k]) for k in b0) and int(b1["0.bn.num_batches_tracked"]) == 1
+
+
+def test_budget_extremes_and_a_plan_kept_across_measurements() -> None:
+    """Budget 0 keeps no output (every unit reruns whole, as with no budget), budget 1 every one;
+    measuring another level (as a run's memory record does) puts the same plan back."""
+    from efficient.memory.measure import activation_memory, applied_level
+
+    x = torch.rand(3, 2, 2, 16, 16, generator=torch.Generator().manual_seed(1)) * 3
+    net = _budget_net()
+    zero = memory.optimize(net, "recompute", budget=0, example=x)
+    assert zero.units == ["0", "2", "3"] and zero.keep == {} and zero.rerun_share == 1
+    one = memory.optimize(net, "recompute", budget=1, example=x)
+    assert one.keep == {"0": [0], "2": [0], "3": [0]} and one.rerun_share == 0 and one.kept_fraction < 1
+    before = activation_memory(net, x, backward=False).total_bytes
+    activation_memory(net, x, level="none", backward=False)
+    assert applied_level(net) == "recompute" and net._efficient_memory.plan.keep == one.keep
+    assert activation_memory(net, x, backward=False).total_bytes == before
+
+
+def test_budget_errors_name_what_is_wrong(tmp_path: Path) -> None:
+    net, x = _budget_net(), torch.rand(3, 2, 2, 16, 16)
+    with pytest.raises(ConfigError, match=r"in \[0, 1\]"):
+        memory.optimize(net, "recompute", budget=1.5, example=x)
+    with pytest.raises(ConfigError, match="example inputs"):
+        memory.optimize(net, "recompute", budget=0.2)
+    with pytest.raises(ConfigError, match="level recompute only"):
+        memory.optimize(net, "bits", budget=0.2, example=x)
+    with pytest.raises(ConfigError, match=r"'9' not a recompute unit.*its units: 0, 2, 3"):
+        memory.optimize(net, "recompute", keep={"9": [0]})
+    with pytest.raises(ConfigError, match="train.memory_budget applies to train.memory: recompute"):
+        Trainer(load_recipe(ROOT / "recipes" / "stata_digits.yaml", ["train.memory=bits", "train.memory_budget=0.2"]),
+                tmp_path).setup()
+    with pytest.raises(ConfigError, match="memory_budget"):
+        load_recipe(ROOT / "recipes" / "stata_digits.yaml", ["train.memory_budget=2"])

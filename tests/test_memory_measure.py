@@ -177,6 +177,20 @@ def test_profile_memory_json_and_table_at_80_columns(capsys: pytest.CaptureFixtu
     assert all(_whole(lv, out) for lv in d["levels"]) and "1.000x" in out
 
 
+def test_profile_memory_with_a_budget(capsys: pytest.CaptureFixture[str]) -> None:
+    """--memory-budget measures level recompute at the planned outputs: within the budget, above
+    recompute without one, and the plan is in the JSON."""
+    argv = ["profile", "spikformer-tiny", "--memory", "--memory-level", "recompute", "--batch", "2", "--format", "json"]
+    assert main(argv) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--memory-budget", "0.3"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    plan = d["recompute_plan"]
+    assert plan["budget"] == 0.3 and plan["keep"] and 0 <= plan["rerun_share"] < 1
+    assert whole["ratio_to_none"]["recompute"] < d["ratio_to_none"]["recompute"] <= 0.3
+    assert d["ratio_to_none"]["recompute"] == pytest.approx(plan["kept_fraction"])
+
+
 def test_profile_memory_levels_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["profile", "spikformer-tiny", "--memory", "--memory-level", "recompute", "--format", "json"]) == 0
     d = json.loads(capsys.readouterr().out)
@@ -184,7 +198,10 @@ def test_profile_memory_levels_and_errors(capsys: pytest.CaptureFixture[str]) ->
     for argv, message in ((["--memory", "--memory-level", "half"], "'half' is not a memory level"),
                           (["--memory-level", "bits"], "add --memory"),
                           (["--memory", "--compare", "spikformer-tiny"], "--compare does not apply with --memory"),
-                          (["--memory", "--format", "md"], "--memory prints a table or --format json")):
+                          (["--memory", "--format", "md"], "--memory prints a table or --format json"),
+                          (["--memory-budget", "0.2"], "add --memory"),
+                          (["--memory", "--memory-budget", "3"], "is not a fraction in [0, 1]"),
+                          (["--memory", "--memory-level", "bits", "--memory-budget", "0.2"], "add it to --memory-level")):
         assert main(["profile", "spikformer-tiny", *argv]) == 2
         assert message in capsys.readouterr().err
 

@@ -72,6 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory", action="store_true",
                    help="measure activation memory instead: the bytes one training step keeps for backward, per block, "
                         "at each memory level, on a random input of the model's shape (--input, --batch, --timesteps apply)")
+    p.add_argument("--memory-budget", metavar="F", type=float,
+                   help="with --memory: measure level recompute with this budget (a fraction of none's bytes: units "
+                        "keep the matmul/convolution outputs that save the most rerun FLOPs per byte, as many as fit)")
     p.add_argument("--memory-level", metavar="LEVELS",
                    help="levels measured with --memory, comma-separated from none, bits, recompute (default: all three)")
 
@@ -168,12 +171,18 @@ def _memory_levels(spec: str | None) -> list[str]:
 def _memory(args: argparse.Namespace) -> int:
     """`--memory`: activation memory of one training step at each level asked."""
     from efficient.memory import optimize
-    from efficient.memory.measure import measure_levels
+    from efficient.memory.measure import activation_memory, measure_levels
     from efficient.profiler.api import _check_input_shape, _repeat_time, _resolve_inputs, _timesteps_override
     from efficient.profiler.run import find_run, load_run_model
     from efficient.zoo import load
 
     levels = _memory_levels(args.memory_level)
+    if args.memory_budget is not None:
+        from efficient.memory.plan import check_budget
+
+        check_budget(args.memory_budget)
+        if "recompute" not in levels:
+            raise ConfigError("--memory-budget applies to level recompute; add it to --memory-level")
     for flag, given in (("--compare", args.compare), ("--plot", args.plot), ("--exit-threshold", args.exit_threshold is not None),
                         ("--convention", args.convention), ("--neurobench", args.neurobench), ("--memory-access", args.memory_access)):
         if given:
@@ -198,6 +207,11 @@ def _memory(args: argparse.Namespace) -> int:
         if repeat_input:
             inputs = tuple(_repeat_time(a, args.timesteps) for a in inputs)
         measured = measure_levels(model, kwargs or inputs, dict.fromkeys(["none", *levels]))
+        plan = None
+        if args.memory_budget is not None:
+            plan = optimize(model, "recompute", budget=args.memory_budget, example=kwargs or inputs)
+            measured["recompute"] = activation_memory(model, kwargs or inputs)
+            optimize(model, "none")
     results = {lv: measured[lv] for lv in levels}
     base = measured["none"]
     where = source + (f", T={t_used}" if t_used else "")
@@ -205,6 +219,9 @@ def _memory(args: argparse.Namespace) -> int:
         d = {"model": label, "input": where, "batch": batch, "none_total_bytes": base.total_bytes,
              "ratio_to_none": {lv: m.ratio(base) for lv, m in results.items()},
              "levels": {lv: m.to_dict() for lv, m in results.items()}}
+        if plan is not None:
+            d["recompute_plan"] = {"budget": plan.budget, "kept_fraction": plan.kept_fraction,
+                                   "rerun_share": plan.rerun_share, "keep": plan.keep, "summary": plan.summary()}
         text = json.dumps(d, indent=2)
         if args.output:
             from efficient.io import write_text
@@ -220,6 +237,8 @@ def _memory(args: argparse.Namespace) -> int:
     console = Console()
     for t in memory_tables(results, base, f"activation memory: {label}, {where}"):
         console.print(t)
+    if plan is not None:
+        console.print(f"recompute with a budget: {plan.summary()}")
     return 0
 
 
@@ -236,6 +255,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--batch must be >= 1, got {args.batch}")
     if args.memory_level is not None and not args.memory:
         raise ConfigError("--memory-level chooses the levels --memory measures; add --memory")
+    if args.memory_budget is not None and not args.memory:
+        raise ConfigError("--memory-budget applies to the recompute level --memory measures; add --memory")
     if args.flops_per_mac is not None and not args.flops_per_mac > 0:
         raise ConfigError(f"--flops-per-mac must be a positive number, got {args.flops_per_mac}")
     if args.input:

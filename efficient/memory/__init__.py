@@ -1,6 +1,7 @@
 """Activation memory of a training step: what autograd keeps for backward, and how to keep less.
 
     plan = efficient.memory.optimize(model, "recompute")   # or "bits", or "none" to undo
+    plan = efficient.memory.optimize(model, "recompute", budget=0.2, example=x)  # at most 20 % of none
 
 Levels (recipe key `train.memory`):
 - `none`: every saved activation dense, as autograd keeps it.
@@ -10,6 +11,9 @@ Levels (recipe key `train.memory`):
   BatchNorm -> neuron unit, a neuron on its own) keeps only its input and recomputes the rest in
   backward (`recompute.py`): gradients
   equal `none`'s up to floating-point rounding; BatchNorm running statistics update once per step.
+  With a `budget` (a fraction of `none`'s bytes, measured on example inputs), units also keep the
+  outputs of the matmuls and convolutions that save the most rerun FLOPs per byte, as many as the
+  budget allows (`plan.py`).
 
 Works on any model whose neurons are ours, spikingjelly's or snntorch's (a plain `nn.Module`
 tree; units of those libraries' models are their neurons). `measure.py` counts the bytes a step
@@ -19,13 +23,14 @@ keeps, per layer and block.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 from torch import nn
 
 from efficient.errors import ConfigError
-from efficient.memory.recompute import is_wrapped, units, unwrap, wrap
+from efficient.memory.plan import check_budget, choose_kept
+from efficient.memory.recompute import KeptOps, is_wrapped, units, unwrap, wrap
 from efficient.memory.spikes import BitsHooks, SpikePropagation, SpikeTracker, iter_neurons
 
 Level = Literal["none", "bits", "recompute"]
@@ -35,13 +40,19 @@ LEVELS: tuple[str, ...] = ("none", "bits", "recompute")
 @dataclass
 class MemoryPlan:
     """What `optimize` did to a model: the level, the neurons whose outputs are kept as bits, the
-    recomputed units, and (after steps) how many saved tensors were packed."""
+    recomputed units and, per unit, the positions of the costly ops whose outputs it keeps; under a
+    budget, the fraction of `none`'s bytes the plan keeps on the example and the share of the
+    units' matmul/convolution FLOPs still rerun; (after steps) how many saved tensors were packed."""
 
     level: str
     neurons: list[str] = field(default_factory=list)
     units: list[str] = field(default_factory=list)
+    keep: dict[str, list[int]] = field(default_factory=dict)
     hooks: BitsHooks | None = None
     note: str = ""
+    budget: float | None = None
+    kept_fraction: float | None = None
+    rerun_share: float | None = None
 
     def summary(self) -> str:
         if self.level == "none":
@@ -51,14 +62,24 @@ class MemoryPlan:
         text = f"memory: {self.level}: outputs of {len(self.neurons)} neurons kept as bits"
         if self.level == "recompute":
             text += f", {len(self.units)} units recomputed in backward"
+            if self.keep:
+                text += (f", {sum(map(len, self.keep.values()))} matmul/convolution outputs kept "
+                         f"in {len(self.keep)} of them")
+        if self.budget is not None and self.kept_fraction is not None:
+            verdict = "within" if self.kept_fraction <= self.budget else "over (every unit reruns whole)"
+            text += (f"; keeps {100 * self.kept_fraction:.1f} % of level none's activation bytes on the example, "
+                     f"{verdict} the budget of {100 * self.budget:g} %")
+            if self.rerun_share is not None:
+                text += f", reruns {100 * self.rerun_share:.0f} % of the units' matmul/convolution FLOPs"
         return text
 
 
 class _State:
     """What `optimize` attached to a model, so that a second call (or level `none`) undoes it."""
 
-    def __init__(self, tracker: SpikeTracker, hooks: BitsHooks, handles: list[Any], wrapped: list[nn.Module]) -> None:
-        self.tracker, self.hooks, self.handles, self.wrapped = tracker, hooks, handles, wrapped
+    def __init__(self, plan: MemoryPlan, tracker: SpikeTracker, hooks: BitsHooks, handles: list[Any],
+                 wrapped: list[nn.Module]) -> None:
+        self.plan, self.tracker, self.hooks, self.handles, self.wrapped = plan, tracker, hooks, handles, wrapped
         self.active: list[Any] = []
 
     def enter(self, module: nn.Module, args: Any) -> None:
@@ -92,18 +113,45 @@ def check_level(level: str, where: str = "memory level") -> str:
     return level
 
 
-def optimize(model: nn.Module, level: Level | str = "bits") -> MemoryPlan:
+def optimize(model: nn.Module, level: Level | str = "bits", *, budget: float | None = None, example: Any = None,
+             loss_fn: Callable[[Any], torch.Tensor] | None = None,
+             keep: dict[str, Sequence[int]] | None = None) -> MemoryPlan:
     """Apply memory level `level` to `model` in place (replacing any level applied before) and say
-    what was done. `model` must not be compiled yet: compile after optimizing."""
+    what was done. `model` must not be compiled yet: compile after optimizing.
+
+    At level `recompute`, every unit reruns whole unless a `budget` is given: then `example` (the
+    model's inputs, as for `activation_memory`; `loss_fn` as there) is measured, and units keep
+    the matmul/convolution outputs that save the most rerun FLOPs per byte while the step keeps at
+    most `budget` x level none's bytes (see `plan.py`). `keep` names them directly (`plan.keep` of
+    an earlier plan: unit -> positions among its costly ops, in call order)."""
     check_level(level)
+    if (budget is not None or keep is not None) and level != "recompute":
+        raise ConfigError(f"memory level {level!r}: a budget or kept outputs apply to level recompute only")
+    if budget is not None and keep is not None:
+        raise ConfigError("memory: give a budget (the outputs to keep are chosen) or `keep` (they are named), not both")
     old = getattr(model, "_efficient_memory", None)
     if old is not None:
         old.close()
         del model._efficient_memory
     if level == "none":
         return MemoryPlan("none")
+    if budget is not None:
+        check_budget(budget)
+        if example is None:
+            raise ConfigError("memory budget: pass example inputs (example=...) to measure the budget on, "
+                              "or drop the budget to rerun every unit whole")
+        choice = choose_kept(model, example, budget, loss_fn)
+        plan = optimize(model, level, keep=choice.keep)
+        plan.budget, plan.kept_fraction = choice.budget, choice.fraction
+        plan.rerun_share = choice.rerun_flops / choice.flops if choice.flops else None
+        return plan
     neurons = [name for name, _ in iter_neurons(model)]
     regions = units(model) if level == "recompute" else []
+    keep = {name: sorted(set(v)) for name, v in (keep or {}).items() if v}
+    unknown = sorted(set(keep) - {n for n, _ in regions})
+    if unknown:
+        raise ConfigError(f"memory: {', '.join(map(repr, unknown))} not a recompute unit of {type(model).__name__} "
+                          f"(its units: {', '.join(n for n, _ in regions) or 'none'})")
     if not neurons and not regions:
         return MemoryPlan(level, note=f"nothing to do: {type(model).__name__} has no spiking neuron this toolkit knows "
                                       "(ours, spikingjelly's, snntorch's) and no recompute unit")
@@ -111,18 +159,26 @@ def optimize(model: nn.Module, level: Level | str = "bits") -> MemoryPlan:
     tracker.watch(model)
     hooks = BitsHooks(tracker)
     wrapped: list[nn.Module] = []
-    plan = MemoryPlan(level, neurons, hooks=hooks)
-    if level == "recompute":
-        for name, m in regions:
-            if not is_wrapped(m):
-                wrap(m)
-                wrapped.append(m)
-                plan.units.append(name)
-    state = _State(tracker, hooks, [], wrapped)
+    plan = MemoryPlan(level, neurons, hooks=hooks, keep=keep)
+    for name, m in regions:
+        if not is_wrapped(m):
+            wrap(m, KeptOps(frozenset(keep[name])) if name in keep else None)
+            wrapped.append(m)
+            plan.units.append(name)
+    state = _State(plan, tracker, hooks, [], wrapped)
     state.handles.append(model.register_forward_pre_hook(state.enter))
     state.handles.append(model.register_forward_hook(state.exit, always_call=True))
     model._efficient_memory = state  # type: ignore[assignment]
     return plan
 
 
-__all__ = ["LEVELS", "Level", "MemoryPlan", "check_level", "optimize"]
+def restore(model: nn.Module, plan: MemoryPlan) -> MemoryPlan:
+    """Apply `plan` (from `optimize`) to `model` again: the same units keep the same outputs."""
+    if plan.level != "recompute":
+        return optimize(model, plan.level)
+    again = optimize(model, plan.level, keep=plan.keep)
+    again.budget, again.kept_fraction, again.rerun_share = plan.budget, plan.kept_fraction, plan.rerun_share
+    return again
+
+
+__all__ = ["LEVELS", "Level", "MemoryPlan", "check_level", "optimize", "restore"]

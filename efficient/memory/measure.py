@@ -46,8 +46,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from efficient.memory import LEVELS, check_level, optimize
-from efficient.memory.recompute import is_wrapped, units
+from efficient.memory import LEVELS, MemoryPlan, check_level, optimize, restore
 from efficient.memory.spikes import PackedSaved, RecomputedNorm, tensors_in as _tensors
 from efficient.data import first_input
 
@@ -218,10 +217,12 @@ class _Recorder:
 
 def applied_level(model: nn.Module) -> str:
     """The memory level `optimize` left on `model` ("none" when none is)."""
-    model = eager_module(model)
-    if getattr(model, "_efficient_memory", None) is None:
-        return "none"
-    return "recompute" if any(is_wrapped(m) for _, m in units(model)) else "bits"
+    return _applied_plan(model).level
+
+
+def _applied_plan(model: nn.Module) -> MemoryPlan:
+    state = getattr(eager_module(model), "_efficient_memory", None)
+    return MemoryPlan("none") if state is None else state.plan
 
 
 def eager_module(model: nn.Module) -> nn.Module:
@@ -288,8 +289,9 @@ def activation_memory(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], to
     loss_fn: output -> scalar (default `default_loss`, which keeps nothing itself; a loss such as
       cross-entropy adds what it keeps under `LOSS`).
     level: measure at this memory level ("none", "bits", "recompute"). When it differs from the level
-      the model has, `optimize(model, level)` is applied for the step and the previous level is
-      applied again afterwards with a fresh `optimize` (so a `MemoryPlan` held from before no longer
+      the model has, `optimize(model, level)` is applied for the step and the previous plan is
+      applied again afterwards (`restore`: the same units rerun whole; a `MemoryPlan` held from
+      before no longer
       counts packs; apply levels before compiling). None measures the model as it is.
     backward: also run the backward (recomputed regions rerun there), with `torch.autograd.grad`:
       no `.grad` is written and no gradient hook of a DDP wrapper fires.
@@ -298,7 +300,8 @@ def activation_memory(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], to
     memory level, and the RNG state (forked for the step).
     """
     module = eager_module(model)
-    previous = applied_level(module)
+    plan = _applied_plan(module)
+    previous = plan.level
     switch = level is not None and check_level(level) != previous
     if switch:
         optimize(module, level)
@@ -306,7 +309,7 @@ def activation_memory(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], to
         return _measure(module, inputs, loss_fn, level or previous, backward)
     finally:
         if switch:
-            optimize(module, previous)
+            restore(module, plan)
 
 
 def _measure(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None, level: str,

@@ -12,6 +12,12 @@ the forward for the rerun and to its value after the forward once the rerun is d
 updates them exactly once, and the rerun is marked a replay (`efficient.models.replay`), so records
 a model keeps of its forward (STATA's scores, kept indices and counts) are not appended twice.
 
+A unit can also keep the outputs of some of its matmuls and convolutions (`KeptOps`, chosen under
+a byte budget by `plan.py`): torch's selective checkpointing caches them in forward and the rerun
+reads them instead of computing them again, so only the cheap elementwise work between them reruns.
+They pass through the saved-tensor hooks around the region, so they are counted and, were they
+spikes, packed like any other saved tensor.
+
 Under `torch.compile` the same regions become the compiler's checkpoint regions (recomputed in the
 compiled backward; buffer updates happen once, in the forward graph).
 """
@@ -24,7 +30,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.flop_counter import flop_registry
 
 from efficient.memory.spikes import region_state, in_region, is_neuron
 
@@ -91,9 +98,62 @@ class _BufferReplay:
                     b.copy_(v)
 
 
-def _contexts(module: nn.Module) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+def is_costly(func: Any) -> bool:
+    """An op whose output a unit may keep rather than rerun: one torch counts FLOPs for (matmuls,
+    convolutions, attention)."""
+    return getattr(func, "_overloadpacket", None) in flop_registry
+
+
+def op_flops(func: Any, out: Any, args: tuple, kwargs: dict) -> int:
+    return int(flop_registry[func._overloadpacket](*args, **kwargs, out_val=out))
+
+
+class KeptOps:
+    """Which costly ops of a unit's forward keep their outputs: `keep` holds their positions among
+    the unit's costly ops, in call order. With `record` set, every costly op is appended to it as
+    (position, output bytes, FLOPs) instead, and none is kept (how `plan.py` sees a unit)."""
+
+    def __init__(self, keep: frozenset[int] = frozenset(), record: list[tuple[int, int, int]] | None = None) -> None:
+        self.keep, self.record = frozenset(keep), record
+
+    def policy(self) -> Callable[..., CheckpointPolicy]:
+        position = 0
+
+        def decide(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+            nonlocal position
+            if not is_costly(func):
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            i, position = position, position + 1
+            if self.record is not None:
+                out = ctx.op_output
+                size = sum(t.numel() * t.element_size() for t in (out if isinstance(out, (tuple, list)) else (out,))
+                           if isinstance(t, torch.Tensor))
+                self.record.append((i, size, op_flops(func, out, args, kwargs)))
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            return CheckpointPolicy.MUST_SAVE if i in self.keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+        return decide
+
+    @property
+    def selective(self) -> bool:
+        return bool(self.keep) or self.record is not None
+
+
+@contextlib.contextmanager
+def _both(outer: contextlib.AbstractContextManager, inner: contextlib.AbstractContextManager) -> Iterator[None]:
+    with outer, inner:
+        yield
+
+
+def _contexts(module: nn.Module, kept: KeptOps | None) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
     r = _BufferReplay(module)
-    return r.forward(), r.rerun()
+    if kept is None or not kept.selective:
+        return r.forward(), r.rerun()
+    caching, cached = create_selective_checkpoint_contexts(kept.policy())
+    # kept outputs go through the saved-tensor hooks around the region (counted, packed if spikes);
+    # checkpoint() sets this itself only on a context it is handed bare
+    caching.respect_saved_tensors_hooks = True
+    return _both(r.forward(), caching), _both(r.rerun(), cached)
 
 
 def _inside(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -104,22 +164,28 @@ def _inside(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         region_state.depth -= 1
 
 
-def recomputed_forward(module: nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def recomputed_forward(module: nn.Module, forward: Callable[..., Any], *args: Any, kept_ops: KeptOps | None = None,
+                       **kwargs: Any) -> Any:
     """`forward(*args, **kwargs)` as a checkpointed region when autograd records it (training with
-    grad enabled); a plain call otherwise (evaluation, no_grad) and inside another region, whose
-    rerun already recomputes it (a nested region would be recomputed twice)."""
+    grad enabled), keeping the outputs of the costly ops `kept_ops` names; a plain call otherwise
+    (evaluation, no_grad) and inside another region, whose rerun already recomputes it (a nested
+    region would be recomputed twice)."""
     if not (module.training and torch.is_grad_enabled()):
         return forward(*args, **kwargs)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # the compiler's checkpoint region; it saves what the policy says
+        if kept_ops is not None and kept_ops.keep:
+            policy = kept_ops.policy()
+            kwargs["context_fn"] = lambda: create_selective_checkpoint_contexts(policy)
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
     if in_region():
         return forward(*args, **kwargs)
     return checkpoint(functools.partial(_inside, forward), *args, use_reentrant=False,
-                      context_fn=functools.partial(_contexts, module), **kwargs)
+                      context_fn=functools.partial(_contexts, module, kept_ops), **kwargs)
 
 
 def _call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    return recomputed_forward(module, functools.partial(type(module).forward, module), *args, **kwargs)
+    return recomputed_forward(module, functools.partial(type(module).forward, module), *args,
+                              kept_ops=module.__dict__.get("_efficient_kept"), **kwargs)
 
 
 def is_wrapped(module: nn.Module) -> bool:
@@ -127,12 +193,15 @@ def is_wrapped(module: nn.Module) -> bool:
     return isinstance(f, functools.partial) and f.func is _call
 
 
-def wrap(module: nn.Module) -> None:
-    """Make calls of `module` recomputed regions (`unwrap` undoes it). The instance's `forward` is a
-    partial over the module itself, so copies of the model stay wrapped."""
+def wrap(module: nn.Module, kept: KeptOps | None = None) -> None:
+    """Make calls of `module` recomputed regions that keep the outputs `kept` names (`unwrap` undoes
+    it). The instance's `forward` is a partial over the module itself, so copies of the model stay
+    wrapped."""
     module.forward = functools.partial(_call, module)  # type: ignore[method-assign]
+    module.__dict__["_efficient_kept"] = kept
 
 
 def unwrap(module: nn.Module) -> None:
     if is_wrapped(module):
         del module.__dict__["forward"]
+    module.__dict__.pop("_efficient_kept", None)

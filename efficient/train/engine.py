@@ -261,7 +261,27 @@ class Trainer:
 
     def _setup_model(self) -> None:
         self.model = build_model(self.recipe, self.data).to(self.device)
-        self.memory_plan = memory.optimize(self.model, self.recipe.train.memory)  # before DDP and compile wrap it
+        t = self.recipe.train
+        example = None
+        if t.memory_budget is not None:
+            if t.memory != "recompute":
+                raise ConfigError(f"{self.recipe.source}: train.memory_budget applies to train.memory: recompute "
+                                  f"(this recipe has {t.memory!r}); set train.memory=recompute or drop the budget")
+            example = self._first_input()
+        # before DDP and compile wrap it
+        self.memory_plan = memory.optimize(self.model, t.memory, budget=t.memory_budget, example=example)
+
+    def _first_input(self) -> Any:
+        """The model's input in the first training batch, with every RNG left where it was (a
+        dataset's augmentation draws from them)."""
+        from efficient.memory.measure import first_input
+
+        state = ckpt.rng_state()
+        try:
+            batch = next(iter(self.train_loader(0, 0)))
+        finally:
+            ckpt.set_rng_state(state)
+        return first_input(to_device(batch, self.device))
 
     def _setup_objective(self) -> None:
         """The loss and metrics; training-time measures are checked by name before any step runs."""

@@ -1,0 +1,114 @@
+"""Which matmul and convolution outputs a `recompute` step keeps, under a byte budget.
+
+A unit rerun whole keeps only its input, at the price of its forward again, and its matmuls and
+convolutions are most of that price. Keeping the output of one of them saves rerunning it, for its
+output's bytes. Starting from every unit rerun whole (the least memory), outputs are kept in the
+order of FLOPs saved per byte (a 512-channel convolution of a 4x4 map before a 3-channel one of a
+32x32 image), while the step stays within the budget: a fraction of what level `none` keeps. What
+reruns is then the cheap elementwise work (BatchNorm, neurons, pools) and the costly ops whose
+outputs are large for their cost.
+
+Bytes are counted by `efficient.memory.measure` on example inputs and FLOPs by torch's formulas:
+both depend on shapes, not values, so every process and a resumed run choose the same ops. Planning
+takes three forwards of the example (none, every unit whole while listing its costly ops, the
+chosen plan) and one more per correction, once, before training.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from efficient.errors import ConfigError
+
+
+@dataclass
+class BudgetChoice:
+    """What the planner measured and chose: per unit, the positions of the costly ops whose outputs
+    are kept; the bytes of `none` and of the chosen plan on the example; the FLOPs of the units'
+    costly ops in all and of those still rerun."""
+
+    budget: float
+    keep: dict[str, list[int]]
+    none_bytes: int
+    kept_bytes: int
+    flops: int = 0
+    rerun_flops: int = 0
+    ops: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
+
+    @property
+    def fraction(self) -> float:
+        return self.kept_bytes / self.none_bytes if self.none_bytes else 0.0
+
+
+def check_budget(budget: Any) -> float:
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget <= 1:
+        raise ConfigError(f"memory budget: {budget!r} is not a fraction in [0, 1] of level none's activation bytes "
+                          "(0: every unit reruns whole; 1: every matmul and convolution output is kept)")
+    if "respect_saved_tensors_hooks" not in inspect.signature(checkpoint).parameters:
+        raise ConfigError(f"memory budget: torch {torch.__version__} cannot count or pack the outputs selective "
+                          "checkpointing keeps (no respect_saved_tensors_hooks); upgrade torch or drop the budget")
+    return float(budget)
+
+
+def choose_kept(model: nn.Module, example: Any, budget: float,
+                loss_fn: Callable[[Any], torch.Tensor] | None = None) -> BudgetChoice:
+    """The costly-op outputs to keep so that a step keeps at most `budget` x level none's bytes on
+    `example` (none when even every unit rerun whole does not fit). Leaves `model` at level none."""
+    from efficient.memory import optimize
+    from efficient.memory.measure import activation_memory
+    from efficient.memory.recompute import KeptOps, units
+
+    budget = check_budget(budget)
+
+    def measure(level: str = "recompute", keep: dict[str, list[int]] | None = None) -> int:
+        optimize(model, level, keep=keep)
+        return activation_memory(model, example, loss_fn, backward=False).total_bytes
+
+    try:
+        none = measure("none")
+        floor = measure()  # every unit whole; now list each unit's costly ops
+        ops: dict[str, list[tuple[int, int, int]]] = {}
+        for name, m in units(model):
+            ops[name] = []
+            m.__dict__["_efficient_kept"] = KeptOps(record=ops[name])
+        activation_memory(model, example, loss_fn, backward=False)
+    finally:
+        optimize(model, "none")
+    target = budget * none
+    # most FLOPs saved per byte kept first; ties in model order
+    ranked = sorted(((name, i, size, fl) for name, found in ops.items() for i, size, fl in found if size),
+                    key=lambda o: -o[3] / o[2])
+    chosen: list[tuple[str, int, int, int]] = []
+    estimate = floor
+    for op in ranked:
+        if estimate + op[2] > target:
+            continue  # a smaller one further down may still fit
+        chosen.append(op)
+        estimate += op[2]
+
+    def keep_of(ch: list[tuple[str, int, int, int]]) -> dict[str, list[int]]:
+        keep: dict[str, list[int]] = {}
+        for name, i, _, _ in ch:
+            keep.setdefault(name, []).append(i)
+        return {name: sorted(v) for name, v in keep.items()}
+
+    try:
+        # outputs that share storage with something already kept count once, or more than once
+        # when a view keeps its base: check, and drop the last kept outputs while over the budget
+        total = measure(keep=keep_of(chosen)) if chosen else floor
+        while total > target and chosen:
+            chosen.pop()
+            total = measure(keep=keep_of(chosen)) if chosen else floor
+    finally:
+        optimize(model, "none")
+    flops = sum(fl for found in ops.values() for _, _, fl in found)
+    return BudgetChoice(budget, keep_of(chosen), none, total, flops, flops - sum(o[3] for o in chosen), ops)
+
+
+__all__ = ["BudgetChoice", "check_budget", "choose_kept"]
