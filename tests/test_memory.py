@@ -279,3 +279,6 @@ def test_budget_errors_name_what_is_wrong(tmp_path: Path) -> None:
                 tmp_path).setup()
     with pytest.raises(ConfigError, match="memory_budget"):
         load_recipe(ROOT / "recipes" / "stata_digits.yaml", ["train.memory_budget=2"])
+    with pytest.raises(ConfigError, match="does not work with train.compile"):
+        Trainer(load_recipe(ROOT / "recipes" / "stata_digits.yaml",
+                            ["train.memory=recompute", "train.memory_budget=0.2", "train.compile=true"]), tmp_path / "c").setup()

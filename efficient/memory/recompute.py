@@ -172,10 +172,10 @@ def recomputed_forward(module: nn.Module, forward: Callable[..., Any], *args: An
     region would be recomputed twice)."""
     if not (module.training and torch.is_grad_enabled()):
         return forward(*args, **kwargs)
-    if torch.compiler.is_compiling():  # the compiler's checkpoint region; it saves what the policy says
-        if kept_ops is not None and kept_ops.keep:
-            policy = kept_ops.policy()
-            kwargs["context_fn"] = lambda: create_selective_checkpoint_contexts(policy)
+    if torch.compiler.is_compiling():
+        if kept_ops is not None and kept_ops.keep:  # dynamo cannot trace a policy closure as context_fn
+            raise RuntimeError("a memory budget's kept outputs cannot be compiled yet: optimize with level recompute "
+                               "and no budget before torch.compile, or run eager")
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
     if in_region():
         return forward(*args, **kwargs)
