@@ -72,12 +72,13 @@ def choose_kept(model: nn.Module, example: Any, budget: float,
 
     try:
         none = measure("none")
-        floor = measure()  # every unit whole; now list each unit's costly ops
+        # every unit whole (it keeps nothing more while it lists its costly ops): the floor
+        optimize(model, "recompute")
         ops: dict[str, list[tuple[int, int, int]]] = {}
         for name, m in units(model):
             ops[name] = []
             m.__dict__["_efficient_kept"] = KeptOps(record=ops[name])
-        activation_memory(model, example, loss_fn, backward=False)
+        floor = activation_memory(model, example, loss_fn, backward=False).total_bytes
     finally:
         optimize(model, "none")
     target = budget * none
