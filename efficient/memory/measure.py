@@ -46,7 +46,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from efficient.memory import LEVELS, MemoryPlan, check_level, optimize, restore
+from efficient.memory.levels import LEVELS, MemoryPlan, apply, check_level, restore
 from efficient.memory.spikes import PackedSaved, RecomputedNorm, tensors_in as _tensors
 from efficient.data import first_input
 
@@ -304,7 +304,7 @@ def activation_memory(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], to
     previous = plan.level
     switch = level is not None and check_level(level) != previous
     if switch:
-        optimize(module, level)
+        apply(module, level)
     try:
         return _measure(module, inputs, loss_fn, level or previous, backward)
     finally:

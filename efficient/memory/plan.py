@@ -25,6 +25,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from efficient.errors import ConfigError
+from efficient.memory.levels import apply
+from efficient.memory.measure import activation_memory
+from efficient.memory.recompute import KeptOps, units
 
 
 @dataclass
@@ -60,27 +63,23 @@ def choose_kept(model: nn.Module, example: Any, budget: float,
                 loss_fn: Callable[[Any], torch.Tensor] | None = None) -> BudgetChoice:
     """The costly-op outputs to keep so that a step keeps at most `budget` x level none's bytes on
     `example` (none when even every unit rerun whole does not fit). Leaves `model` at level none."""
-    from efficient.memory import optimize
-    from efficient.memory.measure import activation_memory
-    from efficient.memory.recompute import KeptOps, units
-
     budget = check_budget(budget)
 
     def measure(level: str = "recompute", keep: dict[str, list[int]] | None = None) -> int:
-        optimize(model, level, keep=keep)
+        apply(model, level, keep=keep)
         return activation_memory(model, example, loss_fn, backward=False).total_bytes
 
     try:
         none = measure("none")
         # every unit whole (it keeps nothing more while it lists its costly ops): the floor
-        optimize(model, "recompute")
+        apply(model, "recompute")
         ops: dict[str, list[tuple[int, int, int]]] = {}
         for name, m in units(model):
             ops[name] = []
             m.__dict__["_efficient_kept"] = KeptOps(record=ops[name])
         floor = activation_memory(model, example, loss_fn, backward=False).total_bytes
     finally:
-        optimize(model, "none")
+        apply(model, "none")
     target = budget * none
     # most FLOPs saved per byte kept first; ties in model order
     ranked = sorted(((name, i, size, fl) for name, found in ops.items() for i, size, fl in found if size),
@@ -107,7 +106,7 @@ def choose_kept(model: nn.Module, example: Any, budget: float,
             chosen.pop()
             total = measure(keep=keep_of(chosen)) if chosen else floor
     finally:
-        optimize(model, "none")
+        apply(model, "none")
     flops = sum(fl for found in ops.values() for _, _, fl in found)
     return BudgetChoice(budget, keep_of(chosen), none, total, flops, flops - sum(o[3] for o in chosen), ops)
 

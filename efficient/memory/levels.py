@@ -1,0 +1,145 @@
+"""Memory levels applied to a model: the plan `optimize` returns, and applying or undoing a level
+with named kept outputs (the budget planner in `plan.py` and the meter in `measure.py` build on it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Sequence
+
+import torch
+from torch import nn
+
+from efficient.errors import ConfigError
+from efficient.memory.recompute import KeptOps, is_wrapped, units, unwrap, wrap
+from efficient.memory.spikes import BitsHooks, SpikePropagation, SpikeTracker, iter_neurons
+
+Level = Literal["none", "bits", "recompute"]
+LEVELS: tuple[str, ...] = ("none", "bits", "recompute")
+
+
+@dataclass
+class MemoryPlan:
+    """What `optimize` did to a model: the level, the neurons whose outputs are kept as bits, the
+    recomputed units and, per unit, the positions of the costly ops whose outputs it keeps; under a
+    budget, the fraction of `none`'s bytes the plan keeps on the example and the share of the
+    units' matmul/convolution FLOPs still rerun; (after steps) how many saved tensors were packed."""
+
+    level: str
+    neurons: list[str] = field(default_factory=list)
+    units: list[str] = field(default_factory=list)
+    keep: dict[str, list[int]] = field(default_factory=dict)
+    hooks: BitsHooks | None = None
+    note: str = ""
+    budget: float | None = None
+    kept_fraction: float | None = None
+    rerun_share: float | None = None
+
+    def summary(self) -> str:
+        if self.level == "none":
+            return "memory: none (every activation kept dense)"
+        if self.note:
+            return f"memory: {self.level}: {self.note}"
+        text = f"memory: {self.level}: outputs of {len(self.neurons)} neurons kept as bits"
+        if self.level == "recompute":
+            text += f", {len(self.units)} units recomputed in backward"
+            if self.keep:
+                text += (f", {sum(map(len, self.keep.values()))} matmul/convolution outputs kept "
+                         f"in {len(self.keep)} of them")
+        if self.budget is not None and self.kept_fraction is not None:
+            verdict = "within" if self.kept_fraction <= self.budget else "over (every unit reruns whole)"
+            text += (f"; keeps {100 * self.kept_fraction:.1f} % of level none's activation bytes on the example, "
+                     f"{verdict} the budget of {100 * self.budget:g} %")
+            if self.rerun_share is not None:
+                text += f", reruns {100 * self.rerun_share:.0f} % of the units' matmul/convolution FLOPs"
+        return text
+
+
+class _State:
+    """What `optimize` attached to a model, so that a second call (or level `none`) undoes it."""
+
+    def __init__(self, plan: MemoryPlan, tracker: SpikeTracker, hooks: BitsHooks, handles: list[Any],
+                 wrapped: list[nn.Module]) -> None:
+        self.plan, self.tracker, self.hooks, self.handles, self.wrapped = plan, tracker, hooks, handles, wrapped
+        self.active: list[Any] = []
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        contexts = (self.hooks.context(), SpikePropagation(self.tracker))
+        for ctx in contexts:
+            ctx.__enter__()
+        self.active.append(contexts)
+
+    def exit(self, module: nn.Module, args: Any, out: Any) -> None:
+        if torch.compiler.is_compiling() or not self.active:
+            return
+        for ctx in reversed(self.active.pop()):
+            ctx.__exit__(None, None, None)
+        if not self.active:
+            self.tracker.forget()
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.tracker.close()
+        for m in self.wrapped:
+            unwrap(m)
+
+
+def check_level(level: str, where: str = "memory level") -> str:
+    if level not in LEVELS:
+        raise ConfigError(f"{where}: {level!r} is not a memory level; choose one of {', '.join(LEVELS)} "
+                          "(none: dense; bits: spikes saved as bits, same gradients; recompute: units recomputed in backward)")
+    return level
+
+
+def apply(model: nn.Module, level: Level | str = "bits", *, keep: dict[str, Sequence[int]] | None = None) -> MemoryPlan:
+    """Apply memory level `level` to `model` in place (replacing any level applied before), with
+    `keep` naming per recompute unit the costly ops whose outputs it keeps; say what was done.
+    `optimize` is the public entry (it also plans a budget)."""
+    check_level(level)
+    if keep is not None and level != "recompute":
+        raise ConfigError(f"memory level {level!r}: kept outputs apply to level recompute only")
+    old = getattr(model, "_efficient_memory", None)
+    if old is not None:
+        old.close()
+        del model._efficient_memory
+    if level == "none":
+        return MemoryPlan("none")
+    neurons = [name for name, _ in iter_neurons(model)]
+    regions = units(model) if level == "recompute" else []
+    keep = {name: sorted(set(v)) for name, v in (keep or {}).items() if v}
+    unknown = sorted(set(keep) - {n for n, _ in regions})
+    if unknown:
+        raise ConfigError(f"memory: {', '.join(map(repr, unknown))} not a recompute unit of {type(model).__name__} "
+                          f"(its units: {', '.join(n for n, _ in regions) or 'none'})")
+    if not neurons and not regions:
+        return MemoryPlan(level, note=f"nothing to do: {type(model).__name__} has no spiking neuron this toolkit knows "
+                                      "(ours, spikingjelly's, snntorch's) and no recompute unit")
+    tracker = SpikeTracker()
+    tracker.watch(model)
+    hooks = BitsHooks(tracker)
+    wrapped: list[nn.Module] = []
+    plan = MemoryPlan(level, neurons, hooks=hooks, keep=keep)
+    for name, m in regions:
+        if not is_wrapped(m):
+            wrap(m, KeptOps(frozenset(keep[name])) if name in keep else None)
+            wrapped.append(m)
+            plan.units.append(name)
+    state = _State(plan, tracker, hooks, [], wrapped)
+    state.handles.append(model.register_forward_pre_hook(state.enter))
+    state.handles.append(model.register_forward_hook(state.exit, always_call=True))
+    model._efficient_memory = state  # type: ignore[assignment]
+    return plan
+
+
+def restore(model: nn.Module, plan: MemoryPlan) -> MemoryPlan:
+    """Apply `plan` (from `optimize` or `apply`) to `model` again: the same units keep the same outputs."""
+    if plan.level != "recompute":
+        return apply(model, plan.level)
+    again = apply(model, plan.level, keep=plan.keep)
+    again.budget, again.kept_fraction, again.rerun_share = plan.budget, plan.kept_fraction, plan.rerun_share
+    return again
+
+
+__all__ = ["LEVELS", "Level", "MemoryPlan", "apply", "check_level", "restore"]
