@@ -96,10 +96,9 @@ def check_level(level: str, where: str = "memory level") -> str:
 def apply(model: nn.Module, level: Level | str = "bits", *, keep: dict[str, Sequence[int]] | None = None) -> MemoryPlan:
     """Apply memory level `level` to `model` in place (replacing any level applied before), with
     `keep` naming per recompute unit the costly ops whose outputs it keeps; say what was done.
-    `optimize` is the public entry (it also plans a budget)."""
+    `optimize` is the public entry (it checks its arguments and plans a budget); `keep` is read at
+    level recompute only."""
     check_level(level)
-    if keep is not None and level != "recompute":
-        raise ConfigError(f"memory level {level!r}: kept outputs apply to level recompute only")
     old = getattr(model, "_efficient_memory", None)
     if old is not None:
         old.close()
@@ -135,8 +134,6 @@ def apply(model: nn.Module, level: Level | str = "bits", *, keep: dict[str, Sequ
 
 def restore(model: nn.Module, plan: MemoryPlan) -> MemoryPlan:
     """Apply `plan` (from `optimize` or `apply`) to `model` again: the same units keep the same outputs."""
-    if plan.level != "recompute":
-        return apply(model, plan.level)
     again = apply(model, plan.level, keep=plan.keep)
     again.budget, again.kept_fraction, again.rerun_share = plan.budget, plan.kept_fraction, plan.rerun_share
     return again
