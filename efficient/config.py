@@ -153,6 +153,9 @@ class ProfileConfig:
 
     enabled: bool = True
     samples: int = _opt(_positive, default=8)
+    # memory.json at the end of a run at train.memory bits/recompute: bytes a step keeps per level
+    # (three measured steps on one training batch)
+    memory: bool = True
     energy: str = "45nm-fp32"
     flops_per_mac: int = _opt(_positive, default=2)
 

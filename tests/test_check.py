@@ -269,6 +269,7 @@ def _smallest_per_family(cases: list[zr.Case]) -> set[str]:
 
 ZOO = _one_case_per_model()
 FAST = _smallest_per_family(ZOO)
+ZOO = [zr.narrow(c) for c in ZOO]  # the checks look at the architecture (batch, state, causality), not the width
 
 
 @pytest.mark.parametrize("case", [c if c.name in FAST else pytest.param(c, marks=pytest.mark.slow) for c in ZOO],

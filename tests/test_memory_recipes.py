@@ -18,7 +18,10 @@ from efficient.train.engine import Trainer
 # --------------------------------------------------------------------------- every shipped recipe
 
 RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml"))
-SHORT = ["train.max_steps=1", "train.progress=false", "profile.enabled=false", "eval.max_batches=1", "eval.batch_size=2"]
+# profile.memory=false: the end-of-run measure of every level (tests/test_memory.py checks it) is
+# three more steps per run
+SHORT = ["train.max_steps=1", "train.progress=false", "profile.enabled=false", "profile.memory=false", "eval.max_batches=1",
+         "eval.batch_size=2"]
 
 
 def _recipe_model(name: str) -> tuple[str, str]:
@@ -51,16 +54,25 @@ def _data_overrides(data: str, tmp: Path, fake_cifar) -> list[str]:
     return ["data.batch_size=2"]
 
 
+# one recipe whose neurons take the compiled CPU loop keeps it; the others run the same loop eagerly
+# (EFFICIENT_BACKEND=loop), so no run waits seconds for inductor to compile neuron loops of its shapes
+COMPILED_RECIPE = "spikformer_dvs_gesture"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("level", ["bits", "recompute"])
 @pytest.mark.parametrize("recipe", SPIKING_RECIPES)
-def test_every_spiking_recipe_trains_at_each_level(recipe: str, level: str, tmp_path: Path, fake_cifar) -> None:
+def test_every_spiking_recipe_trains_at_each_level(recipe: str, level: str, tmp_path: Path, fake_cifar,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    if recipe != COMPILED_RECIPE:
+        monkeypatch.setenv("EFFICIENT_BACKEND", "loop")
     model, data = _recipe_model(recipe)
     r = load_recipe(ROOT / "recipes" / f"{recipe}.yaml", [*SHORT, *_data_overrides(data, tmp_path, fake_cifar), f"train.memory={level}"])
     trainer = Trainer(r, tmp_path / "run")
     assert trainer.memory_plan.level == level and trainer.memory_plan.neurons
     summary = trainer.fit()
     assert summary["steps"] == 1 and summary["memory"]["level"] == level
+    assert not (tmp_path / "run" / "memory.json").exists()  # profile.memory=false is honoured
     assert all(torch.isfinite(torch.tensor(float(v))) for v in summary["val"].values())
 
 

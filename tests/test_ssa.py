@@ -140,8 +140,7 @@ REAL_SHAPE_SCRIPT = textwrap.dedent(
         (2, 1, 2, 64, 32, "float16"),
         (1, 2, 2, 197, 64, "float32"),  # ImageNet Spikformer-8-512, anchor included
         (1, 1, 2, 197, 64, "float16"),
-        (1, 1, 1, 1024, 64, "float32"),
-        pytest.param(1, 1, 1, 1024, 64, "float16", marks=pytest.mark.slow),
+        (1, 1, 1, 1024, 64, "float32"),  # the longest grid (fp16 is covered at 197 tokens)
     ],
 )
 def test_triton_kernel_at_real_shapes_in_interpreter(T, B, H, N, D, dtype):

@@ -34,6 +34,7 @@ import os
 import re
 import sys
 import tempfile
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -71,6 +72,29 @@ class Case:
     seq_len: int = 16  # token models only
     note: str = ""
     rtol: float | None = None  # a looser tolerance for a case that runs an fp32-only path (None: RTOL)
+
+
+# a spiking transformer at 64 channels (4 heads) instead of 256-512; a stable-SNN CIFAR network at
+# T=4 (the WRN at widening 1): the same units, blocks and modes at a fraction of the time, for
+# tests whose property does not depend on the width or the number of steps
+NARROW = {"embed_dim": 64, "num_heads": 4}
+NARROW_CNN = {"timesteps": 4}
+
+
+def narrow(case: Case) -> Case:
+    """`case` at NARROW width when it is a spiking transformer wider than its tiny variant, a
+    stable-SNN CIFAR network at NARROW_CNN."""
+    if case.name.startswith(("spikformer", "sdt", "spikingformer", "qkformer")) and "tiny" not in case.name:
+        extra = NARROW
+    elif case.name.startswith("stable-snn-vgg"):
+        extra = NARROW_CNN
+    elif case.name.startswith("stable-snn-wrn"):
+        extra = {**NARROW_CNN, "widen": 1}
+    else:
+        return case
+    if any(k in case.overrides for k in extra):
+        return case
+    return dataclasses.replace(case, overrides={**case.overrides, **extra})
 
 
 STATA_MODES = ("train:before", "train:mid", "train:done", "eval")

@@ -596,7 +596,8 @@ class Trainer:
 
     def finish(self, val: dict[str, float], train_time: float) -> dict[str, Any]:
         """Write summary.json, report.md and report.html (with the cost profile, also kept whole in
-        profile.json, when `profile.enabled`); return the summary."""
+        profile.json, when `profile.enabled`; memory.json at a memory level, when `profile.memory`);
+        return the summary."""
         summary: dict[str, Any] = {
             "model": self.recipe.model["name"],
             "steps": self.state.global_step,
@@ -615,7 +616,7 @@ class Trainer:
             summary["cost"], report_md = dict(rep.totals), rep.to_markdown()
             rep.to_json(self.run_dir / "profile.json")
             self.loggers.log_profile(rep, self.state.global_step)
-        if self.memory_plan.level != "none" and not self.memory_plan.note:
+        if self.memory_plan.level != "none" and not self.memory_plan.note and self.recipe.profile.memory:
             self.record_memory()
         write_json(self.run_dir / "summary.json", summary)
         write_text(self.run_dir / "report.md", render_report_md(self.recipe, summary, report_md))
