@@ -7,6 +7,8 @@
 #                  recipes/ee_gpt_small.yaml, side by side; the timed parts wait for them
 #  lif_check       Triton LIF/PLIF/DLIF vs the torch reference: every option, dtype, T in {1, 4, 16},
 #                  odd and strided inputs                                      (bench/neurons.py)
+#  bn_lif          BatchNorm + LIF as one op (Triton) vs nn.BatchNorm + the LIF kernel at the zoo units'
+#                  CIFAR b64 / ImageNet b32 shapes: checked, then timed fwd+bwd   (bench/bn_lif.py)
 #  stata_kernels   SSA + token selection vs their references at CIFAR/ImageNet/N=1024 shapes, and
 #                  whole-model gradients with Triton vs torch kernels      (bench/stata_kernels.py)
 #  steps_cifar / steps_imagenet  training steps (forward + CE + backward + AdamW) of spikformer-4-384
@@ -39,10 +41,10 @@
 #    lossless, on both trained seeds                                                (ee_decode_s0/_s1)
 #
 # Estimated time on an H200 (the last run: 396 s for the older parts): ee_train 2 x ~70 s side by side
-# in the background (~110 s, under the first parts), lif_check 35 s, stata_kernels 30 s, steps_cifar
+# in the background (~110 s, under the first parts), lif_check 35 s, bn_lif ~15 s, stata_kernels 30 s, steps_cifar
 # ~95 s (6 processes compile and check at once for ~70 s, then ~25 s of timing), steps_imagenet ~110 s
 # (4 processes, ~80 s + ~30 s), lif_speed ~50 s (9 compiled loops), memory ~60 s, ee_kernels ~30 s,
-# ee_decode 2 x ~30 s: about 470 s in all, inside the 480 s whole-run budget (GPU_BUDGET_S), which
+# ee_decode 2 x ~30 s: about 485 s in all, against the 480 s whole-run budget (GPU_BUDGET_S), which
 # skips a part rather than overrun.
 #
 # Logs and JSON go to $WORK (default runs/gpu) and, where $OUT is set, are packed into
@@ -135,6 +137,7 @@ WAIT=()
 # correctness of every kernel first (exit 1 on a mismatch), then the timings
 if [ "$DRY" = 1 ]; then
   want lif && part lif_check 300 $PY bench/neurons.py --gpu --dry-run
+  want lif && part bn_lif 300 $PY bench/bn_lif.py --dry-run --json "$WORK/bn_lif.json"
   want stata && part stata_kernels 300 $PY bench/stata_kernels.py --device cpu --dry-run --json "$WORK/stata_kernels.json"
   want stata && part steps_cifar 1500 $PY bench/step.py --device cpu --dry-run --sizes cifar --amp fp32 --steps 1 --warmup 0 \
     --budget-s 1400 --prepare-s 1300 --time-s 200 "${WAIT[@]}" --json "$WORK/steps_cifar.json"
@@ -145,6 +148,7 @@ if [ "$DRY" = 1 ]; then
   want ee && part ee_kernels 300 $PY bench/ee_kernels.py --device cpu --dry-run --dtypes fp32 fp16 --json "$WORK/ee_kernels.json"
 else
   want lif && part lif_check 50 $PY bench/neurons.py --gpu --check-only --json "$WORK/lif_check.json"
+  want lif && part bn_lif 25 $PY bench/bn_lif.py --device cuda --json "$WORK/bn_lif.json"
   want stata && part stata_kernels 45 $PY bench/stata_kernels.py --device cuda --json "$WORK/stata_kernels.json"
   want stata && part steps_cifar 130 $PY bench/step.py --device cuda --sizes cifar --amp fp32 bf16 --steps 10 --warmup 2 \
     --budget-s 125 --prepare-s 95 --time-s 15 "${WAIT[@]}" --json "$WORK/steps_cifar.json"

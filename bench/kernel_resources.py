@@ -80,7 +80,7 @@ def cases() -> list[Case]:
     import torch
 
     from efficient.kernels import exit_confidence as ec
-    from efficient.kernels import leaky, lif, linear_ce, spike_pack as sp, ssa, token_select as ts
+    from efficient.kernels import bn_lif, leaky, lif, linear_ce, spike_pack as sp, ssa, token_select as ts
 
     out = []
     # spiking self-attention: compute-bound (tl.dot); N is a runtime argument (64, 197, 1024 share a binary)
@@ -134,6 +134,11 @@ def cases() -> list[Case]:
                              {"CHARGE": lif.CHARGE_DECAY_INPUT, "HAS_RATE": rate, "HAS_GM": rate, "HARD": True,
                               "DETACH": False, "SURROGATE": 0, "HAS_V0": rate, "BLOCK": lif._BLOCK},
                              lif._NUM_WARPS, True))
+        # BatchNorm-apply + LIF (the zoo's units in training): per-channel scale/shift, a loop over T
+        out.append(_case("bn_lif_fwd", f"LIF {dt}", bn_lif._bn_lif_fwd_kernel,
+                         {"z_ptr": f"*{dt}", "scale_ptr": "*fp32", "shift_ptr": "*fp32", "s_ptr": f"*{dt}", "h_ptr": "*fp32",
+                          "N": "i32", "T": "i32", "C": "i32", "S": "i32", "c": "fp32", "v_th": "fp32", "v_reset": "fp32"},
+                         {"CHARGE": lif.CHARGE_DECAY_INPUT, "HARD": True, "BLOCK": lif._BLOCK}, lif._NUM_WARPS, True))
         # snntorch's Leaky order (efficient.accelerate): per-neuron beta and threshold
         for m0, label in ((False, "Leaky"), (True, "Leaky +m0")):
             out.append(_case("leaky_fwd", f"{label} {dt}", leaky._leaky_fwd_kernel,

@@ -144,7 +144,18 @@ def _breaks(step: Callable[[], Any]) -> int:
     return torch._dynamo.explain(step)().graph_break_count
 
 
-def measure_model(label: str, build: Callable[[], tuple], repeats: int, compile_: bool) -> dict[str, Any]:
+def _separate_units_step(step: Callable[[], Any]) -> Callable[[], Any]:
+    from efficient.models.neurons import separate_units
+
+    def run() -> Any:
+        with separate_units():
+            return step()
+
+    return run
+
+
+def measure_model(label: str, build: Callable[[], tuple], repeats: int, compile_: bool,
+                  separate: bool = False) -> dict[str, Any]:
     step, model, compile_it = build()
     step()  # one-off allocations
     counter = OpCounter()
@@ -152,6 +163,17 @@ def measure_model(label: str, build: Callable[[], tuple], repeats: int, compile_
         step()
     eager, _ = _median_s(step, repeats, 1)
     row = {"model": label, "params_m": sum(p.numel() for p in model.parameters()) / 1e6, "ops": counter.n, "eager_s": eager}
+    if separate:  # BatchNorm and neuron as two calls, in the same process: ops, and step times alternated
+        sep = _separate_units_step(step)
+        counter = OpCounter()
+        with counter:
+            sep()
+        row["ops_separate"] = counter.n
+        fused_t, sep_t = [], []
+        for _ in range(repeats):
+            fused_t.append(_median_s(step, 1, 0)[0])
+            sep_t.append(_median_s(sep, 1, 0)[0])
+        row["eager_s"], row["eager_separate_s"] = statistics.median(fused_t), statistics.median(sep_t)
     if compile_:
         compile_it(model)
         row["compiled_s"], row["compile_s"] = _median_s(step, repeats, 2)
@@ -684,6 +706,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--no-host", action="store_true")
+    ap.add_argument("--separate-units", action="store_true",
+                    help="also count and time each step with BatchNorm and neuron as two calls (alternated)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     dv = ap.add_argument_group("device steps (bench/gpu.sh): eager / compiled / CUDA-graph steps, fp32 and bf16")
     dv.add_argument("--device", default="cpu", help="cuda: the device steps; cpu (default): the host-cost tables above")
@@ -707,7 +731,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(os.cpu_count() or 1)
     if args.child:  # one model in this fresh process: no compiled kernels, caches or threads of another
         build = (lambda: _spikingjelly(args.batch)) if args.child == PEER else (lambda: _ours(args.child, args.batch))
-        print(RESULT + json.dumps(measure_model(args.child, build, args.repeats, not args.no_compile)), flush=True)
+        print(RESULT + json.dumps(measure_model(args.child, build, args.repeats, not args.no_compile,
+                                                args.separate_units and args.child != PEER)), flush=True)
         return 0
     print(f"# bench/step.py -- {datetime.date.today()}, {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
           f"load before {_load()}")
@@ -715,7 +740,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for label in [*args.models, *([] if args.no_peer else [PEER])]:
         cmd = [sys.executable, __file__, "--child", label, "--batch", str(args.batch), "--repeats", str(args.repeats),
-               *(["--no-compile"] if args.no_compile else [])]
+               *(["--no-compile"] if args.no_compile else []), *(["--separate-units"] if args.separate_units else [])]
         out = subprocess.run(cmd, capture_output=True, text=True)
         lines = [ln for ln in out.stdout.splitlines() if ln.startswith(RESULT)]
         if out.returncode or not lines:
@@ -729,6 +754,14 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         c = f"{r['compiled_s']:.3f} | {r['eager_s'] / r['compiled_s']:.2f}x | {r['compile_s']:.0f}" if "compiled_s" in r else " | | "
         print(f"| {r['model']} | {r['params_m']:.2f} | {r['ops']} | {r['eager_s']:.3f} | {c} |")
+    if any("ops_separate" in r for r in rows):
+        print("\n## BatchNorm + neuron as one op vs two calls (same process, steps alternated)\n")
+        print("| model | aten ops / step, one op | two calls | eager s, one op | two calls | two calls / one op |")
+        print("|---|---|---|---|---|---|")
+        for r in rows:
+            if "ops_separate" in r:
+                print(f"| {r['model']} | {r['ops']} | {r['ops_separate']} | {r['eager_s']:.3f} | {r['eager_separate_s']:.3f} | "
+                      f"{r['eager_separate_s'] / r['eager_s']:.3f} |")
     if not args.no_host:
         print("\n## host cost of one call (tiny inputs, median of 7 x 200 calls)\n")
         print("| op | ours us | plain torch us | ours / plain |")

@@ -14,9 +14,11 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
+from efficient.kernels.bn_lif import bn_lif
 from efficient.kernels.lif import BACKENDS, SURROGATES, check_input, default_alpha, lif
 
-__all__ = ["SpikingNeuron", "LIF", "PLIF", "DLIF", "override_surrogate"]
+__all__ = ["SpikingNeuron", "LIF", "PLIF", "DLIF", "bn_fire", "fusable", "norm_fire", "override_surrogate",
+           "separate_units"]
 
 
 def _check_choice(name: str, value: str, choices) -> None:
@@ -47,7 +49,11 @@ class SpikingNeuron(nn.Module):
         self.store_membrane, self.spike_dtype = store_membrane, spike_dtype
 
     def _backend_for(self, x: torch.Tensor) -> str:
-        """The backend this call runs on (subclasses may choose per model rather than per call)."""
+        """The backend a call on `x` runs on."""
+        return self.backend_for_shape(x.shape, x.device)
+
+    def backend_for_shape(self, shape: torch.Size | tuple[int, ...], device: torch.device) -> str:
+        """The backend a call on input of `shape` runs on (subclasses may choose per model rather than per call)."""
         return self.backend
 
     def _run(self, x: torch.Tensor, return_membrane: bool, **kw) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -195,6 +201,77 @@ class DLIF(SpikingNeuron):
             f"width={self.width}, gain=learnable[{self.timesteps}], reset=hard(0, not detached), "
             f"surrogate={self.surrogate}(alpha={self.alpha}), backend={self.backend}"
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# BatchNorm -> LIF as one op (efficient.kernels.bn_lif), for the units of the zoo
+# ---------------------------------------------------------------------------------------------
+
+
+_FUSE_UNITS = [True]
+
+
+@contextlib.contextmanager
+def separate_units() -> Iterator[None]:
+    """Inside this block BatchNorm and neuron run as two calls even where they could be one op (to
+    compare the two, or to step through them)."""
+    _FUSE_UNITS.append(False)
+    try:
+        yield
+    finally:
+        _FUSE_UNITS.pop()
+
+
+def _hooked(m: nn.Module) -> bool:
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
+
+
+def fusable(neuron: nn.Module, *modules: nn.Module) -> bool:
+    """Whether `neuron` may run fused with the BatchNorm before it: a constant-tau `LIF` (not
+    PLIF's learnable rate nor DLIF's gain) that keeps no membrane, nothing watching the modules
+    (a forward hook, such as the profiler's or memory's spike tracker, must see them called), not
+    inside `separate_units()`, and not under torch.compile (inductor fuses the BatchNorm it sees
+    with what surrounds it; an opaque op would hide it)."""
+    from torch.nn.modules import module as _module
+
+    return (_FUSE_UNITS[-1] and not torch.compiler.is_compiling() and isinstance(neuron, LIF) and type(neuron).forward is LIF.forward and not neuron.store_membrane
+            and not any(_hooked(m) for m in (neuron, *modules))
+            and not (_module._global_forward_hooks or _module._global_forward_pre_hooks
+                     or _module._global_backward_hooks or _module._global_backward_pre_hooks))
+
+
+def bn_fire(z: torch.Tensor, shape: tuple[int, ...], neuron: "LIF", weight: torch.Tensor, bias: torch.Tensor,
+            running_mean: torch.Tensor, running_var: torch.Tensor, training: bool, momentum: float,
+            eps: float) -> torch.Tensor:
+    """Spikes of `neuron` on the BatchNorm of `z` [T*R, C, ...] (one fused op), shaped `shape`, the
+    time-major shape the neuron would take: the same values as the two calls."""
+    if -1 in shape:  # the concrete shape, without a view op (a plain loop: dynamo traces it)
+        known = 1
+        for d in shape:
+            known = known if d == -1 else known * d
+        shape = tuple(z.numel() // known if d == -1 else d for d in shape)
+    steps = shape[0]
+    s = bn_lif(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, tau=neuron.tau,
+               v_threshold=neuron.v_threshold, v_reset=neuron.v_reset, detach_reset=neuron.detach_reset,
+               decay_input=neuron.decay_input, surrogate=neuron.surrogate, alpha=neuron.alpha,
+               spike_dtype=neuron.spike_dtype, backend=neuron.backend_for_shape(shape, z.device))
+    return s.view(shape)
+
+
+def norm_fire(bn: nn.Module, neuron: nn.Module, z: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """`neuron(bn(z).reshape(shape))`: BatchNorm over `z` [T*R, C, ...], then the neuron over time
+    on the time-major `shape`; one fused op where the pair allows it (`fusable`, an affine
+    BatchNorm with running statistics), with BatchNorm's bookkeeping (batch count, momentum)."""
+    ok = (isinstance(bn, nn.modules.batchnorm._BatchNorm) and bn.affine and bn.track_running_stats
+          and bn.running_mean is not None and fusable(neuron, bn))
+    if not ok:
+        return neuron(bn(z).reshape(shape))
+    factor = 0.0 if bn.momentum is None else bn.momentum
+    if bn.training and bn.num_batches_tracked is not None:  # as BatchNorm.forward does
+        bn.num_batches_tracked.add_(1)
+        factor = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
+    return bn_fire(z, tuple(shape), neuron, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.training,
+                   factor, bn.eps)
 
 
 @contextlib.contextmanager

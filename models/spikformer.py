@@ -22,6 +22,7 @@ from efficient.errors import ConfigError
 from efficient.kernels.lif import COMPILE_MIN_NUMEL
 from efficient.kernels.ssa import attention_ref, spiking_attention
 from efficient.kernels.token_select import gather_tokens
+from efficient.models.neurons import bn_fire, fusable, norm_fire
 from efficient.models.spiking_transformer import (  # noqa: F401 - ModelLIF, share_neuron_backend: public here too
     CIFAR_MEAN,
     check_stem_grid,
@@ -64,8 +65,7 @@ class LinearBNLIF(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         T, B, N, _ = x.shape
-        y = self.bn(self.linear(x.flatten(0, 2)))
-        return self.lif(y.reshape(T, B, N, -1))
+        return norm_fire(self.bn, self.lif, self.linear(x.flatten(0, 2)), (T, B, N, -1))
 
 
 class SPS(nn.Module):
@@ -108,9 +108,9 @@ class SPS(nn.Module):
 
     def norm_fire(self, i: int, x: torch.Tensor, T: int) -> torch.Tensor:
         """Stage `i` after its conv: BatchNorm (then max-pool, with `pool_first`) -> LIF, on `[T*B, C, H, W]`."""
-        x = self.bns[i](x)
-        if self.pool_first:
-            x = self.pools[i](x)
+        if not self.pool_first:
+            return norm_fire(self.bns[i], self.lifs[i], x, (T, -1, *x.shape[1:])).flatten(0, 1)
+        x = self.pools[i](self.bns[i](x))
         return self.lifs[i](x.reshape(T, -1, *x.shape[1:])).flatten(0, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -122,8 +122,8 @@ class SPS(nn.Module):
             if not self.pool_first:
                 x = pool(x)
         feat = x
-        x = self.rpe_bn(self.rpe_conv(x))
-        x = self.rpe_lif(x.reshape(T, B, *x.shape[1:])).flatten(0, 1)
+        z = self.rpe_conv(x)
+        x = norm_fire(self.rpe_bn, self.rpe_lif, z, (T, B, *z.shape[1:])).flatten(0, 1)
         x = x + feat
         return x.flatten(2).transpose(1, 2).reshape(T, B, -1, x.shape[1])
 
@@ -178,11 +178,13 @@ class SSA(nn.Module):
         factor = 1.0 / float(bns[0].num_batches_tracked) if m0 is None else m0
         rm = torch.cat([bn.running_mean for bn in bns])
         rv = torch.cat([bn.running_var for bn in bns])
-        y = F.batch_norm(y, rm, rv, torch.cat([bn.weight for bn in bns]), torch.cat([bn.bias for bn in bns]),
-                         True, factor, bns[0].eps)
+        w, b = torch.cat([bn.weight for bn in bns]), torch.cat([bn.bias for bn in bns])
+        if fusable(self.q.lif, *bns, *(u.lif for u in units)):  # BatchNorm and neuron as one op
+            s = bn_fire(y, (T, B, N, 3 * C), self.q.lif, w, b, rm, rv, True, factor, bns[0].eps)
+        else:
+            s = self.q.lif(F.batch_norm(y, rm, rv, w, b, True, factor, bns[0].eps).reshape(T, B, N, 3 * C))
         with torch.no_grad():  # the updated statistics back into each unit's buffers, one multi-tensor copy
             torch._foreach_copy_([bn.running_mean for bn in bns] + [bn.running_var for bn in bns], [*rm.split(C), *rv.split(C)])
-        s = self.q.lif(y.reshape(T, B, N, 3 * C))
         # one split, not three slices: its backward concatenates the three gradients, where slices
         # would each zero-fill a full-width gradient and add them up
         return s.split(C, dim=-1)

@@ -9,6 +9,8 @@ when each model built them itself); it pools with `pool_head`. Tensors are time-
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,10 +39,10 @@ class ModelLIF(LIF):
 
     peak_numel: int = 0
 
-    def _backend_for(self, x: torch.Tensor) -> str:
-        if self.backend != "auto" or self.store_membrane or self.peak_numel <= 0 or x.dim() < 2:
+    def backend_for_shape(self, shape: torch.Size | tuple[int, ...], device: torch.device) -> str:
+        if self.backend != "auto" or self.store_membrane or self.peak_numel <= 0 or len(shape) < 2:
             return self.backend
-        return resolve_backend("auto", x.device, max(x.numel(), x.shape[0] * x.shape[1] * self.peak_numel))
+        return resolve_backend("auto", device, max(math.prod(shape), shape[0] * shape[1] * self.peak_numel))
 
 
 def check_stem_grid(img_size: int, dim: int, pool_stages: int, stem: str) -> int:

@@ -12,6 +12,7 @@ import efficient.kernels.exit_confidence  # noqa: F401 - registers the ops
 import efficient.kernels.linear_ce  # noqa: F401
 import efficient.kernels.spike_pack  # noqa: F401
 import efficient.kernels.ssa  # noqa: F401
+from efficient.kernels import bn_lif  # noqa: F401 - registers efficient::bn_lif_*
 from efficient.kernels import lif as K
 from efficient.kernels import token_select as ts
 
@@ -68,6 +69,20 @@ def op_cases(dtype):
          (x, v0, beta, thr, K.RESET_SUBTRACT, 1, 2.0, dtype, "loop")),
         ("leaky_backward", torch.ops.efficient.leaky_backward,
          (gs, None, hm, None, beta.detach(), thr.detach(), K.RESET_ZERO, 0, 4.0, dtype, "loop")),
+        # BatchNorm + LIF on a conv unit's [T*B, C, H, W] (T=2), training and eval
+        ("bn_lif_forward", torch.ops.efficient.bn_lif_forward,
+         (_randn(4, 3, 2, 2, dtype=dtype, seed=13, grad=True), 2, _randn(3, dtype=dtype, seed=14, grad=True),
+          _randn(3, dtype=dtype, seed=15, grad=True), torch.zeros(3, dtype=dtype), torch.ones(3, dtype=dtype), True, 0.1, 1e-5, 2.0, 1.0, 0.0,
+          K.CHARGE_DECAY_INPUT, 0, 4.0, True, dtype, "loop")),
+        ("bn_lif_forward-eval", torch.ops.efficient.bn_lif_forward,
+         (_randn(4, 3, dtype=dtype, seed=16, grad=True), 2, _randn(3, dtype=dtype, seed=17, grad=True),
+          _randn(3, dtype=dtype, seed=18, grad=True), torch.zeros(3, dtype=dtype), torch.ones(3, dtype=dtype), False, 0.1,
+          1e-5, 2.0, 1.0, None,
+          K.CHARGE_NO_DECAY, 1, 2.0, False, dtype, "loop")),
+        ("bn_lif_backward", torch.ops.efficient.bn_lif_backward,
+         (_randn(4, 3, dtype=dtype, seed=19), _randn(4, 3, dtype=dtype, seed=20), _randn(2, 6, dtype=torch.float32, seed=21),
+          _randn(3, dtype=dtype, seed=22), torch.stack([torch.zeros(3), torch.ones(3)]).to(dtype), True, 1e-5, 2.0, 1.0, 0.0,
+          K.CHARGE_DECAY_INPUT, 0, 4.0, True, "loop")),
         ("pack_spikes", torch.ops.efficient.pack_spikes, (_spikes(3, 7, dtype=dtype, seed=12, grad=False), "torch")),
         ("unpack_spikes", torch.ops.efficient.unpack_spikes,
          (torch.tensor([5, 255, 0], dtype=torch.uint8), [3, 7], dtype, "torch")),
@@ -82,7 +97,7 @@ def test_every_registered_op_has_a_case():
 
 
 # variants checked in fp32 only: in half precision one variant per op is checked
-FP32_ONLY = ("ssa-scores", "linear_ce-conf", "lif_forward-plif", "lif_forward-v0", "leaky")
+FP32_ONLY = ("ssa-scores", "linear_ce-conf", "lif_forward-plif", "lif_forward-v0", "leaky", "bn_lif_forward-eval")
 OPCHECK_CASES = [
     pytest.param(i, dtype, id=f"{name}-{dtype_id}")
     for dtype, dtype_id in zip(DTYPES, ["fp32", "fp16", "bf16"])

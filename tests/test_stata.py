@@ -378,8 +378,11 @@ def test_model_neurons_share_the_compiled_path_once_the_largest_one_needs_it(mon
     peak = lifs[0].peak_numel
     assert peak == max(m.patch_embed.neuron_peak(), 64 * 65) and all(x.peak_numel == peak for x in lifs)
     seen = []
-    real = neurons.lif  # every neuron call goes through it, with the backend its module chose
+    # every neuron call goes through one of the two, with the backend its module chose (bn_lif: a
+    # unit's BatchNorm and neuron as one op)
+    real, real_bn = neurons.lif, neurons.bn_lif
     monkeypatch.setattr(neurons, "lif", lambda *a, backend, **kw: seen.append(backend) or real(*a, backend="loop", **kw))
+    monkeypatch.setattr(neurons, "bn_lif", lambda *a, backend, **kw: seen.append(backend) or real_bn(*a, backend="loop", **kw))
     x = digits_like(2)
     small = m.eval()(x)
     assert set(seen) == {"loop"}  # 2 x 2 x peak is far below the threshold

@@ -1,0 +1,356 @@
+"""BatchNorm then a multi-step LIF, as one op: the Conv/Linear -> BatchNorm -> LIF unit of every
+spiking transformer of the zoo, after its matmul.
+
+A unit's BatchNorm and neuron cost a training step some twenty dispatched ops and six autograd
+nodes (the BatchNorm call and its buffers, the reshapes between the two layouts, the neuron op, and
+the same again in backward). Here they are one custom op with one backward: on a GPU, where a small
+step waits on the host, that is the launch and dispatch cost the step does not pay.
+
+Layout: `z` is what BatchNorm takes, time folded into the batch, `[T*R, C, *spatial]` (a Linear
+unit's `[T*B*N, C]`, a conv unit's `[T*B, C, H, W]`); the neuron runs over T on `[T, R*C*S]`.
+
+Parts (as `efficient.kernels.lif`):
+
+1. `bn_lif_reference`: the spec, `F.batch_norm` then `lif_reference`.
+2. A Triton kernel that applies the batch statistics and runs the neuron over all T in one pass
+   (BatchNorm's statistics come from one reduction before it): normalisation and neuron in one
+   launch where BatchNorm and LIF take three.
+3. Custom ops `efficient::bn_lif_forward` / `efficient::bn_lif_backward` (fake implementations,
+   autograd formula, flop formula). On CPU the forward runs aten's `native_batch_norm` and the
+   LIF's own loop, the backward the LIF's backward and `native_batch_norm_backward`: outputs,
+   running statistics and gradients are bit for bit those of the separate BatchNorm and `lif` calls.
+   With Triton the backward is the LIF's Triton kernel and the same BatchNorm backward.
+4. `bn_lif`: the public entry, `backend=` as `lif`'s ("torch" runs the reference).
+
+`bn_lif` updates the running statistics in place, as BatchNorm does in training (`momentum` is
+the factor BatchNorm would use; its batch counter stays with the caller); the op itself returns
+them, as autograd needs a functional op. In eval mode it normalises
+with the running statistics. Only LIF's constant-tau charges are fused (PLIF's learnable rate and
+DLIF's gain stay with the separate calls).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from efficient.kernels import lif as _lif
+from efficient.kernels._backend import eager_call, eager_function
+from efficient.kernels.lif_common import (
+    _BLOCK, _NUM_WARPS, CHARGE_LEAK, HAS_TRITON, IMPLS, _check_compiler, _choose_impl, _register_flops, _surrogate_id,
+    _triton_ready, default_alpha,
+)
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+__all__ = ["bn_lif", "bn_lif_reference"]
+
+
+def _check_z(z: Tensor, steps: int, weight: Tensor, bias: Tensor) -> None:
+    """z must be BatchNorm's input with T folded into its batch; weight and bias one per channel."""
+    if not isinstance(z, Tensor) or z.dim() < 2 or not z.is_floating_point():
+        raise ValueError(
+            f"bn_lif takes BatchNorm's input [T*R, C, ...] (floating point, at least 2 dims), got "
+            f"{tuple(z.shape) if isinstance(z, Tensor) else type(z).__name__}"
+        )
+    if steps < 1 or z.shape[0] % steps:
+        raise ValueError(
+            f"bn_lif: the first dim of z ({z.shape[0]}) must be T*R for T={steps} time steps; fold time into "
+            "the batch first, e.g. x.flatten(0, 1) for [T, B, C, H, W]"
+        )
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t.shape != (z.shape[1],):
+            raise ValueError(f"bn_lif: {name} must hold one value per channel ({z.shape[1]}), got {tuple(t.shape)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. reference
+# ---------------------------------------------------------------------------------------------
+
+
+def bn_lif_reference(
+    z: Tensor, steps: int, weight: Tensor, bias: Tensor, running_mean: Optional[Tensor], running_var: Optional[Tensor],
+    training: bool = True, momentum: float = 0.1, eps: float = 1e-5, **lif_kwargs,
+) -> tuple[Tensor, Tensor]:
+    """F.batch_norm on `z` [T*R, C, ...], then `lif_reference` over T: (spikes shaped like z, H [T, ...])."""
+    y = F.batch_norm(z, running_mean, running_var, weight, bias, training, momentum, eps)
+    s, h = _lif.lif_reference(y.reshape(steps, -1, *y.shape[1:]), **lif_kwargs)
+    return s.reshape(z.shape), h
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Triton: normalise with per-channel scale/shift and run the neuron, all T in one kernel
+# ---------------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+    _TL_DECAY_INPUT = tl.constexpr(_lif.CHARGE_DECAY_INPUT)
+    _TL_LEAK = tl.constexpr(CHARGE_LEAK)
+
+    @triton.jit
+    def _bn_lif_fwd_kernel(
+        z_ptr, scale_ptr, shift_ptr, s_ptr, h_ptr, N, T, C, S, c, v_th, v_reset,
+        CHARGE: tl.constexpr, HARD: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        # one program owns BLOCK neurons of a step's N = R*C*S and walks them through all T; the
+        # element at offset n of a step belongs to channel (n // S) % C
+        pid = tl.program_id(0)
+        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < N
+        ch = (offs // S) % C
+        scale = tl.load(scale_ptr + ch, mask=mask, other=0.0)
+        shift = tl.load(shift_ptr + ch, mask=mask, other=0.0)
+        v = tl.zeros([BLOCK], dtype=tl.float32) + v_reset  # v_reset is 0.0 for soft reset
+        for _t in range(T):
+            x = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32) * scale + shift
+            if CHARGE == _TL_LEAK:
+                h = c * v + x
+            elif CHARGE == _TL_DECAY_INPUT:
+                h = v + tl.math.div_rn(x - (v - v_reset), c)
+            else:
+                h = v - tl.math.div_rn(v - v_reset, c) + x
+            spike = h >= v_th
+            tl.store(h_ptr + offs, h, mask=mask)
+            tl.store(s_ptr + offs, spike.to(s_ptr.dtype.element_ty), mask=mask)
+            if HARD:
+                v = tl.where(spike, v_reset, h)
+            else:
+                v = tl.where(spike, h - v_th, h)
+            z_ptr += N
+            h_ptr += N
+            s_ptr += N
+
+
+def _batch_stats(z: Tensor, running_mean: Tensor, running_var: Tensor, training: bool, momentum: float, eps: float):
+    """(mean, invstd) that normalise z, as BatchNorm computes them, and in training the running
+    statistics moved towards the batch's (unbiased variance), as new tensors (empty in eval)."""
+    if not training:  # the running statistics themselves (copies): eval's backward takes them
+        return torch.stack([running_mean, running_var]), running_mean.new_empty((0, z.shape[1]))
+    dims = [0, *range(2, z.dim())]
+    var, mean = torch.var_mean(z.float(), dim=dims, correction=0)
+    n = z.numel() // z.shape[1]
+    batch = torch.stack([mean, var * (n / max(n - 1, 1))]).to(running_mean.dtype)
+    running = torch.lerp(torch.stack([running_mean, running_var]), batch, momentum)
+    return torch.stack([mean, torch.rsqrt(var + eps)]), running  # fp32: the caller casts what it saves
+
+
+def _triton_forward(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c, v_th, v_reset,
+                    charge, spike_dtype):
+    _triton_ready(z)
+    z = z.contiguous()
+    stats, running = _batch_stats(z, running_mean, running_var, training, momentum, eps)
+    stats = stats.float()
+    invstd = stats[1] if training else torch.rsqrt(stats[1] + eps)
+    scale = (weight.float() * invstd).contiguous()
+    shift = (bias.float() - stats[0] * scale).contiguous()
+    stats = stats.to(weight.dtype)  # saved as aten's BatchNorm saves them (in the parameters' dtype)
+    N = z.numel() // steps
+    s = torch.empty(z.shape, dtype=spike_dtype, device=z.device)
+    h = torch.empty((steps, N), dtype=torch.float32, device=z.device)
+    hard = v_reset is not None
+    S = z[0, 0].numel()
+    _bn_lif_fwd_kernel[(triton.cdiv(N, _BLOCK),)](
+        z, scale, shift, s, h, N, steps, z.shape[1], S, float(c), float(v_th), float(v_reset) if hard else 0.0,
+        CHARGE=charge, HARD=hard, BLOCK=_BLOCK, num_warps=_NUM_WARPS,
+    )
+    return s, h, stats, running
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. custom op: efficient::bn_lif_forward / efficient::bn_lif_backward
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_op(z: Tensor, steps: int, weight: Tensor, bias: Tensor, impl: str) -> None:
+    _check_z(z, steps, weight, bias)
+    if impl not in IMPLS:
+        raise ValueError(f"efficient::bn_lif_forward: unknown impl {impl!r}; choose one of {IMPLS}")
+
+
+@torch.library.custom_op("efficient::bn_lif_forward", mutates_args=())
+def bn_lif_forward_op(
+    z: Tensor,
+    steps: int,
+    weight: Tensor,
+    bias: Tensor,
+    running_mean: Tensor,
+    running_var: Tensor,
+    training: bool,
+    momentum: float,
+    eps: float,
+    c: float,
+    v_threshold: float,
+    v_reset: Optional[float],
+    charge: int,
+    surrogate: int,
+    alpha: float,
+    detach_reset: bool,
+    spike_dtype: torch.dtype,
+    impl: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """z [T*R, C, ...] -> (spikes shaped like z, H [T, R*C*S] fp32, stats [2, C], running [2, C]):
+    stats are what BatchNorm's backward takes (the batch's mean and invstd in training, the running
+    mean and variance in eval; in weight's dtype, as aten's BatchNorm keeps them); running holds BatchNorm's new running mean and variance in training ([0, C] in
+    eval). The op is functional (autograd needs that): `bn_lif` copies them into the buffers. One
+    tensor per pair: every output autograd saves costs a detach per step.
+    surrogate/alpha/detach_reset serve the backward."""
+    return _forward_impl(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c, v_threshold,
+                         v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl)
+
+
+def _forward_impl(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c, v_threshold, v_reset,
+                  charge, surrogate, alpha, detach_reset, spike_dtype, impl):
+    _check_op(z, steps, weight, bias, impl)
+    if impl == "triton":
+        return _triton_forward(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c,
+                               v_threshold, v_reset, charge, spike_dtype)
+    # aten's own BatchNorm (what nn.BatchNorm calls, here on copies of the running statistics),
+    # then the LIF's loop: bit for bit the separate calls
+    if training:
+        running = torch.stack([running_mean, running_var])  # updated in place below: the op's new statistics
+        y, mean, invstd = torch.native_batch_norm(z, weight, bias, running[0], running[1], True, momentum, eps)
+        stats = torch.stack([mean, invstd])
+    else:  # native_batch_norm keeps no statistics in eval; the backward needs the running ones
+        y, _, _ = torch.native_batch_norm(z, weight, bias, running_mean, running_var, False, momentum, eps)
+        stats, running = _batch_stats(z, running_mean, running_var, False, momentum, eps)
+    s, h = _lif._run_forward(y.reshape(steps, -1), None, c, v_threshold, v_reset, charge, spike_dtype, impl)
+    return s.view(z.shape), h, stats, running
+
+
+@bn_lif_forward_op.register_fake
+def _(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c, v_threshold, v_reset, charge,
+      surrogate, alpha, detach_reset, spike_dtype, impl):
+    _check_op(z, steps, weight, bias, impl)
+    C = z.shape[1]
+    return (z.new_empty(z.shape, dtype=spike_dtype), z.new_empty((steps, z.numel() // steps), dtype=torch.float32),
+            weight.new_empty((2, C)), running_mean.new_empty((2 if training else 0, C)))
+
+
+@torch.library.custom_op("efficient::bn_lif_backward", mutates_args=())
+def bn_lif_backward_op(
+    grad_spikes: Tensor,
+    z: Tensor,
+    h: Tensor,
+    weight: Tensor,
+    stats: Tensor,
+    training: bool,
+    eps: float,
+    c: float,
+    v_threshold: float,
+    v_reset: Optional[float],
+    charge: int,
+    surrogate: int,
+    alpha: float,
+    detach_reset: bool,
+    impl: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad z, grad weight, grad bias): the LIF's backward from H, then BatchNorm's."""
+    return _backward_impl(grad_spikes, z, h, weight, stats, training, eps, c, v_threshold, v_reset, charge, surrogate,
+                          alpha, detach_reset, impl)
+
+
+def _backward_impl(grad_spikes, z, h, weight, stats, training, eps, c, v_threshold, v_reset, charge, surrogate, alpha,
+                   detach_reset, impl):
+    steps = h.shape[0]
+    gy, _, _ = _lif._run_backward(grad_spikes.contiguous().view(steps, -1), None, h, None, c, v_threshold, v_reset,
+                                  charge, surrogate, alpha, detach_reset, z.dtype, impl)
+    gy = gy.view(z.shape)
+    # BatchNorm's own backward: from the batch's saved mean and invstd in training, from the running
+    # mean and variance in eval
+    if training:
+        return torch.ops.aten.native_batch_norm_backward(gy, z, weight, None, None, stats[0], stats[1], True, eps,
+                                                         [True, True, True])
+    return torch.ops.aten.native_batch_norm_backward(gy, z, weight, stats[0], stats[1], None, None, False, eps,
+                                                     [True, True, True])
+
+
+@bn_lif_backward_op.register_fake
+def _(grad_spikes, z, h, weight, stats, training, eps, c, v_threshold, v_reset, charge, surrogate, alpha,
+      detach_reset, impl):
+    return z.new_empty(z.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    z, steps, weight, bias, rm, rv, training, momentum, eps, c, v_th, v_reset, charge, surrogate, alpha, detach, sd, impl = inputs
+    _, h, stats, _ = output
+    ctx.save_for_backward(z, h, weight, stats)  # what BatchNorm and the LIF keep, no more
+    ctx.params = (training, eps, c, v_th, v_reset, charge, surrogate, alpha, detach, impl)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, grad_spikes, *_grads_of_statistics, backward_fn=bn_lif_backward_op):
+    z, h, weight, stats = ctx.saved_tensors
+    if grad_spikes is None:
+        return (None,) * 18
+    gz, gw, gb = backward_fn(grad_spikes, z, h, weight, stats, *ctx.params)
+    need = ctx.needs_input_grad
+    return (gz if need[0] else None, None, gw if need[2] else None, gb if need[3] else None) + (None,) * 14
+
+
+bn_lif_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+_EagerBNLIF = eager_function("_EagerBNLIF", _forward_impl, _setup_context,
+                             lambda ctx, gs, *rest: _backward(ctx, gs, backward_fn=_backward_impl))
+
+# forward per element and step: normalise 2 (one multiply-add), the LIF's 6; backward: the LIF's 13
+# and BatchNorm's ~5 (sums of gy and gy*xhat, the input gradient)
+_register_flops(torch.ops.efficient.bn_lif_forward, 8)
+_register_flops(torch.ops.efficient.bn_lif_backward, 18)
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. public entry point
+# ---------------------------------------------------------------------------------------------
+
+
+def bn_lif(
+    z: Tensor,
+    steps: int,
+    weight: Tensor,
+    bias: Tensor,
+    running_mean: Tensor,
+    running_var: Tensor,
+    training: bool = True,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+    *,
+    tau: float = 2.0,
+    v_threshold: float = 1.0,
+    v_reset: Optional[float] = 0.0,
+    detach_reset: bool = True,
+    decay_input: bool = True,
+    surrogate: str = "sigmoid",
+    alpha: Optional[float] = None,
+    spike_dtype: Optional[torch.dtype] = None,
+    backend: str = "auto",
+    impl: Optional[str] = None,
+) -> Tensor:
+    """BatchNorm over `z` [T*R, C, ...] (time folded into the batch, `steps` = T) with `weight`,
+    `bias` and running statistics (updated in place in training, with BatchNorm's `momentum`
+    factor), then LIF over T from rest. Returns spikes shaped like z (dtype `spike_dtype`, default
+    z.dtype). LIF options and `backend` / `impl` as `efficient.kernels.lif.lif`."""
+    _check_z(z, steps, weight, bias)
+    sid = _surrogate_id(surrogate)
+    alpha = default_alpha(surrogate, alpha)
+    if not tau > 0:
+        raise ValueError(f"tau must be > 0 (got {tau})")
+    charge = _lif.CHARGE_DECAY_INPUT if decay_input else _lif.CHARGE_NO_DECAY
+    spike_dtype = spike_dtype or z.dtype
+    vr = None if v_reset is None else float(v_reset)
+    chosen, impl = _choose_impl(backend, impl, z)
+    if chosen == "torch" or z.numel() == 0:
+        return bn_lif_reference(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, tau=tau,
+                                v_threshold=v_threshold, v_reset=vr, detach_reset=detach_reset, decay_input=decay_input,
+                                surrogate=surrogate, alpha=alpha, spike_dtype=spike_dtype)[0]
+    _check_compiler(impl, z)
+    args = (z, int(steps), weight, bias, running_mean, running_var, bool(training), float(momentum), float(eps),
+            float(tau), float(v_threshold), vr, charge, sid, float(alpha), bool(detach_reset), spike_dtype, impl)
+    out = _EagerBNLIF.apply(*args) if eager_call(z) else torch.ops.efficient.bn_lif_forward(*args)
+    if training:  # BatchNorm's update of its running statistics, into the caller's buffers
+        with torch.no_grad():
+            torch._foreach_copy_([running_mean, running_var], out[3].unbind(0))
+    return out[0]

@@ -1,0 +1,204 @@
+"""BatchNorm + LIF as one op (`efficient.kernels.bn_lif`): on CPU bit for bit the two separate
+calls (spikes, running statistics, batch count, gradients of input, weight and bias), in training
+and eval, for a Linear unit's and a conv unit's layout; the zoo units that use it train exactly as
+the separate modules; bad input is named; the Triton kernel matches under the interpreter."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+from efficient.kernels.bn_lif import bn_lif, bn_lif_reference
+from efficient.models.neurons import LIF, PLIF, fusable, norm_fire
+
+
+def _pair(shape, channels, seed, dtype=torch.float32):
+    """A BatchNorm with trained-looking statistics and parameters, and an input for it."""
+    g = torch.Generator().manual_seed(seed)
+    bn = (nn.BatchNorm1d if len(shape) == 2 else nn.BatchNorm2d)(channels).to(dtype)
+    with torch.no_grad():
+        bn.weight.copy_(1 + 0.3 * torch.randn(channels, generator=g))
+        bn.bias.copy_(0.2 * torch.randn(channels, generator=g))
+        bn.running_mean.copy_(0.1 * torch.randn(channels, generator=g))
+        bn.running_var.copy_(0.5 + torch.rand(channels, generator=g))
+    z = (1.5 * torch.randn(*shape, generator=g)).to(dtype)
+    return bn, z
+
+
+def _run(bn, neuron, z, shape, fused: bool):
+    z = z.detach().clone().requires_grad_()
+    if fused:
+        out = norm_fire(bn, neuron, z, shape)
+    else:
+        y = bn(z)
+        out = neuron(y.reshape(shape))
+    g = torch.Generator().manual_seed(7)
+    (out * torch.randn(out.shape, generator=g)).sum().backward()
+    return out, z.grad, bn.weight.grad, bn.bias.grad, bn.running_mean, bn.running_var, bn.num_batches_tracked
+
+
+LAYOUTS = {  # z's shape (BatchNorm's layout, T=4 folded into the batch) and the neuron's time-major shape
+    "linear": ((4 * 2 * 5, 6), (4, 2, 5, 6)),
+    "conv": ((4 * 2, 3, 5, 5), (4, 2, 3, 5, 5)),
+}
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("neuron_kw", [
+    {},
+    {"v_reset": None, "decay_input": False, "surrogate": "atan", "detach_reset": False},
+    {"tau": 3.0, "v_threshold": 0.5, "surrogate": "triangle"},
+], ids=["spikformer", "soft-no-decay-atan", "tau3-triangle"])
+def test_the_fused_op_is_the_two_calls_bit_for_bit(layout: str, training: bool, neuron_kw: dict) -> None:
+    zshape, nshape = LAYOUTS[layout]
+    bn, z = _pair(zshape, zshape[1], seed=1)
+    neuron = LIF(backend="loop", **neuron_kw)
+    bn.train(training)
+    assert fusable(neuron, bn)
+    for step in range(2):  # the second step starts from the statistics the first one left
+        bn_a, bn_b = copy.deepcopy(bn), copy.deepcopy(bn)
+        sep = _run(bn_a, neuron, z + step, nshape, fused=False)
+        fus = _run(bn_b, neuron, z + step, nshape, fused=True)
+        for name, a, b in zip(["spikes", "grad z", "grad weight", "grad bias", "running mean", "running var",
+                               "batches"], sep, fus):
+            assert torch.equal(a, b), f"{name} differs (step {step})"
+        bn = bn_b
+    assert 0 < sep[0].mean() < 1  # some neurons fired, some did not
+
+
+def test_momentum_none_is_the_cumulative_average() -> None:
+    zshape, nshape = LAYOUTS["linear"]
+    bn, z = _pair(zshape, 6, seed=2)
+    bn.momentum = None
+    a, b = copy.deepcopy(bn), copy.deepcopy(bn)
+    for step in range(3):
+        sep = _run(a, LIF(backend="loop"), z * (step + 1), nshape, fused=False)
+        fus = _run(b, LIF(backend="loop"), z * (step + 1), nshape, fused=True)
+    assert all(torch.equal(x, y) for x, y in zip(sep[4:], fus[4:]))
+    assert int(b.num_batches_tracked) == 3
+
+
+@pytest.mark.slow
+def test_the_compiled_cpu_loop_is_the_two_calls_bit_for_bit() -> None:
+    from conftest import needs_cxx  # noqa: F401 - the marker's condition, checked here
+
+    from efficient.kernels._backend import have_cxx_compiler
+
+    if not have_cxx_compiler():
+        pytest.skip("no C++ compiler: inductor cannot compile on CPU")
+    zshape, nshape = LAYOUTS["conv"]
+    bn, z = _pair(zshape, 3, seed=3)
+    neuron = LIF(backend="compile")
+    sep = _run(copy.deepcopy(bn), neuron, z, nshape, fused=False)
+    fus = _run(copy.deepcopy(bn), neuron, z, nshape, fused=True)
+    assert all(torch.equal(a, b) for a, b in zip(sep, fus))
+
+
+def test_reference_backend_is_batch_norm_then_the_lif_reference() -> None:
+    zshape, nshape = LAYOUTS["conv"]
+    bn, z = _pair(zshape, 3, seed=4, dtype=torch.float64)
+    rm, rv = bn.running_mean.clone(), bn.running_var.clone()
+    s = bn_lif(z, 4, bn.weight, bn.bias, rm, rv, backend="torch")
+    ref, _ = bn_lif_reference(z, 4, bn.weight, bn.bias, bn.running_mean.clone(), bn.running_var.clone())
+    loop = bn_lif(z, 4, bn.weight, bn.bias, bn.running_mean.clone(), bn.running_var.clone(), backend="loop")
+    assert torch.equal(s, ref) and torch.equal(loop, ref)
+    assert not torch.equal(rm, bn.running_mean)  # training moved the running statistics
+
+
+def test_units_fall_back_where_fusion_would_hide_something() -> None:
+    bn = nn.BatchNorm1d(6)
+    assert fusable(LIF(), bn)
+    assert not fusable(PLIF(), bn)  # a learnable rate is not fused
+    assert not fusable(LIF(store_membrane=True), bn)
+    watched = LIF()
+    watched.register_forward_hook(lambda *a: None)  # a profiler or spike tracker must see the neuron run
+    assert not fusable(watched, bn)
+    h = nn.modules.module.register_module_forward_hook(lambda *a: None)
+    try:
+        assert not fusable(LIF(), bn)
+    finally:
+        h.remove()
+    # BatchNorm without running statistics or without affine parameters: the separate calls
+    zshape, nshape = LAYOUTS["linear"]
+    z = torch.randn(zshape)
+    for plain in (nn.BatchNorm1d(6, track_running_stats=False), nn.BatchNorm1d(6, affine=False)):
+        out = norm_fire(plain, LIF(backend="loop"), z, nshape)
+        assert torch.equal(out, LIF(backend="loop")(plain(z).reshape(nshape)))
+
+
+def test_a_spikformer_unit_trains_as_the_separate_modules() -> None:
+    """Three SGD steps of a Linear -> BatchNorm -> LIF unit: weights and statistics bit for bit."""
+    from efficient.models.spikformer import LinearBNLIF
+
+    torch.manual_seed(0)
+    fused = LinearBNLIF(8, 6, {"backend": "loop"})
+    separate = copy.deepcopy(fused)
+    separate.lif.register_forward_hook(lambda *a: None)  # a hooked neuron runs the separate modules
+    x = (torch.rand(4, 2, 5, 8, generator=torch.Generator().manual_seed(1)) < 0.4).float()
+    for unit in (fused, separate):
+        opt = torch.optim.SGD(unit.parameters(), lr=0.5)
+        for _ in range(3):
+            opt.zero_grad()
+            (unit(x) * torch.arange(6.0)).sum().backward()
+            opt.step()
+    for (k, a), b in zip(fused.state_dict().items(), separate.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(z=torch.randn(7, 3)), "must be T\\*R for T=2"),
+    (dict(z=torch.randn(8)), "at least 2 dims"),
+    (dict(weight=torch.ones(4)), "weight must hold one value per channel \\(3\\)"),
+    (dict(z=torch.ones(8, 3, dtype=torch.long)), "floating point"),
+])
+def test_bad_input_is_named(bad: dict, match: str) -> None:
+    args = dict(z=torch.randn(8, 3), steps=2, weight=torch.ones(3), bias=torch.zeros(3), running_mean=torch.zeros(3),
+                running_var=torch.ones(3))
+    with pytest.raises(ValueError, match=match):
+        bn_lif(**{**args, **bad}, backend="loop")
+
+
+INTERPRETER = textwrap.dedent(
+    """
+    import copy, torch
+    from torch import nn
+    from efficient.kernels.bn_lif import bn_lif
+    torch.manual_seed(0)
+    for shape, T in (((4 * 3 * 5, 6), 4), ((2 * 2, 3, 4, 4), 2)):
+        C = shape[1]
+        bn = (nn.BatchNorm1d if len(shape) == 2 else nn.BatchNorm2d)(C)
+        with torch.no_grad():
+            bn.weight.uniform_(0.5, 1.5); bn.bias.uniform_(-0.2, 0.2)
+        z = (torch.randn(shape) * 1.3).requires_grad_()
+        for training in (True, False):
+            outs = {}
+            for impl in ("loop", "triton"):
+                b = copy.deepcopy(bn)
+                zz = z.detach().clone().requires_grad_()
+                s = bn_lif(zz, T, b.weight, b.bias, b.running_mean, b.running_var, training, 0.1, 1e-5, impl=impl)
+                g = torch.linspace(-1, 1, s.numel()).view(s.shape)
+                (s * g).sum().backward()
+                outs[impl] = (s, zz.grad, b.weight.grad, b.bias.grad, b.running_mean, b.running_var)
+            a, t = outs["loop"], outs["triton"]
+            flips = int((a[0] != t[0]).sum())
+            assert flips <= 1, f"{flips} spikes differ"
+            for x, y in zip(a[1:], t[1:]):
+                torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+    print("TRITON-OK")
+    """
+)
+
+
+def test_triton_kernel_matches_the_cpu_path_in_interpreter() -> None:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", INTERPRETER], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "TRITON-OK" in proc.stdout, proc.stderr[-3000:]
