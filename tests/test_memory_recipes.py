@@ -43,6 +43,7 @@ SPIKING_RECIPES = [r for r in RECIPES if _spiking(_recipe_model(r)[0])]
 
 
 def _data_overrides(data: str, tmp: Path, fake_cifar) -> list[str]:
+    """Data the recipe can load here: tiny datasets written by the tests, batches of 2."""
     if data in ("cifar10", "cifar100"):
         return [f"data.root={fake_cifar(data)}", "data.batch_size=2", "data.num_workers=0"]
     if data == "dvs_gesture":
@@ -67,7 +68,11 @@ def test_every_spiking_recipe_trains_at_each_level(recipe: str, level: str, tmp_
     if recipe != COMPILED_RECIPE:
         monkeypatch.setenv("EFFICIENT_BACKEND", "loop")
     model, data = _recipe_model(recipe)
-    r = load_recipe(ROOT / "recipes" / f"{recipe}.yaml", [*SHORT, *_data_overrides(data, tmp_path, fake_cifar), f"train.memory={level}"])
+    # the spiking VGGs with 256-wide FC layers (61M -> 10M parameters): the same units, a fraction
+    # of the checkpoint and optimizer time
+    narrow = ["model.fc_dim=256"] if model.startswith("stable-snn-vgg") else []
+    r = load_recipe(ROOT / "recipes" / f"{recipe}.yaml",
+                    [*SHORT, *_data_overrides(data, tmp_path, fake_cifar), *narrow, f"train.memory={level}"])
     trainer = Trainer(r, tmp_path / "run")
     assert trainer.memory_plan.level == level and trainer.memory_plan.neurons
     summary = trainer.fit()
@@ -93,17 +98,18 @@ def test_recipes_without_spikes_accept_every_level(recipe: str) -> None:
 
 @pytest.mark.slow
 def test_levels_under_ddp(tiny_recipe: Path, tmp_path: Path) -> None:
-    """Two processes (DDP over gloo) at each level: bits ends on the weights of none bit for bit,
-    recompute within rounding (the gradient all-reduce sees the same gradients, hooks included)."""
+    """Two processes (DDP over gloo), none and recompute: recompute ends within rounding of none
+    (the gradient all-reduce sees the same gradients, saved-tensor hooks included: the units'
+    spike inputs are kept as bits). bits alone is bit for bit none in one process
+    (tests/test_memory.py); DDP adds nothing to what it changes."""
     from test_distributed import efficient as run_cli
 
     weights = {}
-    for level in ("none", "bits", "recompute"):
+    for level in ("none", "recompute"):
         out = tmp_path / level
         r = run_cli("train", str(tiny_recipe), "--out", str(out), "--nproc", "2", "train.max_steps=2", "optim.name=sgd",
                     "optim.lr=0.5", f"train.memory={level}")
         assert r.returncode == 0, r.stderr[-3000:]
         weights[level] = load_file(str(out / "checkpoint" / "last" / "model.safetensors"))
     for k, v in weights["none"].items():
-        assert torch.equal(weights["bits"][k], v), k
         torch.testing.assert_close(weights["recompute"][k], v, rtol=1e-4, atol=1e-5)
