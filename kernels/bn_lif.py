@@ -40,7 +40,7 @@ from torch import Tensor
 from efficient.kernels import lif as _lif
 from efficient.kernels._backend import eager_call, eager_function
 from efficient.kernels.lif_common import (
-    _BLOCK, _NUM_WARPS, CHARGE_LEAK, HAS_TRITON, IMPLS, _check_compiler, _choose_impl, _register_flops, _surrogate_id,
+    _BLOCK, _NUM_WARPS, HAS_TRITON, IMPLS, _check_compiler, _choose_impl, _register_flops, _surrogate_id,
     _triton_ready, default_alpha,
 )
 
@@ -88,8 +88,7 @@ def bn_lif_reference(
 # ---------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
-    _TL_DECAY_INPUT = tl.constexpr(_lif.CHARGE_DECAY_INPUT)
-    _TL_LEAK = tl.constexpr(CHARGE_LEAK)
+    from efficient.kernels.lif import _lif_step_tl
 
     @triton.jit
     def _bn_lif_fwd_kernel(
@@ -107,19 +106,9 @@ if HAS_TRITON:
         v = tl.zeros([BLOCK], dtype=tl.float32) + v_reset  # v_reset is 0.0 for soft reset
         for _t in range(T):
             x = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32) * scale + shift
-            if CHARGE == _TL_LEAK:
-                h = c * v + x
-            elif CHARGE == _TL_DECAY_INPUT:
-                h = v + tl.math.div_rn(x - (v - v_reset), c)
-            else:
-                h = v - tl.math.div_rn(v - v_reset, c) + x
-            spike = h >= v_th
+            h, spike, v = _lif_step_tl(x, v, 0.0, c, v_th, v_reset, CHARGE, False, HARD)
             tl.store(h_ptr + offs, h, mask=mask)
             tl.store(s_ptr + offs, spike.to(s_ptr.dtype.element_ty), mask=mask)
-            if HARD:
-                v = tl.where(spike, v_reset, h)
-            else:
-                v = tl.where(spike, h - v_th, h)
             z_ptr += N
             h_ptr += N
             s_ptr += N

@@ -151,6 +151,29 @@ if HAS_TRITON:
     _TL_LEAK = tl.constexpr(CHARGE_LEAK)
 
     @triton.jit
+    def _lif_step_tl(x, v, k, c, v_th, v_reset, CHARGE: tl.constexpr, HAS_RATE: tl.constexpr, HARD: tl.constexpr):
+        """One step from input x and membrane v (fp32): (H, spike, the membrane after the reset).
+        `k` is PLIF's rate (used with HAS_RATE), `c` tau or the DLIF leak."""
+        if CHARGE == _TL_LEAK:
+            h = c * v + x
+        elif CHARGE == _TL_DECAY_INPUT:
+            if HAS_RATE:
+                h = v + (x - (v - v_reset)) * k
+            else:
+                h = v + tl.math.div_rn(x - (v - v_reset), c)
+        else:
+            if HAS_RATE:
+                h = v - (v - v_reset) * k + x
+            else:
+                h = v - tl.math.div_rn(v - v_reset, c) + x
+        spike = h >= v_th
+        if HARD:
+            v = tl.where(spike, v_reset, h)
+        else:
+            v = tl.where(spike, h - v_th, h)
+        return h, spike, v
+
+    @triton.jit
     def _lif_fwd_kernel(
         x_ptr, rate_ptr, v0_ptr, s_ptr, h_ptr, N, T, c, v_th, v_reset, stride_xt, stride_xn,
         CHARGE: tl.constexpr, HAS_RATE: tl.constexpr, HARD: tl.constexpr, HAS_V0: tl.constexpr,
@@ -168,27 +191,13 @@ if HAS_TRITON:
             v = tl.zeros([BLOCK], dtype=tl.float32) + v_reset  # v_reset is 0.0 for soft reset
         if HAS_RATE:
             k = tl.load(rate_ptr).to(tl.float32)
+        else:
+            k = 0.0  # unused without a rate
         for _t in range(T):
             x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-            if CHARGE == _TL_LEAK:
-                h = c * v + x
-            elif CHARGE == _TL_DECAY_INPUT:
-                if HAS_RATE:
-                    h = v + (x - (v - v_reset)) * k
-                else:
-                    h = v + tl.math.div_rn(x - (v - v_reset), c)
-            else:
-                if HAS_RATE:
-                    h = v - (v - v_reset) * k + x
-                else:
-                    h = v - tl.math.div_rn(v - v_reset, c) + x
-            spike = h >= v_th
+            h, spike, v = _lif_step_tl(x, v, k, c, v_th, v_reset, CHARGE, HAS_RATE, HARD)
             tl.store(h_ptr + offs, h, mask=mask)
             tl.store(s_ptr + offs, spike.to(s_ptr.dtype.element_ty), mask=mask)
-            if HARD:
-                v = tl.where(spike, v_reset, h)
-            else:
-                v = tl.where(spike, h - v_th, h)
             x_ptrs += stride_xt
             h_ptr += N
             s_ptr += N
