@@ -1,5 +1,6 @@
 """BatchNorm then a multi-step LIF, as one op: the Conv/Linear -> BatchNorm -> LIF unit of every
-spiking transformer of the zoo, after its matmul.
+spiking transformer of the zoo after its matmul, or with the Linear inside too, the whole unit
+(`efficient::linear_bn_lif_*`: the matmuls as nn.Linear and autograd compute them).
 
 A unit's BatchNorm and neuron cost a training step some twenty dispatched ops and six autograd
 nodes (the BatchNorm call and its buffers, the reshapes between the two layouts, the neuron op, and
@@ -51,8 +52,9 @@ if HAS_TRITON:
 __all__ = ["bn_lif", "bn_lif_reference"]
 
 
-def _check_z(z: Tensor, steps: int, weight: Tensor, bias: Tensor) -> None:
-    """z must be BatchNorm's input with T folded into its batch; weight and bias one per channel."""
+def _check_z(z: Tensor, steps: int, weight: Tensor, bias: Tensor, channels: Optional[int] = None) -> None:
+    """z must be BatchNorm's input with T folded into its batch (or the Linear's input before it,
+    whose output has `channels` channels); weight and bias one per channel."""
     if not isinstance(z, Tensor) or z.dim() < 2 or not z.is_floating_point():
         raise ValueError(
             f"bn_lif takes BatchNorm's input [T*R, C, ...] (floating point, at least 2 dims), got "
@@ -63,9 +65,10 @@ def _check_z(z: Tensor, steps: int, weight: Tensor, bias: Tensor) -> None:
             f"bn_lif: the first dim of z ({z.shape[0]}) must be T*R for T={steps} time steps; fold time into "
             "the batch first, e.g. x.flatten(0, 1) for [T, B, C, H, W]"
         )
+    C = z.shape[1] if channels is None else channels
     for name, t in (("weight", weight), ("bias", bias)):
-        if t.shape != (z.shape[1],):
-            raise ValueError(f"bn_lif: {name} must hold one value per channel ({z.shape[1]}), got {tuple(t.shape)}")
+        if t.shape != (C,):
+            raise ValueError(f"bn_lif: {name} must hold one value per channel ({C}), got {tuple(t.shape)}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,8 +214,8 @@ def _forward_impl(z, steps, weight, bias, running_mean, running_var, training, m
 
 
 @bn_lif_forward_op.register_fake
-def _(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c, v_threshold, v_reset, charge,
-      surrogate, alpha, detach_reset, spike_dtype, impl):
+def _fake_forward(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c, v_threshold, v_reset,
+                  charge, surrogate, alpha, detach_reset, spike_dtype, impl):
     _check_op(z, steps, weight, bias, impl)
     C = z.shape[1]
     return (z.new_empty(z.shape, dtype=spike_dtype), z.new_empty((steps, z.numel() // steps), dtype=torch.float32),
@@ -285,10 +288,152 @@ bn_lif_forward_op.register_autograd(_backward, setup_context=_setup_context)
 _EagerBNLIF = eager_function("_EagerBNLIF", _forward_impl, _setup_context,
                              lambda ctx, gs, *rest: _backward(ctx, gs, backward_fn=_backward_impl))
 
-# forward per element and step: normalise 2 (one multiply-add), the LIF's 6; backward: the LIF's 13
-# and BatchNorm's ~5 (sums of gy and gy*xhat, the input gradient)
-_register_flops(torch.ops.efficient.bn_lif_forward, 8)
-_register_flops(torch.ops.efficient.bn_lif_backward, 18)
+# flops as the separate calls count them, so a profile does not change with the path: the LIF's 6
+# per element and step forward and 13 backward (torch's counter has no BatchNorm formula)
+_register_flops(torch.ops.efficient.bn_lif_forward, 6)
+_register_flops(torch.ops.efficient.bn_lif_backward, 13)
+
+
+# --- with the Linear in front: the whole Linear -> BatchNorm -> LIF unit as one op pair
+
+
+@torch.library.custom_op("efficient::linear_bn_lif_forward", mutates_args=())
+def linear_bn_lif_forward_op(
+    x: Tensor,
+    lin_weight: Tensor,
+    lin_bias: Optional[Tensor],
+    steps: int,
+    weight: Tensor,
+    bias: Tensor,
+    running_mean: Tensor,
+    running_var: Tensor,
+    training: bool,
+    momentum: float,
+    eps: float,
+    c: float,
+    v_threshold: float,
+    v_reset: Optional[float],
+    charge: int,
+    surrogate: int,
+    alpha: float,
+    detach_reset: bool,
+    spike_dtype: torch.dtype,
+    impl: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """x [T*M, D_in] -> z = x @ lin_weight.T + lin_bias [T*M, C], then `bn_lif_forward` on z:
+    (spikes [T*M, C], H, stats, running, z). z is returned for the backward (BatchNorm's input)."""
+    return _linear_forward_impl(x, lin_weight, lin_bias, steps, weight, bias, running_mean, running_var, training,
+                                momentum, eps, c, v_threshold, v_reset, charge, surrogate, alpha, detach_reset,
+                                spike_dtype, impl)
+
+
+def _linear_forward_impl(x, lin_weight, lin_bias, steps, weight, bias, running_mean, running_var, training, momentum, eps,
+                         c, v_threshold, v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl):
+    if x.dim() != 2 or lin_weight.dim() != 2 or x.shape[1] != lin_weight.shape[1]:
+        raise ValueError(f"efficient::linear_bn_lif_forward: x [T*M, D_in] and lin_weight [C, D_in] expected, got "
+                         f"{tuple(x.shape)} and {tuple(lin_weight.shape)}")
+    z = F.linear(x, lin_weight, lin_bias)  # what nn.Linear computes (addmm), bit for bit
+    return (*_forward_impl(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c, v_threshold,
+                           v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl), z)
+
+
+@linear_bn_lif_forward_op.register_fake
+def _(x, lin_weight, lin_bias, steps, weight, bias, running_mean, running_var, training, momentum, eps, c, v_threshold,
+      v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl):
+    z = x.new_empty((x.shape[0], lin_weight.shape[0]))
+    return (*_fake_forward(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c, v_threshold,
+                           v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl), z)
+
+
+@torch.library.custom_op("efficient::linear_bn_lif_backward", mutates_args=())
+def linear_bn_lif_backward_op(
+    grad_spikes: Tensor,
+    x: Tensor,
+    lin_weight: Tensor,
+    z: Tensor,
+    h: Tensor,
+    weight: Tensor,
+    stats: Tensor,
+    training: bool,
+    eps: float,
+    c: float,
+    v_threshold: float,
+    v_reset: Optional[float],
+    charge: int,
+    surrogate: int,
+    alpha: float,
+    detach_reset: bool,
+    impl: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(grad x, grad lin_weight, grad lin_bias, grad weight, grad bias): `bn_lif_backward`, then
+    the Linear's backward as autograd computes addmm's (so bit for bit the module's)."""
+    return _linear_backward_impl(grad_spikes, x, lin_weight, z, h, weight, stats, training, eps, c, v_threshold, v_reset,
+                                 charge, surrogate, alpha, detach_reset, impl)
+
+
+def _linear_backward_impl(grad_spikes, x, lin_weight, z, h, weight, stats, training, eps, c, v_threshold, v_reset, charge,
+                          surrogate, alpha, detach_reset, impl):
+    gz, gw, gb = _backward_impl(grad_spikes, z, h, weight, stats, training, eps, c, v_threshold, v_reset, charge,
+                                surrogate, alpha, detach_reset, impl)
+    # addmm(b, x, W.t())'s backward: grad x = gz @ (W.t()).t(); grad W.t() = x.t() @ gz, transposed back
+    # (contiguous: the layout AccumulateGrad gives the weight's gradient either way)
+    return gz.mm(lin_weight), x.t().mm(gz).t().contiguous(), gz.sum(0), gw, gb
+
+
+@linear_bn_lif_backward_op.register_fake
+def _(grad_spikes, x, lin_weight, z, h, weight, stats, training, eps, c, v_threshold, v_reset, charge, surrogate, alpha,
+      detach_reset, impl):
+    C = lin_weight.shape[0]
+    return (x.new_empty(x.shape), lin_weight.new_empty(lin_weight.shape), z.new_empty(C),
+            weight.new_empty(weight.shape), weight.new_empty(weight.shape))
+
+
+def _linear_setup_context(ctx, inputs, output) -> None:
+    x, lw, lb, steps, weight, bias, rm, rv, training, momentum, eps, c, v_th, v_reset, charge, surrogate, alpha, detach, sd, impl = inputs
+    _, h, stats, _, z = output
+    ctx.save_for_backward(x, lw, z, h, weight, stats)  # what Linear, BatchNorm and the LIF keep
+    ctx.params = (training, eps, c, v_th, v_reset, charge, surrogate, alpha, detach, impl)
+    ctx.set_materialize_grads(False)
+
+
+def _linear_backward(ctx, grad_spikes, *_grads_of_statistics, backward_fn=linear_bn_lif_backward_op):
+    if grad_spikes is None:
+        return (None,) * 20
+    x, lw, z, h, weight, stats = ctx.saved_tensors
+    gx, glw, glb, gw, gb = backward_fn(grad_spikes, x, lw, z, h, weight, stats, *ctx.params)
+    need = ctx.needs_input_grad
+    return (gx if need[0] else None, glw if need[1] else None, glb if need[2] else None, None,
+            gw if need[4] else None, gb if need[5] else None) + (None,) * 14
+
+
+linear_bn_lif_forward_op.register_autograd(_linear_backward, setup_context=_linear_setup_context)
+
+def _register_linear_flops() -> None:
+    """The unit op's flops: the Linear's matmuls (2 M D_in C forward, twice that backward, as addmm
+    and mm count) plus the LIF's per element (see above)."""
+    try:
+        from torch.utils.flop_counter import register_flop_formula
+    except ImportError:  # pragma: no cover - older torch
+        return
+
+    def fwd(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
+        return 2 * x_shape[0] * x_shape[1] * w_shape[0] + 6 * x_shape[0] * w_shape[0]
+
+    def bwd(g_shape, x_shape, *args, out_shape=None, **kwargs) -> int:
+        return 4 * x_shape[0] * x_shape[1] * g_shape[1] + 13 * g_shape[0] * g_shape[1]
+
+    try:
+        register_flop_formula(torch.ops.efficient.linear_bn_lif_forward)(fwd)
+        register_flop_formula(torch.ops.efficient.linear_bn_lif_backward)(bwd)
+    except RuntimeError:  # pragma: no cover - re-import of the module
+        pass
+
+
+_register_linear_flops()
+
+_EagerLinearBNLIF = eager_function(
+    "_EagerLinearBNLIF", _linear_forward_impl, _linear_setup_context,
+    lambda ctx, gs, *rest: _linear_backward(ctx, gs, backward_fn=_linear_backward_impl))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -317,12 +462,21 @@ def bn_lif(
     spike_dtype: Optional[torch.dtype] = None,
     backend: str = "auto",
     impl: Optional[str] = None,
+    lin_weight: Optional[Tensor] = None,
+    lin_bias: Optional[Tensor] = None,
 ) -> Tensor:
     """BatchNorm over `z` [T*R, C, ...] (time folded into the batch, `steps` = T) with `weight`,
     `bias` and running statistics (updated in place in training, with BatchNorm's `momentum`
     factor), then LIF over T from rest. Returns spikes shaped like z (dtype `spike_dtype`, default
-    z.dtype). LIF options and `backend` / `impl` as `efficient.kernels.lif.lif`."""
-    _check_z(z, steps, weight, bias)
+    z.dtype). LIF options and `backend` / `impl` as `efficient.kernels.lif.lif`.
+
+    With `lin_weight` [C, D_in] (and `lin_bias`), `z` is the Linear's input [T*M, D_in] and the
+    Linear runs inside the same op: the whole unit, one op forward and one backward."""
+    if lin_weight is not None:
+        if z.dim() != 2 or lin_weight.dim() != 2 or z.shape[1] != lin_weight.shape[1]:
+            raise ValueError(f"bn_lif: with lin_weight [C, D_in] the input must be [T*M, D_in], got {tuple(z.shape)} "
+                             f"and lin_weight {tuple(lin_weight.shape)}")
+    _check_z(z, steps, weight, bias, channels=None if lin_weight is None else lin_weight.shape[0])
     sid = _surrogate_id(surrogate)
     alpha = default_alpha(surrogate, alpha)
     if not tau > 0:
@@ -331,14 +485,20 @@ def bn_lif(
     spike_dtype = spike_dtype or z.dtype
     vr = None if v_reset is None else float(v_reset)
     chosen, impl = _choose_impl(backend, impl, z)
+    if lin_weight is not None and (chosen == "torch" or z.numel() == 0):
+        z = F.linear(z, lin_weight, lin_bias)
     if chosen == "torch" or z.numel() == 0:
         return bn_lif_reference(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, tau=tau,
                                 v_threshold=v_threshold, v_reset=vr, detach_reset=detach_reset, decay_input=decay_input,
                                 surrogate=surrogate, alpha=alpha, spike_dtype=spike_dtype)[0]
     _check_compiler(impl, z)
-    args = (z, int(steps), weight, bias, running_mean, running_var, bool(training), float(momentum), float(eps),
+    args = (int(steps), weight, bias, running_mean, running_var, bool(training), float(momentum), float(eps),
             float(tau), float(v_threshold), vr, charge, sid, float(alpha), bool(detach_reset), spike_dtype, impl)
-    out = _EagerBNLIF.apply(*args) if eager_call(z) else torch.ops.efficient.bn_lif_forward(*args)
+    if lin_weight is not None:
+        args = (z, lin_weight, lin_bias, *args)
+        out = _EagerLinearBNLIF.apply(*args) if eager_call(z) else torch.ops.efficient.linear_bn_lif_forward(*args)
+    else:
+        out = _EagerBNLIF.apply(z, *args) if eager_call(z) else torch.ops.efficient.bn_lif_forward(z, *args)
     if training:  # BatchNorm's update of its running statistics, into the caller's buffers
         with torch.no_grad():
             torch._foreach_copy_([running_mean, running_var], out[3].unbind(0))

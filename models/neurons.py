@@ -242,36 +242,44 @@ def fusable(neuron: nn.Module, *modules: nn.Module) -> bool:
 
 def bn_fire(z: torch.Tensor, shape: tuple[int, ...], neuron: "LIF", weight: torch.Tensor, bias: torch.Tensor,
             running_mean: torch.Tensor, running_var: torch.Tensor, training: bool, momentum: float,
-            eps: float) -> torch.Tensor:
+            eps: float, lin_weight: torch.Tensor | None = None, lin_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Spikes of `neuron` on the BatchNorm of `z` [T*R, C, ...] (one fused op), shaped `shape`, the
-    time-major shape the neuron would take: the same values as the two calls."""
+    time-major shape the neuron would take: the same values as the separate calls. With
+    `lin_weight` (and `lin_bias`), z is a Linear's input [T*M, D_in] and the Linear is in the op."""
     if -1 in shape:  # the concrete shape, without a view op (a plain loop: dynamo traces it)
+        numel = z.numel() if lin_weight is None else z.shape[0] * lin_weight.shape[0]
         known = 1
         for d in shape:
             known = known if d == -1 else known * d
-        shape = tuple(z.numel() // known if d == -1 else d for d in shape)
+        shape = tuple(numel // known if d == -1 else d for d in shape)
     steps = shape[0]
     s = bn_lif(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, tau=neuron.tau,
                v_threshold=neuron.v_threshold, v_reset=neuron.v_reset, detach_reset=neuron.detach_reset,
                decay_input=neuron.decay_input, surrogate=neuron.surrogate, alpha=neuron.alpha,
-               spike_dtype=neuron.spike_dtype, backend=neuron.backend_for_shape(shape, z.device))
+               spike_dtype=neuron.spike_dtype, backend=neuron.backend_for_shape(shape, z.device), lin_weight=lin_weight,
+               lin_bias=lin_bias)
     return s.view(shape)
 
 
-def norm_fire(bn: nn.Module, neuron: nn.Module, z: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+def norm_fire(bn: nn.Module, neuron: nn.Module, z: torch.Tensor, shape: tuple[int, ...],
+              linear: nn.Module | None = None) -> torch.Tensor:
     """`neuron(bn(z).reshape(shape))`: BatchNorm over `z` [T*R, C, ...], then the neuron over time
     on the time-major `shape`; one fused op where the pair allows it (`fusable`, an affine
-    BatchNorm with running statistics), with BatchNorm's bookkeeping (batch count, momentum)."""
+    BatchNorm with running statistics), with BatchNorm's bookkeeping (batch count, momentum).
+    With `linear` (an nn.Linear), z is its input [T*M, D_in]: `neuron(bn(linear(z)).reshape(shape))`,
+    the Linear inside the same op."""
     ok = (isinstance(bn, nn.modules.batchnorm._BatchNorm) and bn.affine and bn.track_running_stats
-          and bn.running_mean is not None and fusable(neuron, bn))
+          and bn.running_mean is not None and fusable(neuron, bn, *([] if linear is None else [linear]))
+          and (linear is None or type(linear) is nn.Linear))
     if not ok:
-        return neuron(bn(z).reshape(shape))
+        return neuron(bn(z if linear is None else linear(z)).reshape(shape))
     factor = 0.0 if bn.momentum is None else bn.momentum
     if bn.training and bn.num_batches_tracked is not None:  # as BatchNorm.forward does
         bn.num_batches_tracked.add_(1)
         factor = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
+    lin = {} if linear is None else {"lin_weight": linear.weight, "lin_bias": linear.bias}
     return bn_fire(z, tuple(shape), neuron, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.training,
-                   factor, bn.eps)
+                   factor, bn.eps, **lin)
 
 
 @contextlib.contextmanager

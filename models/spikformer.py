@@ -65,7 +65,7 @@ class LinearBNLIF(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         T, B, N, _ = x.shape
-        return norm_fire(self.bn, self.lif, self.linear(x.flatten(0, 2)), (T, B, N, -1))
+        return norm_fire(self.bn, self.lif, x.flatten(0, 2), (T, B, N, -1), linear=self.linear)
 
 
 class SPS(nn.Module):
@@ -170,7 +170,7 @@ class SSA(nn.Module):
         T, B, N, C = x.shape
         w = torch.cat([u.linear.weight for u in units])
         b = None if units[0].linear.bias is None else torch.cat([u.linear.bias for u in units])
-        y = F.linear(x.flatten(0, 2), w, b)
+        x2 = x.flatten(0, 2)
         bns = [u.bn for u in units]
         # what BatchNorm.forward does in training before normalizing (one multi-tensor op for the three)
         torch._foreach_add_([bn.num_batches_tracked for bn in bns], 1)
@@ -178,11 +178,13 @@ class SSA(nn.Module):
         factor = 1.0 / float(bns[0].num_batches_tracked) if m0 is None else m0
         rm = torch.cat([bn.running_mean for bn in bns])
         rv = torch.cat([bn.running_var for bn in bns])
-        w, b = torch.cat([bn.weight for bn in bns]), torch.cat([bn.bias for bn in bns])
-        if fusable(self.q.lif, *bns, *(u.lif for u in units)):  # BatchNorm and neuron as one op
-            s = bn_fire(y, (T, B, N, 3 * C), self.q.lif, w, b, rm, rv, True, factor, bns[0].eps)
+        gamma, beta = torch.cat([bn.weight for bn in bns]), torch.cat([bn.bias for bn in bns])
+        if fusable(self.q.lif, *bns, *(u.lif for u in units), *(u.linear for u in units)):  # the unit as one op
+            s = bn_fire(x2, (T, B, N, 3 * C), self.q.lif, gamma, beta, rm, rv, True, factor, bns[0].eps, lin_weight=w,
+                        lin_bias=b)
         else:
-            s = self.q.lif(F.batch_norm(y, rm, rv, w, b, True, factor, bns[0].eps).reshape(T, B, N, 3 * C))
+            y = F.batch_norm(F.linear(x2, w, b), rm, rv, gamma, beta, True, factor, bns[0].eps)
+            s = self.q.lif(y.reshape(T, B, N, 3 * C))
         with torch.no_grad():  # the updated statistics back into each unit's buffers, one multi-tensor copy
             torch._foreach_copy_([bn.running_mean for bn in bns] + [bn.running_var for bn in bns], [*rm.split(C), *rv.split(C)])
         # one split, not three slices: its backward concatenates the three gradients, where slices

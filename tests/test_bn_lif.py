@@ -1,7 +1,8 @@
-"""BatchNorm + LIF as one op (`efficient.kernels.bn_lif`): on CPU bit for bit the two separate
-calls (spikes, running statistics, batch count, gradients of input, weight and bias), in training
-and eval, for a Linear unit's and a conv unit's layout; the zoo units that use it train exactly as
-the separate modules; bad input is named; the Triton kernel matches under the interpreter."""
+"""BatchNorm + LIF as one op (`efficient.kernels.bn_lif`, with or without the Linear before it): on
+CPU bit for bit the separate calls (spikes, running statistics, batch count, gradients of input,
+weights and biases), in training and eval, for a Linear unit's and a conv unit's layout; the zoo
+units that use it train exactly as the separate modules; bad input is named; the Triton kernel
+matches under the interpreter."""
 
 from __future__ import annotations
 
@@ -72,6 +73,28 @@ def test_the_fused_op_is_the_two_calls_bit_for_bit(layout: str, training: bool, 
             assert torch.equal(a, b), f"{name} differs (step {step})"
         bn = bn_b
     assert 0 < sep[0].mean() < 1  # some neurons fired, some did not
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_the_unit_op_with_its_linear_is_the_three_calls_bit_for_bit(training: bool, bias: bool) -> None:
+    bn, _ = _pair((40, 6), 6, seed=5)
+    bn.train(training)
+    torch.manual_seed(5)
+    lin = nn.Linear(7, 6, bias=bias)
+    x = torch.randn(40, 7)
+    got = {}
+    for fused in (False, True):
+        b, l = copy.deepcopy(bn), copy.deepcopy(lin)
+        xx = x.clone().requires_grad_()
+        out = norm_fire(b, LIF(backend="loop"), xx, (4, 2, 5, 6), linear=l) if fused else \
+            LIF(backend="loop")(b(l(xx)).reshape(4, 2, 5, 6))
+        (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(9))).sum().backward()
+        got[fused] = [out, xx.grad, l.weight.grad, b.weight.grad, b.bias.grad, b.running_mean, b.running_var]
+        if bias:
+            got[fused].append(l.bias.grad)
+    for i, (a, c) in enumerate(zip(got[False], got[True])):
+        assert torch.equal(a, c), f"output {i} differs"
 
 
 def test_momentum_none_is_the_cumulative_average() -> None:
@@ -158,6 +181,7 @@ def test_a_spikformer_unit_trains_as_the_separate_modules() -> None:
     (dict(z=torch.randn(8)), "at least 2 dims"),
     (dict(weight=torch.ones(4)), "weight must hold one value per channel \\(3\\)"),
     (dict(z=torch.ones(8, 3, dtype=torch.long)), "floating point"),
+    (dict(z=torch.randn(8, 5), lin_weight=torch.randn(3, 4)), "with lin_weight \\[C, D_in\\] the input must be"),
 ])
 def test_bad_input_is_named(bad: dict, match: str) -> None:
     args = dict(z=torch.randn(8, 3), steps=2, weight=torch.ones(3), bias=torch.zeros(3), running_mean=torch.zeros(3),
@@ -202,3 +226,24 @@ def test_triton_kernel_matches_the_cpu_path_in_interpreter() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, "-c", INTERPRETER], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "TRITON-OK" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_flop_counts_do_not_change_with_the_path() -> None:
+    """torch's FLOP counter (and so any profile built on it) counts the unit op as it counts the
+    separate Linear, BatchNorm and LIF calls, forward and backward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from efficient.models.spikformer import LinearBNLIF
+
+    torch.manual_seed(0)
+    unit = LinearBNLIF(8, 6, {"backend": "loop"})
+    x = torch.rand(4, 2, 5, 8).requires_grad_()
+    counts = []
+    for separate in (False, True):
+        u = copy.deepcopy(unit)
+        if separate:
+            u.lif.register_forward_hook(lambda *a: None)
+        with FlopCounterMode(display=False) as fc:
+            u(x).sum().backward()
+        counts.append(fc.get_total_flops())
+    assert counts[0] == counts[1] > 0
