@@ -230,11 +230,13 @@ def fusable(neuron: nn.Module, *modules: nn.Module) -> bool:
     """Whether `neuron` may run fused with the BatchNorm before it: a constant-tau `LIF` (not
     PLIF's learnable rate nor DLIF's gain) that keeps no membrane, nothing watching the modules
     (a forward hook, such as the profiler's or memory's spike tracker, must see them called), not
-    inside `separate_units()`, and not under torch.compile (inductor fuses the BatchNorm it sees
-    with what surrounds it; an opaque op would hide it)."""
+    inside `separate_units()`, not under torch.compile (inductor fuses the BatchNorm it sees with
+    what surrounds it; an opaque op would hide it) and not under autocast (its per-op dtype policy
+    applies to each call)."""
     from torch.nn.modules import module as _module
 
-    return (_FUSE_UNITS[-1] and not torch.compiler.is_compiling() and isinstance(neuron, LIF) and type(neuron).forward is LIF.forward and not neuron.store_membrane
+    return (_FUSE_UNITS[-1] and not torch.compiler.is_compiling()
+            and not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")) and isinstance(neuron, LIF) and type(neuron).forward is LIF.forward and not neuron.store_membrane
             and not any(_hooked(m) for m in (neuron, *modules))
             and not (_module._global_forward_hooks or _module._global_forward_pre_hooks
                      or _module._global_backward_hooks or _module._global_backward_pre_hooks))

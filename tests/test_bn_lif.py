@@ -144,6 +144,8 @@ def test_units_fall_back_where_fusion_would_hide_something() -> None:
     watched = LIF()
     watched.register_forward_hook(lambda *a: None)  # a profiler or spike tracker must see the neuron run
     assert not fusable(watched, bn)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast chooses each call's dtype
+        assert not fusable(LIF(), bn)
     h = nn.modules.module.register_module_forward_hook(lambda *a: None)
     try:
         assert not fusable(LIF(), bn)
