@@ -236,7 +236,8 @@ def fusable(neuron: nn.Module, *modules: nn.Module) -> bool:
     from torch.nn.modules import module as _module
 
     return (_FUSE_UNITS[-1] and not torch.compiler.is_compiling()
-            and not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")) and isinstance(neuron, LIF) and type(neuron).forward is LIF.forward and not neuron.store_membrane
+            and not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"))
+            and isinstance(neuron, LIF) and type(neuron).forward is LIF.forward and not neuron.store_membrane
             and not any(_hooked(m) for m in (neuron, *modules))
             and not (_module._global_forward_hooks or _module._global_forward_pre_hooks
                      or _module._global_backward_hooks or _module._global_backward_pre_hooks))
@@ -246,14 +247,9 @@ def bn_fire(z: torch.Tensor, shape: tuple[int, ...], neuron: "LIF", weight: torc
             running_mean: torch.Tensor, running_var: torch.Tensor, training: bool, momentum: float,
             eps: float, lin_weight: torch.Tensor | None = None, lin_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Spikes of `neuron` on the BatchNorm of `z` [T*R, C, ...] (one fused op), shaped `shape`, the
-    time-major shape the neuron would take: the same values as the separate calls. With
-    `lin_weight` (and `lin_bias`), z is a Linear's input [T*M, D_in] and the Linear is in the op."""
-    if -1 in shape:  # the concrete shape, without a view op (a plain loop: dynamo traces it)
-        numel = z.numel() if lin_weight is None else z.shape[0] * lin_weight.shape[0]
-        known = 1
-        for d in shape:
-            known = known if d == -1 else known * d
-        shape = tuple(numel // known if d == -1 else d for d in shape)
+    time-major shape the neuron would take (concrete, no -1): the same values as the separate
+    calls. With `lin_weight` (and `lin_bias`), z is a Linear's input [T*M, D_in] and the Linear is
+    in the op."""
     steps = shape[0]
     s = bn_lif(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, tau=neuron.tau,
                v_threshold=neuron.v_threshold, v_reset=neuron.v_reset, detach_reset=neuron.detach_reset,
@@ -266,7 +262,7 @@ def bn_fire(z: torch.Tensor, shape: tuple[int, ...], neuron: "LIF", weight: torc
 def norm_fire(bn: nn.Module, neuron: nn.Module, z: torch.Tensor, shape: tuple[int, ...],
               linear: nn.Module | None = None) -> torch.Tensor:
     """`neuron(bn(z).reshape(shape))`: BatchNorm over `z` [T*R, C, ...], then the neuron over time
-    on the time-major `shape`; one fused op where the pair allows it (`fusable`, an affine
+    on the time-major `shape` (concrete, no -1); one fused op where the pair allows it (`fusable`, an affine
     BatchNorm with running statistics), with BatchNorm's bookkeeping (batch count, momentum).
     With `linear` (an nn.Linear), z is its input [T*M, D_in]: `neuron(bn(linear(z)).reshape(shape))`,
     the Linear inside the same op."""

@@ -65,7 +65,7 @@ class LinearBNLIF(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         T, B, N, _ = x.shape
-        return norm_fire(self.bn, self.lif, x.flatten(0, 2), (T, B, N, -1), linear=self.linear)
+        return norm_fire(self.bn, self.lif, x.flatten(0, 2), (T, B, N, self.bn.num_features), linear=self.linear)
 
 
 class SPS(nn.Module):
@@ -109,7 +109,7 @@ class SPS(nn.Module):
     def norm_fire(self, i: int, x: torch.Tensor, T: int) -> torch.Tensor:
         """Stage `i` after its conv: BatchNorm (then max-pool, with `pool_first`) -> LIF, on `[T*B, C, H, W]`."""
         if not self.pool_first:
-            return norm_fire(self.bns[i], self.lifs[i], x, (T, -1, *x.shape[1:])).flatten(0, 1)
+            return norm_fire(self.bns[i], self.lifs[i], x, (T, x.shape[0] // T, *x.shape[1:])).flatten(0, 1)
         x = self.pools[i](self.bns[i](x))
         return self.lifs[i](x.reshape(T, -1, *x.shape[1:])).flatten(0, 1)
 
