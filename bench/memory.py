@@ -311,9 +311,10 @@ def _memopt(model, arch: str, img: int | None) -> dict:
     return {"checkpointed": len(wrapped), "compressed": sum(w.checkpoint_fn.keywords.get("compressor") is not None for w in wrapped)}
 
 
-def build(arch: str, impl: str, T: int, img: int | None = None, example: Any = None) -> tuple[Any, Any, dict]:
+def build(arch: str, impl: str, T: int, img: int | None = None, example: Any = None,
+          budget: float = RECOMPUTE_BUDGET) -> tuple[Any, Any, dict]:
     """The model of `impl` at T (training mode), its memory plan (ours) and what was done to it.
-    `recompute-budget` plans its units on `example` (the step's images)."""
+    `recompute-budget` plans its units on `example` (the step's images) for `budget` x none's bytes."""
     import torch
 
     torch.manual_seed(0)
@@ -324,7 +325,7 @@ def build(arch: str, impl: str, T: int, img: int | None = None, example: Any = N
         m = efficient.load(ARCHS[arch].ours, timesteps=T, **({"img_size": img} if img else {})).train()
         if impl == "recompute-budget":
             t0 = time.perf_counter()
-            plan = memory.optimize(m, "recompute", budget=RECOMPUTE_BUDGET, example=example)
+            plan = memory.optimize(m, "recompute", budget=budget, example=example)
             return m, plan, {"summary": plan.summary(), "plan_s": time.perf_counter() - t0, "keep": plan.keep,
                              "kept_fraction": plan.kept_fraction, "rerun_share": plan.rerun_share}
         plan = memory.optimize(m, impl)
@@ -408,7 +409,8 @@ def run_beside(spec: dict) -> dict:
 
     arch, T, B, rounds, impls, img = spec["arch"], spec["T"], spec["batch"], spec["rounds"], spec["impls"], spec["img"]
     x, y = _inputs(arch, B, img=img)
-    built = {impl: build(arch, impl, T, img, example=x) for impl in impls}
+    budget = spec.get("budget", RECOMPUTE_BUDGET)
+    built = {impl: build(arch, impl, T, img, example=x, budget=budget) for impl in impls}
     models = {impl: b[0] for impl, b in built.items()}
     for m in models.values():  # warm-up: one-off allocations and compilations
         train_step(m, x, y)
@@ -444,13 +446,14 @@ def beside_main(args) -> int:
         for T in args.beside_ts:
             B = args.beside_batch or ARCHS[arch].batch
             res = _child("beside", {"arch": arch, "T": T, "batch": B, "rounds": args.rounds, "impls": args.impls,
-                                    "img": None}, timeout=7200)
+                                    "img": None, "budget": args.recompute_budget}, timeout=7200)
             out.append(res)
             if "error" in res:
                 print(f"| {arch} | {T} | {B} | | {res['error']} | | |")
                 continue
             for impl in args.impls:
-                print(f"| {arch} | {T} | {B} | {LABEL[impl]} | {res['median_s'][impl]:.2f} | {res['ratio_median'][impl]:.3f} | "
+                label = LABEL[impl] if impl != "recompute-budget" else f"ours recompute, budget {args.recompute_budget:.1%}"
+                print(f"| {arch} | {T} | {B} | {label} | {res['median_s'][impl]:.2f} | {res['ratio_median'][impl]:.3f} | "
                       f"{res['ratio_min'][impl]:.3f}-{res['ratio_max'][impl]:.3f} |", flush=True)
     print(f"\n# load after {_load()}")
     if args.json:
@@ -931,6 +934,8 @@ def main(argv: list[str] | None = None) -> int:
                          "rounds, ratios to the first of --impls")
     ap.add_argument("--rounds", type=int, default=5, help="--beside: rounds (each runs every implementation once)")
     ap.add_argument("--beside-ts", nargs="*", type=int, default=[4], help="--beside: the T values")
+    ap.add_argument("--recompute-budget", type=float, default=RECOMPUTE_BUDGET,
+                    help="--beside: the byte budget of impl recompute-budget, a fraction of none's saved bytes")
     ap.add_argument("--beside-batch", type=int, default=None, help="--beside: the batch (default: the architecture's table batch)")
     ap.add_argument("--child", nargs=2, metavar=("KIND", "SPEC"), help=argparse.SUPPRESS)
     ap.add_argument("--device", default="cpu", help="cuda: the device table (levels vs memopt 1-4, CUDA peaks); cpu: the tables above")
