@@ -134,11 +134,17 @@ def cases() -> list[Case]:
                              {"CHARGE": lif.CHARGE_DECAY_INPUT, "HAS_RATE": rate, "HAS_GM": rate, "HARD": True,
                               "DETACH": False, "SURROGATE": 0, "HAS_V0": rate, "BLOCK": lif._BLOCK},
                              lif._NUM_WARPS, True))
-        # BatchNorm-apply + LIF (the zoo's units in training): per-channel scale/shift, a loop over T
-        out.append(_case("bn_lif_fwd", f"LIF {dt}", bn_lif._bn_lif_fwd_kernel,
-                         {"z_ptr": f"*{dt}", "scale_ptr": "*fp32", "shift_ptr": "*fp32", "s_ptr": f"*{dt}", "h_ptr": "*fp32",
-                          "N": "i32", "T": "i32", "C": "i32", "S": "i32", "c": "fp32", "v_th": "fp32", "v_reset": "fp32"},
-                         {"CHARGE": lif.CHARGE_DECAY_INPUT, "HARD": True, "BLOCK": lif._BLOCK}, lif._NUM_WARPS, True))
+        # BatchNorm-apply + LIF (the zoo's units): per-channel statistics in, a loop over T; in
+        # training it also writes the saved and running statistics
+        for training in (True, False):
+            out.append(_case("bn_lif_fwd", f"LIF {dt}{' training' if training else ' eval'}", bn_lif._bn_lif_fwd_kernel,
+                             {"z_ptr": f"*{dt}", "mean_ptr": "*fp32", "var_ptr": "*fp32", "w_ptr": f"*{dt}",
+                              "b_ptr": f"*{dt}", "rm_ptr": "*fp32", "rv_ptr": "*fp32", "stats_ptr": f"*{dt}",
+                              "new_rm_ptr": "*fp32", "new_rv_ptr": "*fp32", "s_ptr": f"*{dt}", "h_ptr": "*fp32",
+                              "N": "i32", "T": "i32", "C": "i32", "S": "i32", "eps": "fp32", "momentum": "fp32",
+                              "unbias": "fp32", "c": "fp32", "v_th": "fp32", "v_reset": "fp32"},
+                             {"TRAINING": training, "CHARGE": lif.CHARGE_DECAY_INPUT, "HARD": True, "BLOCK": lif._BLOCK},
+                             lif._NUM_WARPS, True))
         # snntorch's Leaky order (efficient.accelerate): per-neuron beta and threshold
         for m0, label in ((False, "Leaky"), (True, "Leaky +m0")):
             out.append(_case("leaky_fwd", f"{label} {dt}", leaky._leaky_fwd_kernel,

@@ -13,9 +13,10 @@ unit's `[T*B*N, C]`, a conv unit's `[T*B, C, H, W]`); the neuron runs over T on 
 Parts (as `efficient.kernels.lif`):
 
 1. `bn_lif_reference`: the spec, `F.batch_norm` then `lif_reference`.
-2. A Triton kernel that applies the batch statistics and runs the neuron over all T in one pass
-   (BatchNorm's statistics come from one reduction before it): normalisation and neuron in one
-   launch where BatchNorm and LIF take three.
+2. A Triton kernel that normalises and runs the neuron over all T in one pass, and also writes
+   the statistics the backward takes and the new running statistics: with the batch's mean and
+   variance from one reduction before it, a training forward is two launches (eval: one), where
+   BatchNorm and LIF take three and the per-channel arithmetic between them one each.
 3. Custom ops `efficient::bn_lif_forward` / `efficient::bn_lif_backward` (fake implementations,
    autograd formula, flop formula). On CPU the forward runs aten's `native_batch_norm` and the
    LIF's own loop, the backward the LIF's backward and `native_batch_norm_backward`: outputs,
@@ -32,7 +33,8 @@ DLIF's gain stay with the separate calls).
 
 from __future__ import annotations
 
-from typing import Optional
+import math
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -95,17 +97,42 @@ if HAS_TRITON:
 
     @triton.jit
     def _bn_lif_fwd_kernel(
-        z_ptr, scale_ptr, shift_ptr, s_ptr, h_ptr, N, T, C, S, c, v_th, v_reset,
-        CHARGE: tl.constexpr, HARD: tl.constexpr, BLOCK: tl.constexpr,
+        z_ptr, mean_ptr, var_ptr, w_ptr, b_ptr, rm_ptr, rv_ptr, stats_ptr, new_rm_ptr, new_rv_ptr, s_ptr, h_ptr,
+        N, T, C, S, eps, momentum, unbias, c, v_th, v_reset,
+        TRAINING: tl.constexpr, CHARGE: tl.constexpr, HARD: tl.constexpr, BLOCK: tl.constexpr,
     ):
+        # mean/var: the batch's mean and biased variance in training, the running ones in eval.
+        # The programs whose index range [pid*BLOCK, pid*BLOCK + BLOCK) meets the channels write
+        # those channels' stats for the backward (training: mean, 1/sqrt(var + eps); eval: the
+        # running mean and variance) and, in training, the running statistics moved towards the
+        # batch's by `momentum` (unbiased variance) -- the per-channel work that would otherwise
+        # be a handful of tiny launches.
+        pid = tl.program_id(0)
+        if pid * BLOCK < C:
+            cofs = pid * BLOCK + tl.arange(0, BLOCK)
+            cmask = cofs < C
+            mu = tl.load(mean_ptr + cofs, mask=cmask, other=0.0).to(tl.float32)
+            var = tl.load(var_ptr + cofs, mask=cmask, other=1.0).to(tl.float32)
+            if TRAINING:
+                tl.store(stats_ptr + cofs, mu.to(stats_ptr.dtype.element_ty), mask=cmask)
+                tl.store(stats_ptr + C + cofs, tl.rsqrt(var + eps).to(stats_ptr.dtype.element_ty), mask=cmask)
+                rm = tl.load(rm_ptr + cofs, mask=cmask, other=0.0).to(tl.float32)
+                rv = tl.load(rv_ptr + cofs, mask=cmask, other=0.0).to(tl.float32)
+                tl.store(new_rm_ptr + cofs, (rm + momentum * (mu - rm)).to(new_rm_ptr.dtype.element_ty), mask=cmask)
+                tl.store(new_rv_ptr + cofs, (rv + momentum * (var * unbias - rv)).to(new_rv_ptr.dtype.element_ty),
+                         mask=cmask)
+            else:
+                tl.store(stats_ptr + cofs, mu.to(stats_ptr.dtype.element_ty), mask=cmask)
+                tl.store(stats_ptr + C + cofs, var.to(stats_ptr.dtype.element_ty), mask=cmask)
         # one program owns BLOCK neurons of a step's N = R*C*S and walks them through all T; the
         # element at offset n of a step belongs to channel (n // S) % C
-        pid = tl.program_id(0)
         offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < N
         ch = (offs // S) % C
-        scale = tl.load(scale_ptr + ch, mask=mask, other=0.0)
-        shift = tl.load(shift_ptr + ch, mask=mask, other=0.0)
+        scale = tl.load(w_ptr + ch, mask=mask, other=0.0).to(tl.float32) * tl.rsqrt(
+            tl.load(var_ptr + ch, mask=mask, other=1.0).to(tl.float32) + eps)
+        shift = tl.load(b_ptr + ch, mask=mask, other=0.0).to(tl.float32) - tl.load(
+            mean_ptr + ch, mask=mask, other=0.0).to(tl.float32) * scale
         v = tl.zeros([BLOCK], dtype=tl.float32) + v_reset  # v_reset is 0.0 for soft reset
         for _t in range(T):
             x = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32) * scale + shift
@@ -117,39 +144,37 @@ if HAS_TRITON:
             s_ptr += N
 
 
-def _batch_stats(z: Tensor, running_mean: Tensor, running_var: Tensor, training: bool, momentum: float, eps: float):
-    """(mean, invstd) that normalise z, as BatchNorm computes them, and in training the running
-    statistics moved towards the batch's (unbiased variance), as new tensors (empty in eval)."""
-    if not training:  # the running statistics themselves (copies): eval's backward takes them
-        return torch.stack([running_mean, running_var]), running_mean.new_empty((0, z.shape[1]))
-    dims = [0, *range(2, z.dim())]
-    var, mean = torch.var_mean(z.float(), dim=dims, correction=0)
-    n = z.numel() // z.shape[1]
-    batch = torch.stack([mean, var * (n / max(n - 1, 1))]).to(running_mean.dtype)
-    running = torch.lerp(torch.stack([running_mean, running_var]), batch, momentum)
-    return torch.stack([mean, torch.rsqrt(var + eps)]), running  # fp32: the caller casts what it saves
+def _no_running(running_mean: Tensor) -> tuple[Tensor, Tensor]:
+    """The op's two running-statistics outputs in eval: empty (and distinct: outputs may not alias)."""
+    return running_mean.new_empty(0), running_mean.new_empty(0)
 
 
 def _triton_forward(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c, v_th, v_reset,
                     charge, spike_dtype):
     _triton_ready(z)
     z = z.contiguous()
-    stats, running = _batch_stats(z, running_mean, running_var, training, momentum, eps)
-    stats = stats.float()
-    invstd = stats[1] if training else torch.rsqrt(stats[1] + eps)
-    scale = (weight.float() * invstd).contiguous()
-    shift = (bias.float() - stats[0] * scale).contiguous()
-    stats = stats.to(weight.dtype)  # saved as aten's BatchNorm saves them (in the parameters' dtype)
+    C = z.shape[1]
+    if training:  # the batch's mean and biased variance: one reduction, the kernel does the rest
+        var, mean = torch.var_mean(z.float(), dim=[0, *range(2, z.dim())], correction=0)
+        new_mean, new_var = torch.empty_like(running_mean), torch.empty_like(running_var)
+        n = z.numel() // C
+        unbias = n / max(n - 1, 1)
+    else:
+        mean, var, unbias = running_mean, running_var, 1.0
+        new_mean, new_var = _no_running(running_mean)
+    # saved as aten's BatchNorm saves them (in the parameters' dtype)
+    stats = torch.empty((2, C), dtype=weight.dtype, device=z.device)
     N = z.numel() // steps
     s = torch.empty(z.shape, dtype=spike_dtype, device=z.device)
     h = torch.empty((steps, N), dtype=torch.float32, device=z.device)
     hard = v_reset is not None
-    S = z[0, 0].numel()
+    S = math.prod(z.shape[2:])  # elements per channel and sample (1 for a Linear unit)
     _bn_lif_fwd_kernel[(triton.cdiv(N, _BLOCK),)](
-        z, scale, shift, s, h, N, steps, z.shape[1], S, float(c), float(v_th), float(v_reset) if hard else 0.0,
-        CHARGE=charge, HARD=hard, BLOCK=_BLOCK, num_warps=_NUM_WARPS,
+        z, mean, var, weight, bias, running_mean, running_var, stats, new_mean, new_var, s, h, N, steps, C, S,
+        float(eps), float(momentum), float(unbias), float(c), float(v_th), float(v_reset) if hard else 0.0,
+        TRAINING=bool(training), CHARGE=charge, HARD=hard, BLOCK=_BLOCK, num_warps=_NUM_WARPS,
     )
-    return s, h, stats, running
+    return s, h, stats, new_mean, new_var
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,12 +208,13 @@ def bn_lif_forward_op(
     detach_reset: bool,
     spike_dtype: torch.dtype,
     impl: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """z [T*R, C, ...] -> (spikes shaped like z, H [T, R*C*S] fp32, stats [2, C], running [2, C]):
-    stats are what BatchNorm's backward takes (the batch's mean and invstd in training, the running
-    mean and variance in eval; in weight's dtype, as aten's BatchNorm keeps them); running holds BatchNorm's new running mean and variance in training ([0, C] in
-    eval). The op is functional (autograd needs that): `bn_lif` copies them into the buffers. One
-    tensor per pair: every output autograd saves costs a detach per step.
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """z [T*R, C, ...] -> (spikes shaped like z, H [T, R*C*S] fp32, stats [2, C], new running mean
+    [C], new running variance [C]): stats are what BatchNorm's backward takes (the batch's mean and
+    invstd in training, the running mean and variance in eval; in weight's dtype, as aten's
+    BatchNorm keeps them), one tensor for the pair because every output autograd saves costs a
+    detach per step. The new running statistics are BatchNorm's update in training (empty in
+    eval); the op is functional (autograd needs that), so `bn_lif` copies them into the buffers.
     surrogate/alpha/detach_reset serve the backward."""
     return _forward_impl(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c, v_threshold,
                          v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl)
@@ -202,15 +228,16 @@ def _forward_impl(z, steps, weight, bias, running_mean, running_var, training, m
                                v_threshold, v_reset, charge, spike_dtype)
     # aten's own BatchNorm (what nn.BatchNorm calls, here on copies of the running statistics),
     # then the LIF's loop: bit for bit the separate calls
-    if training:
-        running = torch.stack([running_mean, running_var])  # updated in place below: the op's new statistics
-        y, mean, invstd = torch.native_batch_norm(z, weight, bias, running[0], running[1], True, momentum, eps)
+    if training:  # updated in place by native_batch_norm: the op's new statistics
+        new_mean, new_var = running_mean.clone(), running_var.clone()
+        y, mean, invstd = torch.native_batch_norm(z, weight, bias, new_mean, new_var, True, momentum, eps)
         stats = torch.stack([mean, invstd])
     else:  # native_batch_norm keeps no statistics in eval; the backward needs the running ones
         y, _, _ = torch.native_batch_norm(z, weight, bias, running_mean, running_var, False, momentum, eps)
-        stats, running = _batch_stats(z, running_mean, running_var, False, momentum, eps)
+        stats = torch.stack([running_mean, running_var]).to(weight.dtype)
+        new_mean, new_var = _no_running(running_mean)
     s, h = _lif._run_forward(y.reshape(steps, -1), None, c, v_threshold, v_reset, charge, spike_dtype, impl)
-    return s.view(z.shape), h, stats, running
+    return s.view(z.shape), h, stats, new_mean, new_var
 
 
 @bn_lif_forward_op.register_fake
@@ -219,7 +246,8 @@ def _fake_forward(z, steps, weight, bias, running_mean, running_var, training, m
     _check_op(z, steps, weight, bias, impl)
     C = z.shape[1]
     return (z.new_empty(z.shape, dtype=spike_dtype), z.new_empty((steps, z.numel() // steps), dtype=torch.float32),
-            weight.new_empty((2, C)), running_mean.new_empty((2 if training else 0, C)))
+            weight.new_empty((2, C)), running_mean.new_empty(C if training else 0),
+            running_var.new_empty(C if training else 0))
 
 
 @torch.library.custom_op("efficient::bn_lif_backward", mutates_args=())
@@ -268,7 +296,7 @@ def _(grad_spikes, z, h, weight, stats, training, eps, c, v_threshold, v_reset, 
 
 def _setup_context(ctx, inputs, output) -> None:
     z, steps, weight, bias, rm, rv, training, momentum, eps, c, v_th, v_reset, charge, surrogate, alpha, detach, sd, impl = inputs
-    _, h, stats, _ = output
+    _, h, stats, _, _ = output
     ctx.save_for_backward(z, h, weight, stats)  # what BatchNorm and the LIF keep, no more
     ctx.params = (training, eps, c, v_th, v_reset, charge, surrogate, alpha, detach, impl)
     ctx.set_materialize_grads(False)
@@ -319,9 +347,9 @@ def linear_bn_lif_forward_op(
     detach_reset: bool,
     spike_dtype: torch.dtype,
     impl: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """x [T*M, D_in] -> z = x @ lin_weight.T + lin_bias [T*M, C], then `bn_lif_forward` on z:
-    (spikes [T*M, C], H, stats, running, z). z is returned for the backward (BatchNorm's input)."""
+    (spikes [T*M, C], H, stats, new running mean, new running variance, z). z is returned for the backward (BatchNorm's input)."""
     return _linear_forward_impl(x, lin_weight, lin_bias, steps, weight, bias, running_mean, running_var, training,
                                 momentum, eps, c, v_threshold, v_reset, charge, surrogate, alpha, detach_reset,
                                 spike_dtype, impl)
@@ -390,7 +418,7 @@ def _(grad_spikes, x, lin_weight, z, h, weight, stats, training, eps, c, v_thres
 
 def _linear_setup_context(ctx, inputs, output) -> None:
     x, lw, lb, steps, weight, bias, rm, rv, training, momentum, eps, c, v_th, v_reset, charge, surrogate, alpha, detach, sd, impl = inputs
-    _, h, stats, _, z = output
+    _, h, stats, _, _, z = output
     ctx.save_for_backward(x, lw, z, h, weight, stats)  # what Linear, BatchNorm and the LIF keep
     ctx.params = (training, eps, c, v_th, v_reset, charge, surrogate, alpha, detach, impl)
     ctx.set_materialize_grads(False)
@@ -464,6 +492,7 @@ def bn_lif(
     impl: Optional[str] = None,
     lin_weight: Optional[Tensor] = None,
     lin_bias: Optional[Tensor] = None,
+    running_out: Optional[Sequence[Tensor]] = None,
 ) -> Tensor:
     """BatchNorm over `z` [T*R, C, ...] (time folded into the batch, `steps` = T) with `weight`,
     `bias` and running statistics (updated in place in training, with BatchNorm's `momentum`
@@ -471,7 +500,15 @@ def bn_lif(
     z.dtype). LIF options and `backend` / `impl` as `efficient.kernels.lif.lif`.
 
     With `lin_weight` [C, D_in] (and `lin_bias`), `z` is the Linear's input [T*M, D_in] and the
-    Linear runs inside the same op: the whole unit, one op forward and one backward."""
+    Linear runs inside the same op: the whole unit, one op forward and one backward.
+
+    `running_out`: in training, the buffers that receive the new running statistics instead of
+    `running_mean` and `running_var`: k means, then k variances, of k BatchNorms whose channels
+    were concatenated into these, as a fused unit of several layers keeps them."""
+    if running_out is not None and (len(running_out) % 2 or not running_out
+                                    or sum(t.numel() for t in running_out) != 2 * running_mean.numel()):
+        raise ValueError(f"bn_lif: running_out must hold k means then k variances covering the {running_mean.numel()} "
+                         f"channels, got {len(running_out)} tensors")
     if lin_weight is not None:
         if z.dim() != 2 or lin_weight.dim() != 2 or z.shape[1] != lin_weight.shape[1]:
             raise ValueError(f"bn_lif: with lin_weight [C, D_in] the input must be [T*M, D_in], got {tuple(z.shape)} "
@@ -488,9 +525,12 @@ def bn_lif(
     if lin_weight is not None and (chosen == "torch" or z.numel() == 0):
         z = F.linear(z, lin_weight, lin_bias)
     if chosen == "torch" or z.numel() == 0:
-        return bn_lif_reference(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, tau=tau,
-                                v_threshold=v_threshold, v_reset=vr, detach_reset=detach_reset, decay_input=decay_input,
-                                surrogate=surrogate, alpha=alpha, spike_dtype=spike_dtype)[0]
+        s = bn_lif_reference(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, tau=tau,
+                             v_threshold=v_threshold, v_reset=vr, detach_reset=detach_reset, decay_input=decay_input,
+                             surrogate=surrogate, alpha=alpha, spike_dtype=spike_dtype)[0]
+        if training and running_out is not None:
+            _store_running(running_out, running_mean, running_var)
+        return s
     _check_compiler(impl, z)
     args = (int(steps), weight, bias, running_mean, running_var, bool(training), float(momentum), float(eps),
             float(tau), float(v_threshold), vr, charge, sid, float(alpha), bool(detach_reset), spike_dtype, impl)
@@ -500,6 +540,14 @@ def bn_lif(
     else:
         out = _EagerBNLIF.apply(z, *args) if eager_call(z) else torch.ops.efficient.bn_lif_forward(z, *args)
     if training:  # BatchNorm's update of its running statistics, into the caller's buffers
-        with torch.no_grad():
-            torch._foreach_copy_([running_mean, running_var], out[3].unbind(0))
+        _store_running([running_mean, running_var] if running_out is None else running_out, out[3], out[4])
     return out[0]
+
+
+def _store_running(dest: Sequence[Tensor], new_mean: Tensor, new_var: Tensor) -> None:
+    """Copy new running statistics into `dest` (k means, then k variances): one multi-tensor copy."""
+    k = len(dest) // 2
+    widths = [t.numel() for t in dest[:k]]
+    src = [new_mean, new_var] if k == 1 else [*new_mean.split(widths), *new_var.split(widths)]
+    with torch.no_grad():
+        torch._foreach_copy_(list(dest), src)

@@ -245,17 +245,18 @@ def fusable(neuron: nn.Module, *modules: nn.Module) -> bool:
 
 def bn_fire(z: torch.Tensor, shape: tuple[int, ...], neuron: "LIF", weight: torch.Tensor, bias: torch.Tensor,
             running_mean: torch.Tensor, running_var: torch.Tensor, training: bool, momentum: float,
-            eps: float, lin_weight: torch.Tensor | None = None, lin_bias: torch.Tensor | None = None) -> torch.Tensor:
+            eps: float, lin_weight: torch.Tensor | None = None, lin_bias: torch.Tensor | None = None,
+            running_out: list[torch.Tensor] | None = None) -> torch.Tensor:
     """Spikes of `neuron` on the BatchNorm of `z` [T*R, C, ...] (one fused op), shaped `shape`, the
     time-major shape the neuron would take (concrete, no -1): the same values as the separate
     calls. With `lin_weight` (and `lin_bias`), z is a Linear's input [T*M, D_in] and the Linear is
-    in the op."""
+    in the op. `running_out`: the buffers that receive the new running statistics (`bn_lif`)."""
     steps = shape[0]
     s = bn_lif(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, tau=neuron.tau,
                v_threshold=neuron.v_threshold, v_reset=neuron.v_reset, detach_reset=neuron.detach_reset,
                decay_input=neuron.decay_input, surrogate=neuron.surrogate, alpha=neuron.alpha,
                spike_dtype=neuron.spike_dtype, backend=neuron.backend_for_shape(shape, z.device), lin_weight=lin_weight,
-               lin_bias=lin_bias)
+               lin_bias=lin_bias, running_out=running_out)
     return s.view(shape)
 
 

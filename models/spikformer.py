@@ -179,14 +179,16 @@ class SSA(nn.Module):
         rm = torch.cat([bn.running_mean for bn in bns])
         rv = torch.cat([bn.running_var for bn in bns])
         gamma, beta = torch.cat([bn.weight for bn in bns]), torch.cat([bn.bias for bn in bns])
+        buffers = [bn.running_mean for bn in bns] + [bn.running_var for bn in bns]
         if fusable(self.q.lif, *bns, *(u.lif for u in units), *(u.linear for u in units)):  # the unit as one op
+            # the op's new statistics go straight into each unit's buffers (one multi-tensor copy)
             s = bn_fire(x2, (T, B, N, 3 * C), self.q.lif, gamma, beta, rm, rv, True, factor, bns[0].eps, lin_weight=w,
-                        lin_bias=b)
+                        lin_bias=b, running_out=buffers)
         else:
             y = F.batch_norm(F.linear(x2, w, b), rm, rv, gamma, beta, True, factor, bns[0].eps)
             s = self.q.lif(y.reshape(T, B, N, 3 * C))
-        with torch.no_grad():  # the updated statistics back into each unit's buffers, one multi-tensor copy
-            torch._foreach_copy_([bn.running_mean for bn in bns] + [bn.running_var for bn in bns], [*rm.split(C), *rv.split(C)])
+            with torch.no_grad():  # the updated statistics back into each unit's buffers, one multi-tensor copy
+                torch._foreach_copy_(buffers, [*rm.split(C), *rv.split(C)])
         # one split, not three slices: its backward concatenates the three gradients, where slices
         # would each zero-fill a full-width gradient and add them up
         return s.split(C, dim=-1)

@@ -178,6 +178,30 @@ def test_a_spikformer_unit_trains_as_the_separate_modules() -> None:
         assert torch.equal(a, b), k
 
 
+@pytest.mark.parametrize("backend", ["loop", "torch"])
+def test_running_out_gives_each_concatenated_batchnorm_its_own_statistics(backend: str) -> None:
+    """Two BatchNorms (3 and 5 channels) run as one over their concatenated channels, as a fused
+    unit runs them: each one's running statistics end as if it had run alone."""
+    torch.manual_seed(0)
+    bns = [nn.BatchNorm1d(3), nn.BatchNorm1d(5)]
+    for b in bns:
+        b.running_mean.uniform_(-1, 1)
+        b.running_var.uniform_(0.5, 2.0)
+    alone = copy.deepcopy(bns)
+    z = torch.randn(8, 8)
+    alone[0](z[:, :3])
+    alone[1](z[:, 3:])
+    rm, rv = torch.cat([b.running_mean for b in bns]), torch.cat([b.running_var for b in bns])
+    w, bias = torch.cat([b.weight for b in bns]), torch.cat([b.bias for b in bns])
+    dest = [b.running_mean for b in bns] + [b.running_var for b in bns]
+    bn_lif(z, 2, w, bias, rm, rv, True, 0.1, 1e-5, backend=backend, running_out=dest)
+    for mine, ref in zip(bns, alone):
+        assert torch.allclose(mine.running_mean, ref.running_mean, rtol=1e-6, atol=1e-7)
+        assert torch.allclose(mine.running_var, ref.running_var, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="running_out must hold k means then k variances"):
+        bn_lif(z, 2, w, bias, rm, rv, backend=backend, running_out=dest[:3])
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(z=torch.randn(7, 3)), "must be T\\*R for T=2"),
     (dict(z=torch.randn(8)), "at least 2 dims"),
@@ -203,6 +227,7 @@ INTERPRETER = textwrap.dedent(
         bn = (nn.BatchNorm1d if len(shape) == 2 else nn.BatchNorm2d)(C)
         with torch.no_grad():
             bn.weight.uniform_(0.5, 1.5); bn.bias.uniform_(-0.2, 0.2)
+            bn.running_mean.uniform_(-0.5, 0.5); bn.running_var.uniform_(0.5, 2.0)
         z = (torch.randn(shape) * 1.3).requires_grad_()
         for training in (True, False):
             outs = {}
@@ -218,6 +243,37 @@ INTERPRETER = textwrap.dedent(
             assert flips <= 1, f"{flips} spikes differ"
             for x, y in zip(a[1:], t[1:]):
                 torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+    # the forward's launches: one reduction (training) and the kernel, no per-channel arithmetic
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from efficient.kernels import bn_lif as K
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, f, types, args=(), kwargs=None):
+            self.names.append(f.overloadpacket.__name__)
+            return f(*args, **(kwargs or {}))
+
+    class Launcher:  # stands in for the jitted kernel: records each launch
+        def __getitem__(self, grid):
+            return lambda *a, **k: launches.append(k["TRAINING"])
+
+    launches, real = [], K._bn_lif_fwd_kernel
+    K._bn_lif_fwd_kernel = Launcher()
+    try:
+        bn = nn.BatchNorm1d(5)
+        z, w, b = torch.randn(12, 5), bn.weight.detach(), bn.bias.detach()
+        for training in (True, False):
+            with Ops() as ops:
+                K._triton_forward(z, 2, w, b, bn.running_mean, bn.running_var, training, 0.1, 1e-5, 2.0, 1.0, 0.0, 0,
+                                  torch.float32)
+            work = [n for n in ops.names if not n.startswith("empty") and n != "new_empty"]
+            assert work == (["var_mean"] if training else []), work
+        assert launches == [True, False], launches
+    finally:
+        K._bn_lif_fwd_kernel = real
     print("TRITON-OK")
     """
 )
