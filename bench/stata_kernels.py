@@ -1,5 +1,6 @@
 """STATA's kernels against their torch references on a device: attention + scores, token selection,
-and whole-model gradients with every kernel on Triton vs every kernel on torch.
+the alignment losses compiled against their eager closed form, and whole-model gradients with every
+kernel on Triton vs every kernel on torch.
 
     python bench/stata_kernels.py --device cuda --json out.json       # CIFAR, ImageNet and N=1024 shapes
     TRITON_INTERPRET=1 python bench/stata_kernels.py --device cpu --dry-run   # the same code path, tiny
@@ -32,6 +33,8 @@ SHAPES = {  # name: (T, B, H, N incl. anchor, d)
 }
 DRY_SHAPES = {"cifar N=65 d=32": (1, 2, 2, 65, 32), "imagenet N=197 d=64": (1, 1, 1, 197, 64)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+ALIGN_SHAPES = {"cifar b64": (4, 64, 64), "imagenet b32": (4, 32, 196)}  # scores [T, B, N] of a pruning block
+DRY_ALIGN_SHAPES = {"toy": (2, 3, 9)}
 
 
 def _sync(dev: torch.device) -> None:
@@ -88,6 +91,37 @@ def check_kernels(dev: torch.device, shapes: dict, dtypes: list[str], repeats: i
     return ok, rows
 
 
+def check_alignment(dev: torch.device, shapes: dict, repeats: int) -> tuple[bool, list[dict]]:
+    """The alignment losses' forward + backward compiled (what "auto" runs on CUDA) against the
+    eager closed form: values and gradient, then both timed."""
+    from efficient.objectives.stata import alignment_losses
+
+    ok, rows = True, []
+    for name, shape in shapes.items():
+        g = torch.Generator(device=dev).manual_seed(shape[-1])
+        s = torch.randn(shape, device=dev, generator=g) * 2
+        c = torch.randn(shape, device=dev, generator=g)
+
+        def run(backend: str):
+            x = s.clone().requires_grad_()
+            intra, inter = alignment_losses(x, c, 1.0, backend=backend)
+            (intra + 0.5 * inter).backward()
+            return torch.stack([intra, inter]).detach(), x.grad
+
+        (v0, g0), (v1, g1) = run("loop"), run("compile")
+        v_err = ((v1 - v0).abs() / v0.abs().clamp_min(1e-6)).max().item()
+        g_err = ((g1 - g0).abs().max() / g0.abs().max().clamp_min(1e-12)).item()
+        good = v_err <= 1e-5 and g_err <= 1e-4
+        ok &= good
+        t_eager = median_ms(lambda: run("loop"), dev, repeats)
+        t_comp = median_ms(lambda: run("compile"), dev, repeats)
+        rows.append({"shape": name, "value_rel_err": v_err, "grad_rel_err": g_err, "ok": good,
+                     "eager_ms": t_eager, "compiled_ms": t_comp})
+        print(f"alignment {name:14s}: value err {v_err:.1e}, grad err {g_err:.1e} -> {'ok' if good else 'MISMATCH'}; "
+              f"fwd+bwd compiled {t_comp:.3f} ms vs eager {t_eager:.3f} ms", flush=True)
+    return ok, rows
+
+
 def _model_run(name: str, backend: str, dev: torch.device, x: torch.Tensor, y: torch.Tensor, kw: dict):
     from efficient.zoo import create
 
@@ -136,17 +170,20 @@ def main() -> None:
     dev = torch.device(args.device)
     if args.dry_run:
         shapes, dtypes, repeats = DRY_SHAPES, ["fp32", "fp16"], 1
-        models = {"spikformer-stata": (2, 32, 10, {})}
+        models, align_shapes = {"spikformer-stata": (2, 32, 10, {})}, DRY_ALIGN_SHAPES
     else:
         shapes, dtypes, repeats = SHAPES, ["fp32", "bf16", "fp16"], args.repeats
         models = {"spikformer-stata": (8, 32, 10, {}), "spikformer-8-512-stata": (2, 224, 1000, {})}
+        align_shapes = ALIGN_SHAPES
     k_ok, k_rows = check_kernels(dev, shapes, dtypes, repeats)
+    a_ok, a_rows = check_alignment(dev, align_shapes, repeats)
     m_ok, m_rows = check_models(dev, models)
-    print(f"STATA kernels: {'all match' if k_ok and m_ok else 'MISMATCHES above'}")
+    good = k_ok and a_ok and m_ok
+    print(f"STATA kernels: {'all match' if good else 'MISMATCHES above'}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"kernels": k_rows, "models": m_rows}, f, indent=1)
-    raise SystemExit(0 if k_ok and m_ok else 1)
+            json.dump({"kernels": k_rows, "alignment": a_rows, "models": m_rows}, f, indent=1)
+    raise SystemExit(0 if good else 1)
 
 
 if __name__ == "__main__":

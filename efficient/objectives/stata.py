@@ -11,10 +11,14 @@ pruning block, each `[T, B, N]`):
 
 Timesteps whose scores are constant (std 0 on either side) are masked out; the terms are averaged
 over valid (t, sample) pairs, then over pruning blocks.
+
+On CUDA the closed-form forward and backward run compiled by inductor (a few fused kernels each,
+where the eager bodies launch some fifty small ones per pruning block); on CPU eagerly.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -60,6 +64,35 @@ def alignment_losses_reference(s: torch.Tensor, c: torch.Tensor, tau: float = 1.
     return intra, inter
 
 
+def _alignment_forward(s: torch.Tensor, c: torch.Tensor, *, tau: float, eps: float):
+    """(intra, inter) and what the closed-form backward needs (see `_Alignment`)."""
+    dtype = torch.promote_types(s.dtype, torch.float32)
+    d, var, D = _centred(s.to(dtype), eps)
+    logp = F.log_softmax(d / D / tau, -1)
+    zc, valid_c = standardize(c.to(dtype), eps)
+    q = F.softmax(zc / tau, -1)
+    valid_s = var.squeeze(-1) > 0
+    w_intra = (valid_s & valid_c).to(dtype)
+    w_intra = w_intra / w_intra.sum().clamp_min(1.0)
+    intra = ((torch.xlogy(q, q) - q * logp).sum(-1) * w_intra).sum()
+    m = valid_s.to(dtype)
+    p = logp.exp()
+    pbar = (p * m[..., None]).sum(0) / m.sum(0).clamp_min(1.0)[..., None]  # [B, N]
+    w_inter = m / m.sum().clamp_min(1.0)
+    inter = ((torch.xlogy(pbar, pbar) - pbar * logp).sum(-1) * w_inter).sum()
+    return intra, inter, d, D, var, p, q, pbar, w_intra, w_inter
+
+
+def _alignment_backward(g_intra, g_inter, d, D, var, p, q, pbar, w_intra, w_inter, *, tau: float, s_dtype: torch.dtype):
+    """dL/ds of `_alignment_forward`'s losses (formula in `_Alignment`)."""
+    g = -(g_intra * w_intra[..., None] * q + g_inter * w_inter[..., None] * pbar)  # dL/dlog p
+    gz = (g - p * g.sum(-1, keepdim=True)) / tau
+    gs = (gz - gz.mean(-1, keepdim=True)) / D
+    sigma = var.clamp_min(1e-12).sqrt()
+    gs = gs - d * ((gz * d).sum(-1, keepdim=True) * (var >= 1e-12) / (d.shape[-1] * sigma * D * D))
+    return gs.to(s_dtype)
+
+
 class _Alignment(torch.autograd.Function):
     """`alignment_losses_reference` with its gradient in closed form: one backward node of about a
     dozen ops where autograd records some thirty (every op of a training step is a kernel launch
@@ -70,44 +103,46 @@ class _Alignment(torch.autograd.Function):
         dL/ds     = (dL/dz - mean(dL/dz)) / D - d * sum_n(dL/dz * d) / (N sigma D^2)
 
     with d = s - mean(s), sigma = sqrt(max(var, 1e-12)), D = sigma + eps (standardize; the last term
-    is 0 where the variance is clamped)."""
+    is 0 where the variance is clamped). `compiled`: the two bodies run compiled by inductor."""
 
     @staticmethod
-    def forward(ctx, s: torch.Tensor, c: torch.Tensor, tau: float, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        ctx.s_dtype = s.dtype
-        dtype = torch.promote_types(s.dtype, torch.float32)
-        d, var, D = _centred(s.to(dtype), eps)
-        logp = F.log_softmax(d / D / tau, -1)
-        zc, valid_c = standardize(c.to(dtype), eps)
-        q = F.softmax(zc / tau, -1)
-        valid_s = var.squeeze(-1) > 0
-        w_intra = (valid_s & valid_c).to(dtype)
-        w_intra = w_intra / w_intra.sum().clamp_min(1.0)
-        intra = ((torch.xlogy(q, q) - q * logp).sum(-1) * w_intra).sum()
-        m = valid_s.to(dtype)
-        p = logp.exp()
-        pbar = (p * m[..., None]).sum(0) / m.sum(0).clamp_min(1.0)[..., None]  # [B, N]
-        w_inter = m / m.sum().clamp_min(1.0)
-        inter = ((torch.xlogy(pbar, pbar) - pbar * logp).sum(-1) * w_inter).sum()
-        ctx.save_for_backward(d, D, var, p, q, pbar, w_intra, w_inter)
-        ctx.tau = tau
+    def forward(ctx, s: torch.Tensor, c: torch.Tensor, tau: float, eps: float, compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.s_dtype, ctx.tau, ctx.compiled = s.dtype, tau, compiled
+        fwd = _compiled_body("forward", tau=tau, eps=eps) if compiled else functools.partial(_alignment_forward, tau=tau, eps=eps)
+        intra, inter, *saved = fwd(s, c)
+        ctx.save_for_backward(*saved)
         return intra, inter
 
     @staticmethod
     def backward(ctx, g_intra: torch.Tensor, g_inter: torch.Tensor):
-        d, D, var, p, q, pbar, w_intra, w_inter = ctx.saved_tensors
-        g = -(g_intra * w_intra[..., None] * q + g_inter * w_inter[..., None] * pbar)  # dL/dlog p
-        gz = (g - p * g.sum(-1, keepdim=True)) / ctx.tau
-        gs = (gz - gz.mean(-1, keepdim=True)) / D
-        sigma = var.clamp_min(1e-12).sqrt()
-        gs = gs - d * ((gz * d).sum(-1, keepdim=True) * (var >= 1e-12) / (d.shape[-1] * sigma * D * D))
-        return gs.to(ctx.s_dtype), None, None, None
+        kw = {"tau": ctx.tau, "s_dtype": ctx.s_dtype}
+        bwd = _compiled_body("backward", **kw) if ctx.compiled else functools.partial(_alignment_backward, **kw)
+        return bwd(g_intra, g_inter, *ctx.saved_tensors), None, None, None, None
 
 
-def alignment_losses(s: torch.Tensor, c: torch.Tensor, tau: float = 1.0, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+@functools.lru_cache(maxsize=32)
+def _compiled_body(which: str, **static: Any):
+    """The forward or backward body compiled by inductor, once per (tau, eps, dtype) setting."""
+    from efficient.kernels.lif_common import _compiled
+
+    return _compiled(_alignment_forward if which == "forward" else _alignment_backward, tuple(static.items()))
+
+
+def alignment_losses(s: torch.Tensor, c: torch.Tensor, tau: float = 1.0, eps: float = 1e-6,
+                     backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """(L_intra, L_inter) for one pruning block; `s`, `c` are `[T, B, N]` anchor / mean-query scores.
-    The values of `alignment_losses_reference`, with a closed-form backward (`_Alignment`)."""
-    intra, inter = _Alignment.apply(s, c.detach(), float(tau), float(eps))
+    The values of `alignment_losses_reference`, with a closed-form backward (`_Alignment`).
+    `backend` as the kernels' (`efficient.kernels._backend`): "auto" runs the bodies compiled on
+    CUDA (inductor's fused kernels) and eagerly on CPU; "compile" compiles them on any device;
+    "torch" is the autograd composition itself."""
+    from efficient.kernels._backend import HAS_TRITON, requested_backend
+
+    want = requested_backend(backend, "alignment_losses")
+    if want == "torch":
+        return alignment_losses_reference(s, c.detach(), tau, eps)
+    compiled = not torch.compiler.is_compiling() and (
+        want in ("compile", "triton") or (want == "auto" and s.is_cuda and HAS_TRITON))
+    intra, inter = _Alignment.apply(s, c.detach(), float(tau), float(eps), compiled)
     return intra, inter
 
 
