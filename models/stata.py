@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from efficient.errors import ConfigError
@@ -248,9 +249,8 @@ class TokenPruner(nn.Module, TracksProgress):
         if sel is None:
             return x
         idx, z = sel
-        if p:  # one gather of the anchor and the kept tokens: no concatenation copy (nor its backward)
-            idx_all = torch.cat([torch.arange(p, device=idx.device).expand(idx.shape[0], p), idx + p], 1)
-            kept = gather_tokens(x, idx_all, self.kernel_backend)
+        if p:  # one gather of the anchor (token 0) and the kept tokens: no concatenation copy (nor its backward)
+            kept = gather_tokens(x, F.pad(idx + 1, (1, 0)), self.kernel_backend)
         else:
             kept = gather_tokens(cand, idx, self.kernel_backend)
         if not self.cfg.fuse_pruned:
