@@ -13,8 +13,11 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import importlib
+import importlib.abc
+import importlib.util
 import inspect
 import json
+import sys
 import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -240,7 +243,43 @@ def _config_builder(model_cls: Callable[[Any], nn.Module], cls: type, name: str)
 
 
 def _register_timm(entry: ModelEntry) -> None:
-    """Expose the entry through `timm.create_model(name_with_underscores)`."""
+    """Expose the entry through `timm.create_model(name_with_underscores)`: at once where timm's
+    models are loaded, otherwise as soon as they are. Importing timm loads torchvision and dynamo
+    (seconds), which `import efficient` need not pay."""
+    timm_models = sys.modules.get("timm.models")
+    if timm_models is not None and hasattr(timm_models, "register_model"):
+        _timm_register(entry)
+        return
+    _TIMM_PENDING.append(entry)
+    if not any(isinstance(f, _OnTimmImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _OnTimmImport())
+
+
+_TIMM_PENDING: list[ModelEntry] = []
+
+
+class _OnTimmImport(importlib.abc.MetaPathFinder):
+    """Registers the pending zoo entries into timm right after `timm.models` is imported (once)."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != "timm.models":
+            return None
+        sys.meta_path.remove(self)  # the real spec comes from the other finders
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def run(module: Any) -> None:
+            exec_module(module)
+            while _TIMM_PENDING:
+                _timm_register(_TIMM_PENDING.pop(0))
+
+        spec.loader.exec_module = run
+        return spec
+
+
+def _timm_register(entry: ModelEntry) -> None:
     try:
         from timm.models import register_model as timm_register
     except ImportError:  # timm is a dependency, but the zoo itself does not need it

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -39,6 +41,24 @@ def test_timm_create_model_reaches_the_zoo() -> None:
     m = timm.create_model("spikformer_tiny", num_classes=3)
     assert m.head.out_features == 3
     assert "spikformer_tiny" in timm.list_models("spikformer*")
+
+
+TIMM_LATE = """
+import sys, efficient
+efficient.list_models()
+heavy = [m for m in ("timm", "torchvision", "torch._dynamo") if m in sys.modules]
+assert not heavy, heavy
+import timm
+assert timm.create_model("spikformer_tiny", num_classes=3).head.out_features == 3
+print("TIMM-OK")
+"""
+
+
+def test_the_zoo_loads_without_timm_and_reaches_it_once_imported() -> None:
+    """`import efficient` and the zoo do not import timm (it loads torchvision and dynamo: seconds
+    per process); importing timm afterwards still finds every zoo model."""
+    proc = subprocess.run([sys.executable, "-c", TIMM_LATE], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "TIMM-OK" in proc.stdout, proc.stderr[-3000:]
 
 
 def test_load_with_overrides_and_bad_override() -> None:
