@@ -349,7 +349,8 @@ def linear_bn_lif_forward_op(
     impl: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """x [T*M, D_in] -> z = x @ lin_weight.T + lin_bias [T*M, C], then `bn_lif_forward` on z:
-    (spikes [T*M, C], H, stats, new running mean, new running variance, z). z is returned for the backward (BatchNorm's input)."""
+    (spikes [T*M, C], H, stats, new running mean, new running variance, z). z is returned for the
+    backward (BatchNorm's input)."""
     return _linear_forward_impl(x, lin_weight, lin_bias, steps, weight, bias, running_mean, running_var, training,
                                 momentum, eps, c, v_threshold, v_reset, charge, surrogate, alpha, detach_reset,
                                 spike_dtype, impl)
