@@ -106,9 +106,11 @@ class _Alignment(torch.autograd.Function):
     is 0 where the variance is clamped). `compiled`: the two bodies run compiled by inductor."""
 
     @staticmethod
-    def forward(ctx, s: torch.Tensor, c: torch.Tensor, tau: float, eps: float, compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(ctx, s: torch.Tensor, c: torch.Tensor, tau: float, eps: float,
+                compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.s_dtype, ctx.tau, ctx.compiled = s.dtype, tau, compiled
-        fwd = _compiled_body("forward", tau=tau, eps=eps) if compiled else functools.partial(_alignment_forward, tau=tau, eps=eps)
+        kw = {"tau": tau, "eps": eps}
+        fwd = _compiled_body("forward", **kw) if compiled else functools.partial(_alignment_forward, **kw)
         intra, inter, *saved = fwd(s, c)
         ctx.save_for_backward(*saved)
         return intra, inter
