@@ -216,6 +216,28 @@ def test_constant_timesteps_are_masked_and_gradients_stay_finite():
     assert torch.equal(z, torch.zeros(2, 5)) and not valid.any()
 
 
+def test_flat_rows_are_masked_and_counted_exactly():
+    """A row of equal non-integer scores is flat whatever its computed variance (the mean of n
+    equal floats can round away from them): no gradient flows into it, and a sample flat at every
+    t counts as degenerate."""
+    from efficient.models.stata import find_pruner
+
+    g = torch.Generator().manual_seed(2)
+    s = torch.randn(2, 3, 64, generator=g)
+    s[1, 2] = 0.3  # one flat (t, sample) row
+    x = s.clone().requires_grad_()
+    intra, inter = alignment_losses(x, torch.randn(2, 3, 64, generator=g))
+    (intra + inter).backward()
+    assert torch.count_nonzero(x.grad[1, 2]) == 0 and torch.count_nonzero(x.grad[0, 2]) > 0
+    assert not standardize(torch.full((3, 64), 0.3))[1].any()
+
+    pruner = find_pruner(tiny().train())
+    pruner.begin()
+    s[:, 1] = 0.7  # sample 1 flat at every t
+    pruner.select(s, 0.5)
+    assert int(pruner.last.stats["degenerate"]) == 1
+
+
 def test_patch_queries_get_no_gradient_from_intra_loss():
     from efficient.kernels.ssa import scores_ref
 

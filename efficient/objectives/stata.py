@@ -9,7 +9,7 @@ pruning block, each `[T, B, N]`):
     L_intra = mean_t KL(q_t || p_t)            the anchor learns where the whole map attends
     L_inter = mean_t KL(mean_t' p_t' || p_t)   the timesteps agree on one ranking (one kept set)
 
-Timesteps whose scores are constant (std 0 on either side) are masked out; the terms are averaged
+Timesteps whose scores are flat (all equal, on either side) are masked out; the terms are averaged
 over valid (t, sample) pairs, then over pruning blocks.
 
 On CUDA the closed-form forward and backward run compiled by inductor (a few fused kernels each,
@@ -37,11 +37,19 @@ def _centred(s: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, t
     return d, var, var.clamp_min(1e-12).sqrt() + eps
 
 
+def not_flat(s: torch.Tensor) -> torch.Tensor:
+    """Rows (last axis) whose values are not all equal. Exact where `var > 0` is not: the variance
+    of a constant non-integer row is often a rounding residue above 0 (the mean of n equal floats
+    need not be that float)."""
+    lo, hi = torch.aminmax(s, dim=-1)
+    return hi > lo
+
+
 def standardize(s: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row z-score over the last axis (population std) and the mask of rows with std > 0.
-    Differentiable everywhere (the std is clamped before the sqrt, so constant rows give z = 0)."""
+    """Per-row z-score over the last axis (population std) and the mask of rows that are not flat.
+    Differentiable everywhere (the std is clamped before the sqrt, so constant rows give z ~ 0)."""
     d, var, D = _centred(s, eps)
-    return d / D, var.squeeze(-1) > 0
+    return d / D, not_flat(s)
 
 
 def alignment_losses_reference(s: torch.Tensor, c: torch.Tensor, tau: float = 1.0,
@@ -71,7 +79,7 @@ def _alignment_forward(s: torch.Tensor, c: torch.Tensor, *, tau: float, eps: flo
     logp = F.log_softmax(d / D / tau, -1)
     zc, valid_c = standardize(c.to(dtype), eps)
     q = F.softmax(zc / tau, -1)
-    valid_s = var.squeeze(-1) > 0
+    valid_s = not_flat(s)
     w_intra = (valid_s & valid_c).to(dtype)
     w_intra = w_intra / w_intra.sum().clamp_min(1.0)
     intra = ((torch.xlogy(q, q) - q * logp).sum(-1) * w_intra).sum()
