@@ -53,13 +53,23 @@ PEER = "spikingjelly spikformer_cifar10 (4-384)"
 RESULT = "RESULT "
 
 
+# ops that launch no kernel on a GPU: allocations, and `_unsafe_view` (a view its schema does not mark)
+_NO_WORK = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_unsafe_view"})
+
+
 class OpCounter(TorchDispatchMode):
+    """Every op dispatched (`n`), and those that do work (`work`): not views, aliases (detach
+    included) or allocations, i.e. what a GPU launches a kernel for. A custom op counts as one."""
+
     def __init__(self) -> None:
         super().__init__()
         self.n = 0
+        self.work = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.n += 1
+        if not (getattr(func, "is_view", False) or func.__name__.split(".")[0] in _NO_WORK):
+            self.work += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -162,7 +172,8 @@ def measure_model(label: str, build: Callable[[], tuple], repeats: int, compile_
     with counter:
         step()
     eager, _ = _median_s(step, repeats, 1)
-    row = {"model": label, "params_m": sum(p.numel() for p in model.parameters()) / 1e6, "ops": counter.n, "eager_s": eager}
+    row = {"model": label, "params_m": sum(p.numel() for p in model.parameters()) / 1e6, "ops": counter.n,
+           "work_ops": counter.work, "eager_s": eager}
     if separate:  # BatchNorm and neuron as two calls, in the same process: ops, and step times alternated
         sep = _separate_units_step(step)
         counter = OpCounter()
@@ -749,11 +760,11 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(json.loads(lines[-1][len(RESULT):]))
         print(f"#   {label}: done (load {_load()})", flush=True)
     print(f"\n## one training step, batch {args.batch} (forward + objective + backward), medians of {args.repeats}\n")
-    print("| model | params M | aten ops / step | eager s | compiled s | compiled vs eager | compile s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | params M | aten ops / step | of which do work | eager s | compiled s | compiled vs eager | compile s |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         c = f"{r['compiled_s']:.3f} | {r['eager_s'] / r['compiled_s']:.2f}x | {r['compile_s']:.0f}" if "compiled_s" in r else " | | "
-        print(f"| {r['model']} | {r['params_m']:.2f} | {r['ops']} | {r['eager_s']:.3f} | {c} |")
+        print(f"| {r['model']} | {r['params_m']:.2f} | {r['ops']} | {r['work_ops']} | {r['eager_s']:.3f} | {c} |")
     if any("ops_separate" in r for r in rows):
         print("\n## BatchNorm + neuron as one op vs two calls (same process, steps alternated)\n")
         print("| model | aten ops / step, one op | two calls | eager s, one op | two calls | two calls / one op |")
