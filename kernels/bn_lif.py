@@ -26,13 +26,14 @@ Parts (as `efficient.kernels.lif`):
 
 `bn_lif` updates the running statistics in place, as BatchNorm does in training (`momentum` is
 the factor BatchNorm would use; its batch counter stays with the caller); the op itself returns
-them, as autograd needs a functional op. In eval mode it normalises
+them, as autograd needs a functional op, and its eager path (no dispatch) writes them in place. In eval mode it normalises
 with the running statistics. Only LIF's constant-tau charges are fused (PLIF's learnable rate and
 DLIF's gain stay with the separate calls).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Sequence
 
@@ -150,13 +151,16 @@ def _no_running(running_mean: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _triton_forward(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c, v_th, v_reset,
-                    charge, spike_dtype):
+                    charge, spike_dtype, inplace=False):
     _triton_ready(z)
     z = z.contiguous()
     C = z.shape[1]
     if training:  # the batch's mean and biased variance: one reduction, the kernel does the rest
         var, mean = torch.var_mean(z.float(), dim=[0, *range(2, z.dim())], correction=0)
-        new_mean, new_var = torch.empty_like(running_mean), torch.empty_like(running_var)
+        if inplace:  # each program reads its channels' statistics before it writes them
+            new_mean, new_var = running_mean, running_var
+        else:
+            new_mean, new_var = torch.empty_like(running_mean), torch.empty_like(running_var)
         n = z.numel() // C
         unbias = n / max(n - 1, 1)
     else:
@@ -174,6 +178,8 @@ def _triton_forward(z, steps, weight, bias, running_mean, running_var, training,
         float(eps), float(momentum), float(unbias), float(c), float(v_th), float(v_reset) if hard else 0.0,
         TRAINING=bool(training), CHARGE=charge, HARD=hard, BLOCK=_BLOCK, num_warps=_NUM_WARPS,
     )
+    if inplace:
+        new_mean, new_var = _no_running(running_mean)
     return s, h, stats, new_mean, new_var
 
 
@@ -221,17 +227,21 @@ def bn_lif_forward_op(
 
 
 def _forward_impl(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c, v_threshold, v_reset,
-                  charge, surrogate, alpha, detach_reset, spike_dtype, impl):
+                  charge, surrogate, alpha, detach_reset, spike_dtype, impl, inplace=False):
+    """The op's implementation. `inplace` (the eager path, which need not be functional): the
+    running statistics are updated in the caller's buffers, as BatchNorm does, and the two
+    running-statistics outputs are empty; no copies."""
     _check_op(z, steps, weight, bias, impl)
     if impl == "triton":
         return _triton_forward(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c,
-                               v_threshold, v_reset, charge, spike_dtype)
-    # aten's own BatchNorm (what nn.BatchNorm calls, here on copies of the running statistics),
-    # then the LIF's loop: bit for bit the separate calls
-    if training:  # updated in place by native_batch_norm: the op's new statistics
-        new_mean, new_var = running_mean.clone(), running_var.clone()
+                               v_threshold, v_reset, charge, spike_dtype, inplace)
+    # aten's own BatchNorm (what nn.BatchNorm calls), then the LIF's loop: bit for bit the separate calls
+    if training:  # updated in place by native_batch_norm: the buffers, or the op's new statistics
+        new_mean, new_var = (running_mean, running_var) if inplace else (running_mean.clone(), running_var.clone())
         y, mean, invstd = torch.native_batch_norm(z, weight, bias, new_mean, new_var, True, momentum, eps)
         stats = torch.stack([mean, invstd])
+        if inplace:
+            new_mean, new_var = _no_running(running_mean)
     else:  # native_batch_norm keeps no statistics in eval; the backward needs the running ones
         y, _, _ = torch.native_batch_norm(z, weight, bias, running_mean, running_var, False, momentum, eps)
         stats = torch.stack([running_mean, running_var]).to(weight.dtype)
@@ -313,7 +323,7 @@ def _backward(ctx, grad_spikes, *_grads_of_statistics, backward_fn=bn_lif_backwa
 
 bn_lif_forward_op.register_autograd(_backward, setup_context=_setup_context)
 
-_EagerBNLIF = eager_function("_EagerBNLIF", _forward_impl, _setup_context,
+_EagerBNLIF = eager_function("_EagerBNLIF", functools.partial(_forward_impl, inplace=True), _setup_context,
                              lambda ctx, gs, *rest: _backward(ctx, gs, backward_fn=_backward_impl))
 
 # flops as the separate calls count them, so a profile does not change with the path: the LIF's 6
@@ -357,13 +367,13 @@ def linear_bn_lif_forward_op(
 
 
 def _linear_forward_impl(x, lin_weight, lin_bias, steps, weight, bias, running_mean, running_var, training, momentum, eps,
-                         c, v_threshold, v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl):
+                         c, v_threshold, v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl, inplace=False):
     if x.dim() != 2 or lin_weight.dim() != 2 or x.shape[1] != lin_weight.shape[1]:
         raise ValueError(f"efficient::linear_bn_lif_forward: x [T*M, D_in] and lin_weight [C, D_in] expected, got "
                          f"{tuple(x.shape)} and {tuple(lin_weight.shape)}")
     z = F.linear(x, lin_weight, lin_bias)  # what nn.Linear computes (addmm), bit for bit
     return (*_forward_impl(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c, v_threshold,
-                           v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl), z)
+                           v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl, inplace), z)
 
 
 @linear_bn_lif_forward_op.register_fake
@@ -461,7 +471,7 @@ def _register_linear_flops() -> None:
 _register_linear_flops()
 
 _EagerLinearBNLIF = eager_function(
-    "_EagerLinearBNLIF", _linear_forward_impl, _linear_setup_context,
+    "_EagerLinearBNLIF", functools.partial(_linear_forward_impl, inplace=True), _linear_setup_context,
     lambda ctx, gs, *rest: _linear_backward(ctx, gs, backward_fn=_linear_backward_impl))
 
 
@@ -535,13 +545,17 @@ def bn_lif(
     _check_compiler(impl, z)
     args = (int(steps), weight, bias, running_mean, running_var, bool(training), float(momentum), float(eps),
             float(tau), float(v_threshold), vr, charge, sid, float(alpha), bool(detach_reset), spike_dtype, impl)
+    eager = eager_call(z)
     if lin_weight is not None:
         args = (z, lin_weight, lin_bias, *args)
-        out = _EagerLinearBNLIF.apply(*args) if eager_call(z) else torch.ops.efficient.linear_bn_lif_forward(*args)
+        out = _EagerLinearBNLIF.apply(*args) if eager else torch.ops.efficient.linear_bn_lif_forward(*args)
     else:
-        out = _EagerBNLIF.apply(z, *args) if eager_call(z) else torch.ops.efficient.bn_lif_forward(z, *args)
+        out = _EagerBNLIF.apply(z, *args) if eager else torch.ops.efficient.bn_lif_forward(z, *args)
     if training:  # BatchNorm's update of its running statistics, into the caller's buffers
-        _store_running([running_mean, running_var] if running_out is None else running_out, out[3], out[4])
+        if not eager:  # the functional op returned them
+            _store_running([running_mean, running_var] if running_out is None else running_out, out[3], out[4])
+        elif running_out is not None:  # the eager path updated running_mean / running_var in place
+            _store_running(running_out, running_mean, running_var)
     return out[0]
 
 
