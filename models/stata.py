@@ -86,6 +86,14 @@ def warmup_keep_ratio(target: float, epoch: float, start: float, span: float) ->
     return target + (1.0 - target) * 0.5 * (1.0 + math.cos(math.pi * u))
 
 
+def not_flat(s: torch.Tensor) -> torch.Tensor:
+    """Rows (last axis) whose values are not all equal. Exact where `var > 0` is not: the variance
+    of a constant non-integer row is often a rounding residue above 0 (the mean of n equal floats
+    need not be that float)."""
+    lo, hi = torch.aminmax(s, dim=-1)
+    return hi > lo
+
+
 def anchor_scores(q_anchor: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """s_t(i) = sum_h <q_anchor, k_i> from the anchor's query alone: `[T, B, H, d]` x `[T, B, H, N, d]` -> `[T, B, N]`."""
     return torch.einsum("tbhd,tbhmd->tbm", q_anchor, k)
@@ -216,8 +224,8 @@ class TokenPruner(nn.Module, TracksProgress):
         k = kept_count(ratio, n)
         record = not replaying()  # a recomputed block's rerun repeats what its forward recorded
         if record:  # a device tensor (no host sync in the step): samples whose scores are flat at every t
-            lo, hi = torch.aminmax(s.detach(), dim=-1)  # exact flatness (a variance can keep a rounding residue)
-            self.last.stats["degenerate"] = self.last.stats["degenerate"] + (hi == lo).all(0).sum()
+            flat = ~not_flat(s.detach())
+            self.last.stats["degenerate"] = self.last.stats["degenerate"] + flat.all(0).sum()
         if k == n:  # nothing to prune: keep order and shape exactly (identity at rho = 1)
             return None
         if self.cfg.score == "random":

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from efficient.models.stata import stata_outputs
+from efficient.models.stata import not_flat, stata_outputs
 from efficient.objectives import register_objective
 from efficient.objectives.classification import Classification
 
@@ -35,14 +35,6 @@ def _centred(s: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, t
     d = s - s.mean(-1, keepdim=True)
     var = d.pow(2).mean(-1, keepdim=True)
     return d, var, var.clamp_min(1e-12).sqrt() + eps
-
-
-def not_flat(s: torch.Tensor) -> torch.Tensor:
-    """Rows (last axis) whose values are not all equal. Exact where `var > 0` is not: the variance
-    of a constant non-integer row is often a rounding residue above 0 (the mean of n equal floats
-    need not be that float)."""
-    lo, hi = torch.aminmax(s, dim=-1)
-    return hi > lo
 
 
 def standardize(s: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
