@@ -101,14 +101,37 @@ def test_a_write_that_keeps_integers_updates_the_bound() -> None:
     assert [p.bound for p in _packed(_same_grads(body))] == [2]
 
 
-def test_a_max_pool_of_spikes_keeps_bits_not_int64_indices() -> None:
+@pytest.mark.parametrize("spikes", [True, False], ids=["spikes", "real"])
+def test_a_max_pool_keeps_small_window_offsets_not_its_input_or_int64_indices(spikes: bool) -> None:
     def body(s1: torch.Tensor, s2: torch.Tensor, m: nn.Module) -> torch.Tensor:
-        img = (s1 + 0 * s2).reshape(12, 1, 4, 4)  # spikes as [T*B, C, H, W]
-        return F.max_pool2d(img, 3, 2, 1).reshape(4, 3, -1).repeat(1, 1, 4)
+        img = (s1 + 0 * s2) if spikes else torch.sigmoid(m.a(s1) + s2)  # a real-valued input, too
+        pooled = F.max_pool2d(img.reshape(12, 1, 4, 4), 3, 2, 1)  # as [T*B, C, H, W]
+        return pooled.reshape(4, 3, -1).repeat(1, 1, 4)
 
     kept = _same_grads(body)
-    assert not [k for k in kept if isinstance(k, torch.Tensor) and k.dtype == torch.int64]
-    assert any(p.bound == 1 and p.shape == (12, 1, 4, 4) for p in _packed(kept))
+    ints = [k for k in kept if isinstance(k, torch.Tensor) and not k.is_floating_point()]
+    # one offset per output (2 x 2 per plane) in a byte: the largest offset of a 3x3 window on a
+    # 4-wide plane is 2 * 4 + 2
+    assert [(k.dtype, tuple(k.shape)) for k in ints] == [(torch.uint8, (12, 1, 2, 2))]
+    assert not any(getattr(k, "shape", None) == (12, 1, 4, 4) for k in kept)  # the pool's input is not kept
+
+
+def test_max_pool_offsets_route_the_gradient_as_aten_does() -> None:
+    from efficient.memory.spikes import _CompactMaxPool2d, _pool2d_args
+
+    g = torch.Generator().manual_seed(0)
+    for (k, s, p, d, ceil), shape in [((3, 2, 1, 1, False), (2, 3, 7, 9)), ((3, 2, 1, 1, True), (3, 5, 6)),
+                                      ((3, 1, 1, 2, False), (2, 2, 8, 8)), (((2, 3), (1, 2), (1, 0), 1, True), (1, 2, 5, 7))]:
+        for x in ((torch.rand(shape, generator=g) > 0.6).float(),  # ties everywhere: the first maximum wins
+                  torch.rand(shape, generator=g).contiguous(memory_format=torch.channels_last)
+                  if len(shape) == 4 else torch.rand(shape, generator=g)):
+            a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+            ya = F.max_pool2d(a, k, s, p, d, ceil)
+            yb = _CompactMaxPool2d.apply(b, *_pool2d_args((b, k, s, p, d, ceil), {}))
+            grad = torch.randn(ya.shape, generator=g)
+            ya.backward(grad)
+            yb.backward(grad)
+            assert torch.equal(ya, yb) and torch.equal(a.grad, b.grad) and a.grad.stride() == b.grad.stride()
 
 
 def test_a_matmul_of_strided_spike_views_keeps_them_as_bits() -> None:

@@ -10,14 +10,17 @@ unit) shares that storage and is packed as itself. The tracker holds weak refere
 tensor freed after the forward drops out, so its memory, if reused, is never mistaken for spikes.
 
 A training-mode BatchNorm output that backward needs (a stable-SNN neuron multiplies it by its
-per-step gain, a max-pool before a neuron takes it) is not kept either: BatchNorm keeps its input
-for its own backward anyway, and the output is that input's normalisation, recomputed from it by
-the same call (`RecomputedNorm`), so the values backward reads are the forward's, bit for bit.
+per-step gain) is not kept either: BatchNorm keeps its input for its own backward anyway, and the
+output is that input's normalisation, recomputed from it by the same call (`RecomputedNorm`), so
+the values backward reads are the forward's, bit for bit. A 2-D max-pool keeps only where each
+output's maximum was, as small window offsets (`_CompactMaxPool2d`): not its input, not int64
+indices.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import weakref
 from dataclasses import dataclass
@@ -259,25 +262,52 @@ def _written(name: str, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return written
 
 
-class _SpikeMaxPool2d(torch.autograd.Function):
-    """2-D max-pool of spikes that keeps only its input (as bits, through the saved-tensor hooks) and
-    finds the argmax positions again in backward. autograd's own max-pool keeps int64 indices, 16
-    bits per input element where the spikes take 1; the recomputed indices are the same, and the
-    same aten backward kernel routes the gradient, so it is bitwise autograd's."""
+class _CompactMaxPool2d(torch.autograd.Function):
+    """2-D max-pool that keeps neither its input nor int64 argmax indices: each output's argmax is
+    kept as its offset from the window's first element (flat in the input plane), in the narrowest
+    integer type that holds the largest offset (uint8 for a 3x3 window on planes up to 127 wide:
+    8 bits per output where aten keeps 64, and its input is not kept at all). Backward adds the
+    window origins back and routes the gradient with aten's own kernel, so it is bitwise autograd's;
+    nothing reruns. With the input gone, a BatchNorm output that only a max-pool reads is not kept
+    either."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, *pool: Any) -> torch.Tensor:
-        out, _ = torch.ops.aten.max_pool2d_with_indices(x, *pool)
-        ctx.save_for_backward(x)
-        ctx.pool = pool
+        out, idx = torch.ops.aten.max_pool2d_with_indices(x, *pool)
+        origin, small = _window_origins(tuple(out.shape[-2:]), int(x.shape[-1]), tuple(pool[0]), tuple(pool[1]),
+                                        tuple(pool[2]), tuple(pool[3]), idx.device)
+        ctx.save_for_backward((idx - origin).to(small))
+        ctx.pool, ctx.origin = pool, origin
+        ctx.like = (tuple(x.shape), tuple(x.stride()), x.dtype, x.device)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        (x,) = ctx.saved_tensors
-        _, idx = torch.ops.aten.max_pool2d_with_indices(x, *ctx.pool)
-        gx = torch.ops.aten.max_pool2d_with_indices_backward(grad, x, *ctx.pool, idx)
+        (offset,) = ctx.saved_tensors
+        idx = offset.to(torch.int64) + ctx.origin
+        shape, stride, dtype, device = ctx.like
+        # the kernel reads only the input's sizes and memory format: an uninitialised tensor with the
+        # forward input's strides stands in for it (its pages are never touched)
+        like = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+        gx = torch.ops.aten.max_pool2d_with_indices_backward(grad, like, *ctx.pool, idx)
         return (gx, *([None] * len(ctx.pool)))
+
+
+@functools.lru_cache(maxsize=64)
+def _window_origins(out_hw: tuple[int, int], width: int, kernel: tuple[int, ...], stride: tuple[int, ...],
+                    padding: tuple[int, ...], dilation: tuple[int, ...], device: torch.device
+                    ) -> tuple[torch.Tensor, torch.dtype]:
+    """[OH, OW] flat plane index of each window's first element, (oh*s - p) * W + (ow*s - p) (negative
+    where padding overhangs), and the integer type that holds every argmax's offset from it: the
+    largest offset is (kH - 1) dH W + (kW - 1) dW."""
+    rows = torch.arange(out_hw[0], device=device) * stride[0] - padding[0]
+    cols = torch.arange(out_hw[1], device=device) * stride[1] - padding[1]
+    span = (kernel[0] - 1) * dilation[0] * width + (kernel[1] - 1) * dilation[1]
+    small = next(t for t in (torch.uint8, torch.int16, torch.int32, torch.int64) if span <= _INT_MAX[t])
+    return rows[:, None] * width + cols[None, :], small
+
+
+_INT_MAX = {torch.uint8: 255, torch.int16: 32767, torch.int32: 2**31 - 1, torch.int64: 2**63 - 1}
 
 
 def _pool2d_args(args: tuple, kwargs: dict) -> tuple | None:
@@ -304,8 +334,8 @@ class SpikePropagation(TorchFunctionMode):
 
     Two ops are given what autograd should keep: a matrix product of tracked operands multiplies
     contiguous copies (made here, so they are tracked; `matmul` would otherwise copy a strided
-    operand itself and keep that untracked copy dense), and a 2-D max-pool of spikes keeps its
-    input as bits instead of int64 indices (`_SpikeMaxPool2d`)."""
+    operand itself and keep that untracked copy dense), and a 2-D max-pool keeps its argmax as
+    small window offsets instead of its input and int64 indices (`_CompactMaxPool2d`)."""
 
     def __init__(self, tracker: SpikeTracker) -> None:
         super().__init__()
@@ -328,10 +358,12 @@ class SpikePropagation(TorchFunctionMode):
             out = self._matmul(func, *args)
             if out is not None:
                 return out
-        elif name == "max_pool2d" and args and (b := self.tracker.bound(args[0])) == 1 and args[0].requires_grad \
-                and torch.is_grad_enabled() and (pool := _pool2d_args(args, kwargs)) is not None:
-            out = _SpikeMaxPool2d.apply(args[0], *pool)
-            self.tracker.add(out, b)
+        elif name == "max_pool2d" and args and isinstance(args[0], torch.Tensor) and args[0].requires_grad \
+                and args[0].is_floating_point() and torch.is_grad_enabled() \
+                and (pool := _pool2d_args(args, kwargs)) is not None:
+            out = _CompactMaxPool2d.apply(args[0], *pool)
+            if bound is not None:
+                self.tracker.add(out, bound)
             return out
         out = func(*args, **kwargs)
         if name == "batch_norm" and not in_region():
