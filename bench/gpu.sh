@@ -144,7 +144,7 @@ if [ "$DRY" = 1 ]; then
   want stata && part steps_imagenet 1500 $PY bench/step.py --device cpu --dry-run --sizes imagenet --amp fp32 --steps 1 --warmup 0 \
     --budget-s 1400 --prepare-s 1300 --time-s 200 --json "$WORK/steps_imagenet.json"
   want lif && part lif_speed 600 $PY bench/neurons.py --gpu --speed-only --dry-run --neurons lif plif dlif --json "$WORK/lif_speed.json"
-  want memory && part memory 900 $PY bench/memory.py --dry-run --steps 1 --budget-s 800 --json "$WORK/memory.json"
+  want memory && part memory 1500 $PY bench/memory.py --dry-run --steps 1 --budget-s 1400 --json "$WORK/memory.json"
   want ee && part ee_kernels 300 $PY bench/ee_kernels.py --device cpu --dry-run --dtypes fp32 fp16 --json "$WORK/ee_kernels.json"
 else
   want lif && part lif_check 50 $PY bench/neurons.py --gpu --check-only --json "$WORK/lif_check.json"
