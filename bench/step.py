@@ -235,22 +235,27 @@ def _host_cases() -> list[tuple[str, Callable[[], Any], Callable[[], Any]]]:
     ]
 
 
-def host_costs(rounds: int = 7, calls: int = 200) -> list[dict[str, Any]]:
+def host_costs(rounds: int = 15, calls: int = 200) -> list[dict[str, Any]]:
+    """Per op: `rounds` rounds, each timing `calls` calls of ours and then of plain torch (the order
+    alternating by round), so a drift of the machine's speed falls on both; the medians of each and
+    the median and range of the per-round ratios."""
     rows = []
     for name, ours, plain in _host_cases():
         for f in (ours, plain):  # warm-up (first-call compilation of a CPU path)
             for _ in range(3):
                 f()
-        res = {}
-        for label, f in (("ours", ours), ("plain", plain)):
-            per = []
-            for _ in range(rounds):
+        res: dict[str, list[float]] = {"ours": [], "plain": []}
+        for r in range(rounds):
+            for label in (("ours", "plain") if r % 2 == 0 else ("plain", "ours")):
+                f = ours if label == "ours" else plain
                 t = time.perf_counter()
                 for _ in range(calls):
                     f()
-                per.append((time.perf_counter() - t) / calls)
-            res[label] = statistics.median(per)
-        rows.append({"op": name, "ours_us": res["ours"] * 1e6, "plain_us": res["plain"] * 1e6})
+                res[label].append((time.perf_counter() - t) / calls)
+        ratios = [a / b for a, b in zip(res["ours"], res["plain"])]
+        rows.append({"op": name, "ours_us": statistics.median(res["ours"]) * 1e6,
+                     "plain_us": statistics.median(res["plain"]) * 1e6, "ratio": statistics.median(ratios),
+                     "ratio_min": min(ratios), "ratio_max": max(ratios)})
     return rows
 
 
@@ -774,11 +779,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"| {r['model']} | {r['ops']} | {r['ops_separate']} | {r['eager_s']:.3f} | {r['eager_separate_s']:.3f} | "
                       f"{r['eager_separate_s'] / r['eager_s']:.3f} |")
     if not args.no_host:
-        print("\n## host cost of one call (tiny inputs, median of 7 x 200 calls)\n")
-        print("| op | ours us | plain torch us | ours / plain |")
-        print("|---|---|---|---|")
+        print("\n## host cost of one call (tiny inputs; 15 rounds of 200 calls each, ours and plain alternating)\n")
+        print("| op | ours us | plain torch us | ours / plain (median of rounds) | range |")
+        print("|---|---|---|---|---|")
         for r in host_costs():
-            print(f"| {r['op']} | {r['ours_us']:.0f} | {r['plain_us']:.0f} | {r['ours_us'] / r['plain_us']:.2f} |", flush=True)
+            print(f"| {r['op']} | {r['ours_us']:.0f} | {r['plain_us']:.0f} | {r['ratio']:.2f} | "
+                  f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f} |", flush=True)
     print(f"\n# load after {_load()}")
     return 0
 

@@ -43,6 +43,7 @@ assign it in `lif_common`, where it is read).
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -99,6 +100,17 @@ def _charge(x: Tensor, v: Tensor, rate, c, v_reset: float, charge: int) -> Tenso
         return v + (d * rate if rate is not None else d / c)
     d = v - v_reset
     return v - (d * rate if rate is not None else d / c) + x
+
+
+def _charge_fused(x: Tensor, v: Tensor, rate, c: Tensor, v_reset: Tensor, charge: int, zero_reset: bool) -> Tensor:
+    """`_charge` in fewer ops for the fused loop (0-d tensor scalars), the same values bit for bit:
+    a +0.0 reset is not subtracted (v - 0.0 == v, signed zeros included), and v +- d / c is one
+    `addcdiv` (it rounds the quotient, then the sum, as the two ops do; (-d) / c == -(d / c))."""
+    if charge == CHARGE_LEAK or rate is not None:
+        return _charge(x, v, rate, c, v_reset, charge)
+    if charge == CHARGE_DECAY_INPUT:
+        return torch.addcdiv(v, x - (v if zero_reset else v - v_reset), c)
+    return torch.addcdiv(v, v if zero_reset else v - v_reset, c, value=-1.0) + x
 
 
 def lif_reference(
@@ -313,17 +325,22 @@ def _triton_backward(gs, gm, h, rate, c, v_th, v_reset, charge, surrogate, alpha
 # ---------------------------------------------------------------------------------------------
 
 
-def _loop_forward(x, rate, c, v_th, v_reset, v0, *, charge: int, hard: bool, spike_dtype: torch.dtype):
-    """x [T, N] -> (spikes [T, N], H [T, N] fp32); scalars arrive as 0-d fp32 tensors, v0 [N] or None."""
+def _loop_forward(x, rate, c, v_th, v_reset, v0, *, charge: int, hard: bool, spike_dtype: torch.dtype,
+                  zero_reset: bool = False):
+    """x [T, N] -> (spikes [T, N], H [T, N] fp32); scalars arrive as 0-d fp32 tensors, v0 [N] or None;
+    `zero_reset`: v_reset is +0.0 (its subtraction is skipped)."""
     # only the recurrence runs per step; casts and the spike threshold run once over all T (fewer
     # dispatched ops per call: on small tensors the host cost of each op is the cost)
     xf = x.float()
-    v = torch.zeros_like(xf[0]) + v_reset if v0 is None else v0.float()
+    # the resting membrane as a broadcast view of the 0-d v_reset (read only; one op, no allocation)
+    v = v_reset.expand(xf.shape[1:]) if v0 is None else v0.float()
     hs = []
-    for t in range(x.shape[0]):
-        h = _charge(xf[t], v, rate, c, v_reset, charge)
-        v = torch.where(h >= v_th, v_reset, h) if hard else torch.where(h >= v_th, h - v_th, h)
+    steps = xf.unbind(0)  # one op for all T views, where indexing costs one per step
+    for t, xt in enumerate(steps):
+        h = _charge_fused(xt, v, rate, c, v_reset, charge, zero_reset)
         hs.append(h)
+        if t + 1 < len(steps):  # the membrane after the last step is not returned
+            v = torch.where(h >= v_th, v_reset, h) if hard else torch.where(h >= v_th, h - v_th, h)
     H = torch.stack(hs)
     return (H >= v_th).to(spike_dtype), H
 
@@ -351,13 +368,18 @@ def _loop_backward(
         r = 1.0 - v_th * sg
     carry = torch.zeros_like(h[0])
     ghs = [None] * T
+    a_t = a.unbind(0)
+    r_t = r.unbind(0) if r is not None else None
     for t in range(T - 1, -1, -1):
-        gh = a[t] + (carry if r is None else carry * r[t])
+        gh = a_t[t] + (carry if r_t is None else carry * r_t[t])
         ghs[t] = gh
+        if t == 0 and v0 is None:  # the carry past step 0 is v0's gradient, and there is no v0
+            break
         if charge == CHARGE_LEAK:
             carry = gh * c
         else:
-            carry = gh - (gh * rate if rate is not None else gh / c)
+            # gh - gh / c as one addcdiv: gh + (-gh) / c rounds as the two ops do
+            carry = gh - gh * rate if rate is not None else torch.addcdiv(gh, gh, c, value=-1.0)
     GH = torch.stack(ghs)
     if charge == CHARGE_DECAY_INPUT:
         gx = GH * rate if rate is not None else GH / c
@@ -378,8 +400,10 @@ def _run_forward(x, rate, c, v_th, v_reset, charge, spike_dtype, impl, v0=None):
     if impl == "triton":
         return _triton_forward(x, rate, c, v_th, v_reset, charge, spike_dtype, v0)
     hard = v_reset is not None
-    static = (("charge", charge), ("hard", hard), ("spike_dtype", spike_dtype))
-    args = (x, rate, *_scalars(x.device, c, v_th, v_reset if hard else 0.0), v0)
+    vr = float(v_reset) if hard else 0.0
+    zero_reset = vr == 0.0 and math.copysign(1.0, vr) > 0  # a -0.0 reset still subtracts (signed zeros)
+    static = (("charge", charge), ("hard", hard), ("spike_dtype", spike_dtype), ("zero_reset", zero_reset))
+    args = (x, rate, *_scalars(x.device, c, v_th, vr), v0)
     if impl == "inductor":
         return _compiled(_loop_forward, static)(*_unviewed(args))
     return _loop_forward(*args, **dict(static))
