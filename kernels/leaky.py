@@ -223,12 +223,12 @@ def _leaky_loop_forward(x, m0, beta, thr, *, reset: int, spike_dtype: torch.dtyp
     or [1] (one value for all neurons), all fp32."""
     # only the recurrence runs per step; the cast and the spike threshold run once over all T
     xf = x.float()
-    m = torch.zeros_like(xf[0]) if m0 is None else m0
+    m = xf.new_zeros(xf.shape[1:]) if m0 is None else m0
     ms = []
-    for t in range(x.shape[0]):
-        xt = xf[t]
+    zero = beta * 0.0 if reset == RESET_ZERO else None  # snntorch's beta * 0 (signed zeros), once for all steps
+    for xt in xf.unbind(0):  # one op for all T views, where indexing costs one per step
         if reset == RESET_ZERO:
-            m = torch.where(m > thr, beta * 0.0 + xt, beta * m + xt)
+            m = torch.where(m > thr, zero + xt, beta * m + xt)
         elif reset == RESET_SUBTRACT:
             base = beta * m + xt
             m = torch.where(m > thr, base - thr, base)
@@ -250,10 +250,13 @@ def _leaky_loop_backward(gs, gm, m, m0, beta, thr, alpha, *, reset: int, surroga
     r = mp > thr  # step t reset (its membrane crossed at t - 1)
     carry = torch.zeros_like(m[0])
     ghs = [None] * T
+    a_t, r_t = a.unbind(0), r.unbind(0)
     for t in range(T - 1, -1, -1):
-        gh = a[t] + carry
+        gh = a_t[t] + carry
         ghs[t] = gh
-        carry = torch.where(r[t], 0.0, gh * beta) if reset == RESET_ZERO else gh * beta
+        if t == 0 and m0 is None:  # the carry past step 0 is m0's gradient, and there is no m0
+            break
+        carry = torch.where(r_t[t], 0.0, gh * beta) if reset == RESET_ZERO else gh * beta
     GH = torch.stack(ghs)
     if reset == RESET_ZERO:
         gb = torch.where(r, 0.0, GH * mp).sum(0)
