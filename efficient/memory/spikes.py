@@ -303,11 +303,8 @@ def _window_origins(out_hw: tuple[int, int], width: int, kernel: tuple[int, ...]
     rows = torch.arange(out_hw[0], device=device) * stride[0] - padding[0]
     cols = torch.arange(out_hw[1], device=device) * stride[1] - padding[1]
     span = (kernel[0] - 1) * dilation[0] * width + (kernel[1] - 1) * dilation[1]
-    small = next(t for t in (torch.uint8, torch.int16, torch.int32, torch.int64) if span <= _INT_MAX[t])
+    small = next(t for t in (torch.uint8, torch.int16, torch.int32, torch.int64) if span <= torch.iinfo(t).max)
     return rows[:, None] * width + cols[None, :], small
-
-
-_INT_MAX = {torch.uint8: 255, torch.int16: 32767, torch.int32: 2**31 - 1, torch.int64: 2**63 - 1}
 
 
 def _pool2d_args(args: tuple, kwargs: dict) -> tuple | None:
@@ -362,7 +359,7 @@ class SpikePropagation(TorchFunctionMode):
                 and args[0].is_floating_point() and torch.is_grad_enabled() \
                 and (pool := _pool2d_args(args, kwargs)) is not None:
             out = _CompactMaxPool2d.apply(args[0], *pool)
-            if bound is not None:
+            if bound is not None and bound <= MAX_BOUND:  # as every other tracked output
                 self.tracker.add(out, bound)
             return out
         out = func(*args, **kwargs)
