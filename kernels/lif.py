@@ -331,13 +331,16 @@ def _loop_forward(x, rate, c, v_th, v_reset, v0, *, charge: int, hard: bool, spi
     `zero_reset`: v_reset is +0.0 (its subtraction is skipped)."""
     # only the recurrence runs per step; casts and the spike threshold run once over all T (fewer
     # dispatched ops per call: on small tensors the host cost of each op is the cost)
-    xf = x.float()
-    # the resting membrane as a broadcast view of the 0-d v_reset (read only; one op, no allocation)
-    v = v_reset.expand(xf.shape[1:]) if v0 is None else v0.float()
+    xf = x if x.dtype == torch.float32 else x.float()  # `.float()` of fp32 is still a dispatched op
+    # From rest with a +0.0 reset, step 0's charge v + (x - v) / c is v_reset + x / c bit for bit
+    # (x - (+0.0) == x, signed zeros included): one op, and no resting membrane is made.
+    from_rest = v0 is None and zero_reset and charge == CHARGE_DECAY_INPUT and rate is None
+    # otherwise the resting membrane is a broadcast view of the 0-d v_reset (read only, no allocation)
+    v = None if from_rest else v_reset.expand(xf.shape[1:]) if v0 is None else v0.float()
     hs = []
     steps = xf.unbind(0)  # one op for all T views, where indexing costs one per step
     for t, xt in enumerate(steps):
-        h = _charge_fused(xt, v, rate, c, v_reset, charge, zero_reset)
+        h = torch.addcdiv(v_reset, xt, c) if v is None else _charge_fused(xt, v, rate, c, v_reset, charge, zero_reset)
         hs.append(h)
         if t + 1 < len(steps):  # the membrane after the last step is not returned
             v = torch.where(h >= v_th, v_reset, h) if hard else torch.where(h >= v_th, h - v_th, h)
@@ -355,23 +358,27 @@ def _loop_backward(
     # gh[t] = a[t] + carry * r[t] and the carry run per step.
     T = h.shape[0]
     sg = surrogate_grad(h - v_th, surrogate, alpha)
-    a = gs.float() * sg
+    a = (gs if gs.dtype == torch.float32 else gs.float()) * sg
     if gm is not None:
-        a = a + gm.float()
+        a = a + (gm if gm.dtype == torch.float32 else gm.float())
     if hard:
-        r = (h < v_th).to(h.dtype)
+        r = h < v_th  # kept as bool: carry * r promotes it to exactly 1.0 / 0.0, with no cast op
         if not detach:
             r = r + (v_reset - h) * sg
     elif detach:
         r = None  # the carry passes unchanged
     else:
         r = 1.0 - v_th * sg
-    carry = torch.zeros_like(h[0])
     ghs = [None] * T
     a_t = a.unbind(0)
     r_t = r.unbind(0) if r is not None else None
     for t in range(T - 1, -1, -1):
-        gh = a_t[t] + (carry if r_t is None else carry * r_t[t])
+        if t == T - 1:
+            # the carry into the last step is +0.0: a + (+0.0) * r is add(a, r, alpha=0.0) bit for bit
+            # (signed zeros and NaN included), without making the zeros
+            gh = a_t[t] + 0.0 if r_t is None else torch.add(a_t[t], r_t[t], alpha=0.0)
+        else:
+            gh = a_t[t] + (carry if r_t is None else carry * r_t[t])
         ghs[t] = gh
         if t == 0 and v0 is None:  # the carry past step 0 is v0's gradient, and there is no v0
             break
@@ -385,15 +392,15 @@ def _loop_backward(
         gx = GH * rate if rate is not None else GH / c
     else:
         gx = GH
-    gk = h.new_zeros(())
+    gk = None  # None where there is nothing to differentiate: the custom op fills in its tensors
     if rate is not None:  # d H[t] / d rate from the membrane before step t (after its reset)
         first = torch.zeros_like(h[:1]) + v_reset if v0 is None else v0.float()[None]
         after = torch.where(h[:-1] >= v_th, v_reset, h[:-1]) if hard else torch.where(h[:-1] >= v_th, h[:-1] - v_th, h[:-1])
         vp = torch.cat([first, after])
         dk = (h - vp) / rate if charge == CHARGE_DECAY_INPUT else v_reset - vp
         gk = (GH * dk).sum()
-    gv0 = carry if v0 is not None else h.new_empty(0)
-    return gx.to(x_dtype), gk, gv0
+    gv0 = carry if v0 is not None else None
+    return (gx if gx.dtype == x_dtype else gx.to(x_dtype)), gk, gv0
 
 
 def _run_forward(x, rate, c, v_th, v_reset, charge, spike_dtype, impl, v0=None):
@@ -494,8 +501,10 @@ def lif_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of lif_forward from H (and v0) alone: (grad x [T, N] in x_dtype, grad rate 0-d fp32,
     grad v0 [N] fp32, or an empty tensor without v0)."""
-    return _lif_backward_impl(grad_spikes, grad_h, h, rate, c, v_threshold, v_reset, charge, surrogate, alpha,
-                              detach_reset, x_dtype, impl, v0)
+    gx, gk, gv0 = _lif_backward_impl(grad_spikes, grad_h, h, rate, c, v_threshold, v_reset, charge, surrogate, alpha,
+                                     detach_reset, x_dtype, impl, v0)
+    # the loops leave out what their caller does not differentiate; an op returns tensors
+    return gx, (h.new_zeros(()) if gk is None else gk), (h.new_empty(0) if gv0 is None else gv0)
 
 
 def _lif_backward_impl(grad_spikes, grad_h, h, rate, c, v_threshold, v_reset, charge, surrogate, alpha, detach_reset,
@@ -630,6 +639,9 @@ def lif(
         args = (x2, r, c, float(v_threshold), vr, charge, sid, alpha, bool(detach_reset), spike_dtype, impl, v0)
         # eager: the op's implementation without its dispatch cost; traced or observed: the op
         s, h = _EagerLIF.apply(*args) if eager_call(x) else torch.ops.efficient.lif_forward(*args)
-        s, h = s.view(x.shape), h.view(x.shape)
+        s = s.view(x.shape)
+        if not return_membrane:  # an unused view of H would still be an op and an autograd node
+            return s
+        h = h.view(x.shape)
     return (s, h) if return_membrane else s
 
