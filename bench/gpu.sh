@@ -15,7 +15,10 @@
 #                  and spikformer-stata at CIFAR b64, spikformer-8-512 and -stata at ImageNet b32:
 #                  eager, torch.compile default and reduce-overhead (CUDA graphs), fp32 and bf16
 #                  autocast, vs spikingjelly 2.0's Spikformer eager, compiled and StaticCudaGraph;
-#                  peak memory of each; STATA's ideal speed-up from profiler MACs  (bench/step.py)
+#                  peak memory of each; kernels per step, their summed time and the host's
+#                  launch calls (one profiled step without the optimizer: the device's busy share
+#                  of the step shows how launch-bound it is); STATA's ideal speed-up from profiler
+#                  MACs                                                        (bench/step.py)
 #  lif_speed       LIF/PLIF/DLIF fwd+bwd vs spikingjelly's Triton path and a compiled plain loop at
 #                  [4,32,24576], [8,64,65536] and T=16                         (bench/neurons.py)
 #  memory          levels none/bits/recompute vs spikingjelly memopt 1-4 (its GPU search bounded),

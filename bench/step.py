@@ -310,6 +310,33 @@ def _peak(device: torch.device) -> int | None:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
 
+def _launch_profile(step: Callable[[], Any], dev: torch.device) -> dict[str, Any]:
+    """One more step under torch.profiler: on CUDA the kernels the device ran (copies and fills
+    excepted), their summed time and the host's launch calls (a CUDA-graph replay is one launch
+    for many kernels); a step whose kernels take a small share of its time waits on the host. On
+    CPU (rehearsal) the top-level aten ops instead."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            step()
+            _sync(dev)
+        ev = prof.events()
+        if dev.type == "cuda":
+            kern = [e for e in ev if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))]
+            calls = [e for e in ev if e.device_type == DeviceType.CPU
+                     and any(k in e.name for k in ("LaunchKernel", "GraphLaunch", "cuLaunch"))]
+            return {"kernels": len(kern), "kernel_ms": sum(e.time_range.elapsed_us() for e in kern) / 1e3,
+                    "launch_calls": len(calls)}
+        top = [e for e in ev if e.name.startswith("aten::")
+               and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
+        return {"aten_ops": len(top)}
+    except Exception as e:  # the count is an addition to the part: its failure is reported, not fatal
+        return {"launch_error": f"{type(e).__name__}: {str(e)[:200]}"}
+
+
 class DeviceStep:
     """One model, one batch, one amp: a step callable per mode, checks against eager, timing."""
 
@@ -445,6 +472,7 @@ class DeviceStep:
                 _sync(self.dev)
                 row["peak_bytes"] = _peak(self.dev)
                 g = self.grads()
+                row.update(_launch_profile(step, self.dev))  # after the check: its gradients are read above
                 row["loss"] = float(loss)
                 if mode == "eager":
                     ref_loss, ref_g = float(loss), g
@@ -677,8 +705,9 @@ def device_main(args: argparse.Namespace) -> int:
             Path(args.json).write_text(json.dumps({"device": name, "torch": torch.__version__, "spikingjelly": sj,
                                                    "results": results}, indent=1, default=str))
     print("\n## training step on the device (zero_grad + forward + CE + backward + AdamW), median ms\n")
-    print("| size | model | amp | mode | check vs eager (loss rel, grad rel) | peak MiB (first steps) | step ms | warm-up s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| size | model | amp | mode | check vs eager (loss rel, grad rel) | peak MiB (first steps) | step ms | warm-up s "
+          "| kernels / step (host launch calls) | kernel ms / step | device busy |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if "error" in r and "modes" not in r:
             print(f"| {r['size']} | {r['model']} | {r['amp']} | | {r['error']} | | | |")
@@ -695,7 +724,14 @@ def device_main(args: argparse.Namespace) -> int:
             peak = f"{m['peak_bytes'] / 2**20:,.0f}" if m.get("peak_bytes") is not None else "n/a"
             st = f"{m['step_ms']:.2f}" if "step_ms" in m else r.get("error", "not timed")
             ws = f"{m['warmup_s']:.1f}" if "warmup_s" in m else ""
-            print(f"| {r['size']} | {r['model']} | {r['amp']} | {mode} | {chk} | {peak} | {st} | {ws} |")
+            if "kernels" in m:
+                kn, km = f"{m['kernels']} ({m['launch_calls']})", f"{m['kernel_ms']:.2f}"
+                busy = f"{m['kernel_ms'] / m['step_ms']:.0%}" if "step_ms" in m else ""
+            elif "aten_ops" in m:  # CPU rehearsal
+                kn, km, busy = f"{m['aten_ops']} aten ops", "", ""
+            else:
+                kn, km, busy = m.get("launch_error", ""), "", ""
+            print(f"| {r['size']} | {r['model']} | {r['amp']} | {mode} | {chk} | {peak} | {st} | {ws} | {kn} | {km} | {busy} |")
     for size in args.sizes:
         info = {r["model"]: r.get("info", {}) for r in results if r["size"] == size and r["amp"] == args.amp[0]}
         dense, stata = STEP_SIZES[size]["models"]
