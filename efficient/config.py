@@ -130,6 +130,9 @@ class TrainConfig:
     # batch before training); as few units as that needs rerun whole, the others only their neurons.
     # null: every unit reruns whole (the least memory)
     memory_budget: float | None = _opt(_fraction, default=None)
+    # host memory (efficient.memory.host): system (glibc as it is) | reuse (freed tensors stay with
+    # malloc for the next step: no page faults per step; memory is not given back to the OS; glibc only)
+    host_memory: Literal["system", "reuse"] = "system"
     deterministic: bool = False
     threads: int | None = _opt(_positive, default=None)
     out_dir: str = "runs"

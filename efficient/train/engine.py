@@ -26,6 +26,7 @@ from efficient.config import Recipe, check_global_batch, load_recipe
 from efficient.data import DataBundle, build_data
 from efficient.errors import ArtifactError, ConfigError
 from efficient.io import write_json, write_text
+from efficient.memory import host as host_memory
 from efficient.models.progress import inform_progress
 from efficient.objectives import Objective, build_objective
 from efficient.report.environment import environment
@@ -245,6 +246,11 @@ class Trainer:
             torch.set_num_threads(max(1, (t.threads or os.cpu_count() or 1) // world))
         if t.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
+        if t.host_memory != "system":
+            try:
+                host_memory.apply(t.host_memory)
+            except RuntimeError as e:
+                raise ConfigError(f"{self.recipe.source}: train.host_memory: {e}") from None
         self.device = resolve_device(t.device)
         self.dist = dist_utils.init_from_env(self.device.type)
         self.device = dist_utils.device_for(self.dist, self.device)
