@@ -22,14 +22,13 @@ import os
 import platform
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-RESULT = "RESULT "
+from memory import RESULT, _child  # noqa: E402 - bench/memory.py: the child-process runner
 ARCHS = ("sdt-2-512", "spikformer-4-384", "stable-snn-vgg11")
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
@@ -52,18 +51,6 @@ def child(spec: dict) -> dict:
     med = [statistics.median(c) for c in zip(*steps)]
     return {"step_s": med[0], "minflt": med[1], "sys_s": med[2], "user_s": med[3],
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-
-
-def _run(spec: dict, timeout: float) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)]
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"stopped after {timeout:.0f} s"}
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith(RESULT)]
-    if lines:
-        return json.loads(lines[-1][len(RESULT):])
-    return {"error": f"exit {r.returncode}: " + " | ".join((r.stderr or r.stdout).strip().splitlines()[-3:])}
 
 
 def geo_ci(ratios: list[float]) -> tuple[float, float, float]:
@@ -90,10 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--timeout-s", type=float, default=900)
     ap.add_argument("--json")
-    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--child", nargs=2, metavar=("KIND", "SPEC"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        print(RESULT + json.dumps(child(json.loads(args.child))), flush=True)
+        print(RESULT + json.dumps(child(json.loads(args.child[1]))), flush=True)
         return 0
     from efficient.memory import host
 
@@ -115,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             for mode in (("system", "reuse") if i % 2 == 0 else ("reuse", "system")):
                 spec = {"arch": arch, "mode": mode, "batch": args.batch, "T": args.T, "level": args.level,
                         "steps": args.steps}
-                r = _run(spec, args.timeout_s)
+                r = _child("step", spec, args.timeout_s, script=__file__)
                 if "error" in r:
                     print(f"# {arch} {mode}: {r['error']}", flush=True)
                     failed = True

@@ -550,8 +550,9 @@ def run_probe(spec: dict) -> dict:
     return rec
 
 
-def _child(kind: str, spec: dict, timeout: float) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, json.dumps(spec)]
+def _child(kind: str, spec: dict, timeout: float, script: str = __file__) -> dict:
+    """Run `script --child kind spec` in a fresh process; its last RESULT line, or the error."""
+    cmd = [sys.executable, os.path.abspath(script), "--child", kind, json.dumps(spec)]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
