@@ -193,10 +193,37 @@ def measure_model(label: str, build: Callable[[], tuple], repeats: int, compile_
 
 # ------------------------------------------------------------------------------------ host cost
 
+def _plain_lif(x: torch.Tensor) -> torch.Tensor:
+    """A plain 4-step torch LIF (tau 2, hard reset to 0, detached reset, sigmoid surrogate alpha 4)."""
+    v, out = torch.zeros_like(x[0]), []
+    for t in range(x.shape[0]):
+        h = v + (x[t] - v) / 2.0
+        s = (h >= 1.0).float() + torch.sigmoid(4.0 * (h - 1.0)) - torch.sigmoid(4.0 * (h - 1.0)).detach()
+        v = h * (1.0 - s.detach())
+        out.append(s)
+    return torch.stack(out)
+
+
+def _plain_leaky(x: torch.Tensor, beta: float = 0.9, thr: float = 1.0, alpha: float = 2.0) -> torch.Tensor:
+    """A plain snntorch-order Leaky loop (subtract reset, detached, arctan surrogate)."""
+    mem, out = torch.zeros_like(x[0]), []
+    for t in range(x.shape[0]):
+        reset = (mem > thr).float()
+        mem = beta * mem + x[t] - reset * thr
+        u = mem - thr
+        soft = torch.atan(math.pi / 2 * alpha * u) / math.pi
+        out.append((u > 0).float() + soft - soft.detach())
+    return torch.stack(out)
+
+
 def _host_cases() -> list[tuple[str, Callable[[], Any], Callable[[], Any]]]:
-    """(op, ours, plain torch) closures: forward + backward on tiny inputs."""
+    """(op, ours, plain torch) closures: forward + backward on tiny inputs, one row per custom op
+    family (the training units' ops in their fused form, BatchNorm then the neuron)."""
+    from efficient.kernels.bn_lif import bn_lif
     from efficient.kernels.exit_confidence import exit_confidence, exit_confidence_reference
+    from efficient.kernels.leaky import leaky
     from efficient.kernels.lif import lif
+    from efficient.kernels.linear_ce import linear_ce
     from efficient.kernels.spike_pack import pack_spikes, unpack_spikes
     from efficient.kernels.ssa import attention_ref, spiking_attention
     from efficient.kernels.token_select import gather_tokens, gather_tokens_ref, select_tokens, select_tokens_ref
@@ -204,32 +231,43 @@ def _host_cases() -> list[tuple[str, Callable[[], Any], Callable[[], Any]]]:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 1, 16, generator=g, requires_grad=True)
 
-    def lif_plain() -> None:
-        v, out = torch.zeros_like(x[0]), []
-        for t in range(x.shape[0]):
-            h = v + (x[t] - v) / 2.0
-            s = (h >= 1.0).float() + torch.sigmoid(4.0 * (h - 1.0)) - torch.sigmoid(4.0 * (h - 1.0)).detach()
-            v = h * (1.0 - s.detach())
-            out.append(s)
-        torch.stack(out).sum().backward()
-
     def lif_ours() -> None:
         lif(x, 2.0, 1.0, 0.0, True, True, "sigmoid", 4.0).sum().backward()
+
+    # BatchNorm + LIF units: z [T*R, C, 2, 2] (T=4, R=2, C=4); the Linear unit's input [T*R, 16] -> 8
+    z = torch.randn(8, 4, 2, 2, generator=g, requires_grad=True)
+    xl = torch.randn(8, 16, generator=g, requires_grad=True)
+    lw, lb = (torch.randn(8, 16, generator=g) / 4).requires_grad_(), torch.zeros(8, requires_grad=True)
+    bn = {c: (torch.ones(c, requires_grad=True), torch.zeros(c, requires_grad=True), torch.zeros(c), torch.ones(c))
+          for c in (4, 8)}
+
+    def unit_plain(inp: torch.Tensor, c: int) -> None:
+        w, b, rm, rv = bn[c]
+        _plain_lif(F.batch_norm(inp, rm, rv, w, b, True).reshape(4, -1)).sum().backward()
 
     q, k, v = ((torch.rand(4, 1, 2, 8, 4, generator=g) > 0.5).float().requires_grad_() for _ in range(3))
     scores = torch.rand(4, 1, 8, generator=g)
     tok = torch.randn(4, 1, 8, 4, generator=g, requires_grad=True)
     idx = torch.tensor([[0, 2, 5, 7]])
     h, w = torch.randn(3, 16, generator=g), torch.randn(64, 16, generator=g)
+    hc, wc = torch.randn(8, 16, generator=g, requires_grad=True), torch.randn(64, 16, generator=g, requires_grad=True)
+    yc = torch.randint(0, 64, (8,), generator=g)
     sp = (torch.rand(4, 1, 64, generator=g) > 0.5).float()
     return [
-        ("lif fwd+bwd [4,1,16]", lif_ours, lif_plain),
+        ("lif fwd+bwd [4,1,16]", lif_ours, lambda: _plain_lif(x).sum().backward()),
+        ("leaky fwd+bwd [4,1,16] (snntorch order)", lambda: leaky(x, 0.9, 1.0, "subtract", "atan", 2.0).sum().backward(),
+         lambda: _plain_leaky(x).sum().backward()),
+        ("bn_lif fwd+bwd [8,4,2,2] T=4", lambda: bn_lif(z, 4, *bn[4], True).sum().backward(), lambda: unit_plain(z, 4)),
+        ("linear_bn_lif fwd+bwd [8,16]->8 T=4", lambda: bn_lif(xl, 4, *bn[8], True, lin_weight=lw, lin_bias=lb).sum().backward(),
+         lambda: unit_plain(F.linear(xl, lw, lb), 8)),
         ("ssa fwd+bwd [4,1,2,8,4]", lambda: spiking_attention(q, k, v, 0.125)[0].sum().backward(),
          lambda: attention_ref(q, k, v, 0.125).sum().backward()),
         ("select_tokens [4,1,8] k=4", lambda: select_tokens(scores, 4), lambda: select_tokens_ref(scores, 4)),
         ("gather_tokens fwd+bwd [4,1,8,4]", lambda: gather_tokens(tok, idx).sum().backward(),
          lambda: gather_tokens_ref(tok, idx).sum().backward()),
         ("exit_confidence [3,16]x[64,16]", lambda: exit_confidence(h, w), lambda: exit_confidence_reference(h, w)),
+        ("linear_ce fwd+bwd [8,16]x[64,16]", lambda: linear_ce(hc, wc, yc).backward(),
+         lambda: F.cross_entropy(hc @ wc.T, yc).backward()),
         ("pack+unpack spikes [4,1,64]", lambda: unpack_spikes(pack_spikes(sp), sp.shape, sp.dtype),
          lambda: (sp != 0).to(torch.uint8).to(sp.dtype)),
     ]

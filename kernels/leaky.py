@@ -19,6 +19,8 @@ The backward uses the surrogate at M[t] - V_th (see `efficient.kernels.lif_commo
 
 from __future__ import annotations
 
+import functools
+
 from typing import Optional
 
 import torch
@@ -222,12 +224,17 @@ def _leaky_loop_forward(x, m0, beta, thr, *, reset: int, spike_dtype: torch.dtyp
     """snntorch order, x [T, N] -> (spikes [T, N], membrane [T, N] fp32); m0 is [N], beta and thr [N]
     or [1] (one value for all neurons), all fp32."""
     # only the recurrence runs per step; the cast and the spike threshold run once over all T
-    xf = x.float()
-    m = xf.new_zeros(xf.shape[1:]) if m0 is None else m0
+    xf = x if x.dtype == torch.float32 else x.float()  # `.float()` of fp32 is still a dispatched op
+    m = m0
     ms = []
-    zero = beta * 0.0 if reset == RESET_ZERO else None  # snntorch's beta * 0 (signed zeros), once for all steps
+    # snntorch's beta * 0 (signed zeros), once for all steps: the zero reset's value, and from rest
+    # (m = +0.0) step 0's leak beta * m, whose reset test m > thr is thr < 0
+    zero = beta * 0.0 if reset == RESET_ZERO or m0 is None else None
     for xt in xf.unbind(0):  # one op for all T views, where indexing costs one per step
-        if reset == RESET_ZERO:
+        if m is None:  # step 0 from rest: both zero-reset branches are beta * 0 + x
+            base = zero + xt
+            m = torch.where(thr < 0, base - thr, base) if reset == RESET_SUBTRACT else base
+        elif reset == RESET_ZERO:
             m = torch.where(m > thr, zero + xt, beta * m + xt)
         elif reset == RESET_SUBTRACT:
             base = beta * m + xt
@@ -239,37 +246,38 @@ def _leaky_loop_forward(x, m0, beta, thr, *, reset: int, spike_dtype: torch.dtyp
     return (M > thr).to(spike_dtype), M
 
 
-def _leaky_loop_backward(gs, gm, m, m0, beta, thr, alpha, *, reset: int, surrogate: int, x_dtype: torch.dtype):
-    """Reverse-time recurrence of the snntorch-order backward: (grad x, grad m0 or [0], grad beta [N], grad thr [N])."""
+def _leaky_loop_backward(gs, gm, m, m0, beta, thr, alpha, *, reset: int, surrogate: int, x_dtype: torch.dtype,
+                         need_beta: bool = True, need_thr: bool = True):
+    """Reverse-time recurrence of the snntorch-order backward: (grad x, grad m0 or [0], grad beta [N], grad thr [N]);
+    the gradient of beta (threshold) is None with `need_beta` (`need_thr`) False."""
     # What does not depend on the carried gradient runs once over all T (the surrogate, the spike
     # gradient's share, which steps reset); only gh[t] = a[t] + carry and the carry run per step.
     T = m.shape[0]
-    gsg = gs.float() * surrogate_grad(m - thr, surrogate, alpha)
-    a = gsg if gm is None else gsg + gm.float()
+    gsg = (gs if gs.dtype == torch.float32 else gs.float()) * surrogate_grad(m - thr, surrogate, alpha)
+    a = gsg if gm is None else gsg + (gm if gm.dtype == torch.float32 else gm.float())
     mp = torch.cat([(m0 if m0 is not None else torch.zeros_like(m[0]))[None], m[:-1]])  # membrane before each step
     r = mp > thr  # step t reset (its membrane crossed at t - 1)
-    carry = torch.zeros_like(m[0])
     ghs = [None] * T
     a_t, r_t = a.unbind(0), r.unbind(0)
     for t in range(T - 1, -1, -1):
-        gh = a_t[t] + carry
+        # the carry into the last step is +0.0: a + 0.0 without making the zeros
+        gh = a_t[t] + 0.0 if t == T - 1 else a_t[t] + carry
         ghs[t] = gh
         if t == 0 and m0 is None:  # the carry past step 0 is m0's gradient, and there is no m0
             break
         carry = torch.where(r_t[t], 0.0, gh * beta) if reset == RESET_ZERO else gh * beta
     GH = torch.stack(ghs)
-    if reset == RESET_ZERO:
-        gb = torch.where(r, 0.0, GH * mp).sum(0)
-        gt = -gsg.sum(0)
-    else:
-        gb = (GH * mp).sum(0)
+    gb = gt = None
+    if need_beta:
+        gb = torch.where(r, 0.0, GH * mp).sum(0) if reset == RESET_ZERO else (GH * mp).sum(0)
+    if need_thr:
         gt = -(gsg + torch.where(r, GH, 0.0)).sum(0) if reset == RESET_SUBTRACT else -gsg.sum(0)
-    gxs = GH.to(x_dtype)
+    gxs = GH if GH.dtype == x_dtype else GH.to(x_dtype)
     gm0 = carry if m0 is not None else m.new_empty(0)
     # a beta / threshold shared by all neurons arrives as [1]: its gradient is the sum over neurons
-    if beta.shape[0] != m.shape[1]:
+    if gb is not None and beta.shape[0] != m.shape[1]:
         gb = gb.sum(0, keepdim=True)
-    if thr.shape[0] != m.shape[1]:
+    if gt is not None and thr.shape[0] != m.shape[1]:
         gt = gt.sum(0, keepdim=True)
     return gxs, gm0, gb, gt
 
@@ -283,10 +291,11 @@ def _run_leaky_forward(x, m0, beta, thr, reset, spike_dtype, impl):
     return _leaky_loop_forward(x, m0, beta, thr, **dict(static))
 
 
-def _run_leaky_backward(gs, gm, m, m0, beta, thr, reset, surrogate, alpha, x_dtype, impl):
+def _run_leaky_backward(gs, gm, m, m0, beta, thr, reset, surrogate, alpha, x_dtype, impl, need=(True, True)):
     if impl == "triton":
         return _triton_leaky_backward(gs, gm, m, m0, beta, thr, reset, surrogate, alpha, x_dtype)
-    static = (("reset", reset), ("surrogate", surrogate), ("x_dtype", x_dtype))
+    static = (("reset", reset), ("surrogate", surrogate), ("x_dtype", x_dtype), ("need_beta", need[0]),
+              ("need_thr", need[1]))
     args = (gs, gm, m, m0, beta, thr, *_scalars(m.device, alpha))
     if impl == "inductor":
         return _compiled(_leaky_loop_backward, static)(*_unviewed(args))
@@ -365,7 +374,10 @@ def leaky_backward_op(
     return _leaky_backward_impl(grad_spikes, grad_mem, mem, m0, beta, threshold, reset, surrogate, alpha, x_dtype, impl)
 
 
-def _leaky_backward_impl(grad_spikes, grad_mem, mem, m0, beta, threshold, reset, surrogate, alpha, x_dtype, impl):
+def _leaky_backward_impl(grad_spikes, grad_mem, mem, m0, beta, threshold, reset, surrogate, alpha, x_dtype, impl,
+                         need=(True, True)):
+    # `need`: whether beta's and the threshold's gradients are wanted (the eager path knows; the op
+    # returns both)
     # the Triton kernels index dense [T, N]; the torch loops read any strides (a loss like
     # spikes.sum() hands back an expanded gradient, which would otherwise be copied in full)
     dense = (lambda t: t.contiguous()) if impl == "triton" else (lambda t: t)
@@ -373,7 +385,7 @@ def _leaky_backward_impl(grad_spikes, grad_mem, mem, m0, beta, threshold, reset,
     gm = dense(grad_mem) if grad_mem is not None else None
     m0 = m0.contiguous() if m0 is not None else None
     return _run_leaky_backward(
-        gs, gm, mem, m0, beta.contiguous(), threshold.contiguous(), reset, surrogate, alpha, x_dtype, impl
+        gs, gm, mem, m0, beta.contiguous(), threshold.contiguous(), reset, surrogate, alpha, x_dtype, impl, need
     )
 
 
@@ -392,12 +404,14 @@ def _leaky_setup_context(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
 
 
-def _leaky_backward(ctx, grad_spikes, grad_mem, backward_fn=leaky_backward_op):
+def _leaky_backward(ctx, grad_spikes, grad_mem, backward_fn=leaky_backward_op, pass_need=False):
     mem, m0, beta, threshold = ctx.saved_tensors
     if grad_spikes is None:
         grad_spikes = torch.zeros_like(mem)
-    gx, gm0, gbeta, gthr = backward_fn(grad_spikes, grad_mem, mem, m0, beta, threshold, *ctx.params, ctx.x_dtype, ctx.impl)
     need = ctx.needs_input_grad
+    extra = {"need": (need[2], need[3])} if pass_need else {}
+    gx, gm0, gbeta, gthr = backward_fn(grad_spikes, grad_mem, mem, m0, beta, threshold, *ctx.params, ctx.x_dtype, ctx.impl,
+                                       **extra)
     return (gx, gm0 if m0 is not None and need[1] else None, gbeta if need[2] else None,
             gthr if need[3] else None, None, None, None, None, None)
 
@@ -410,7 +424,8 @@ leaky_forward_op.register_autograd(_leaky_backward, setup_context=_leaky_setup_c
 # loop itself on a conv layer's 64k neurons; under torch.compile the op is used, so graphs still see
 # one opaque node.
 _EagerLeaky = eager_function("_EagerLeaky", _leaky_forward_impl, _leaky_setup_context,
-                             lambda ctx, gs, gm: _leaky_backward(ctx, gs, gm, backward_fn=_leaky_backward_impl))
+                             lambda ctx, gs, gm: _leaky_backward(ctx, gs, gm, backward_fn=_leaky_backward_impl,
+                                                                 pass_need=True))
 
 
 # snntorch order: leak 2, reset select 2, compare 1; backward: surrogate ~6, accumulate ~7
@@ -423,11 +438,20 @@ _register_flops(torch.ops.efficient.leaky_backward, 13)
 # ---------------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=256)
+def _number(device: torch.device, value: float, name: str) -> Tensor:
+    """A number argument as a read-only fp32 [1] tensor, made once per (device, value, argument):
+    a fresh tensor per call costs five dispatched ops."""
+    return torch.tensor([value], dtype=torch.float32, device=device)
+
+
 def _per_neuron(value: float | Tensor, x: Tensor, name: str) -> Tensor:
     """`value` (a number, or a tensor broadcastable to one step of x) as fp32 [N], or [1] when it holds
     one value (the kernels broadcast it; expanding to [N] would cost a copy forward and a reduction
     backward per call), differentiable."""
-    t = value if isinstance(value, Tensor) else torch.tensor(float(value), device=x.device)
+    if not isinstance(value, Tensor):  # a number: one cached read-only [1] tensor, not a new one per call
+        return _number(x.device, float(value), name)
+    t = value
     if t.numel() == 1 and t.dim() <= x.dim() - 1:
         return t.float().reshape(1)
     try:
@@ -478,6 +502,9 @@ def leaky(
             s, m = _EagerLeaky.apply(*args)  # same loops as the op, without its per-call dispatch cost
         else:
             s, m = torch.ops.efficient.leaky_forward(*args)
-        s, m = s.view(x.shape), m.view(x.shape)
+        s = s.view(x.shape)
+        if not return_membrane:  # an unused view of the membrane would still be an op and an autograd node
+            return s
+        m = m.view(x.shape)
     return (s, m) if return_membrane else s
 

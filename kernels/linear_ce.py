@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from efficient.kernels._backend import BACKENDS, resolve_backend  # noqa: F401 - BACKENDS: the accepted values
+from efficient.kernels._backend import BACKENDS, eager_call, eager_function, resolve_backend  # noqa: F401 - BACKENDS: the accepted values
 
 try:
     import triton
@@ -165,6 +165,15 @@ def _backward(ctx, g_loss, g_dh, g_dw):
 
 _linear_ce_op.register_autograd(_backward, setup_context=_setup_context)
 
+
+def _eager_setup(ctx, inputs, output) -> None:
+    _setup_context(ctx, inputs, output)
+    ctx.set_materialize_grads(False)  # the gradients outputs dh, dw get none: no zeros of their size
+
+
+# eager calls (`_backend.eager_call`): the op's implementation and autograd formula without its dispatch
+_EagerLinearCE = eager_function("_EagerLinearCE", _linear_ce_chunked, _eager_setup, _backward)
+
 try:
     from torch.utils.flop_counter import register_flop_formula
 
@@ -203,5 +212,7 @@ def linear_ce(
     if be == "triton" and hidden.dtype == torch.float64:
         raise ValueError("linear_ce: the Triton kernel takes fp32/fp16/bf16; use backend='torch' for fp64")
     need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    loss, _, _ = _linear_ce_op(hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1).long(), ignore_index, confidence_weighted, chunk_size, be, need_grad)
+    args = (hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1).long(), ignore_index, confidence_weighted,
+            chunk_size, be, need_grad)
+    loss, _, _ = _EagerLinearCE.apply(*args) if eager_call(hidden) else _linear_ce_op(*args)
     return loss

@@ -84,6 +84,40 @@ def test_custom_op_registration():
     torch.library.opcheck(torch.ops.efficient.linear_ce, (h, w, t, -100, False, 4, "torch", True), test_utils=("test_schema", "test_faketensor"))
 
 
+@pytest.mark.parametrize("conf", [False, True])
+def test_eager_path_equals_the_custom_op(conf):
+    """A plain eager call skips the op's dispatch (`_EagerLinearCE`); the loss and both gradients
+    are the op's bit for bit, ignored targets and several chunks included; a dispatch mode sees the op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import efficient.kernels.linear_ce as K
+
+    torch.manual_seed(0)
+    h, w = torch.randn(10, 8, requires_grad=True), torch.randn(12, 8, requires_grad=True)
+    t = torch.randint(0, 12, (10,))
+    t[3] = -100
+    args = (h, w, t, -100, conf, 4, "torch", True)
+    outs = []
+    for fn in (K._EagerLinearCE.apply, torch.ops.efficient.linear_ce):
+        loss = fn(*args)[0]
+        outs.append((loss, torch.autograd.grad(loss * 1.5, (h, w))))
+    (l1, g1), (l2, g2) = outs
+    assert torch.equal(l1, l2) and all(torch.equal(a, b) for a, b in zip(g1, g2))
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Seen() as seen:
+        linear_ce(h, w, t, confidence_weighted=conf, chunk_size=4)
+    assert "linear_ce.default" in seen.ops
+
+
 def test_bad_input():
     h, w = torch.randn(4, 8), torch.randn(10, 8)
     with pytest.raises(ValueError, match="share D"):
