@@ -17,7 +17,8 @@ Levels (recipe key `train.memory`):
 
 Works on any model whose neurons are ours, spikingjelly's or snntorch's (a plain `nn.Module`
 tree; units of those libraries' models are their neurons). `measure.py` counts the bytes a step
-keeps, per layer and block.
+keeps, per layer and block. `host.py` is the host side of CPU training: glibc's malloc keeping freed
+tensors for the next step (`train.host_memory: reuse`).
 """
 
 from __future__ import annotations
