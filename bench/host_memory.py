@@ -29,8 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from memory import RESULT, _child  # noqa: E402 - bench/memory.py: the child-process runner
+from robust_study import t_interval  # noqa: E402 - mean and 95 % t-interval (scipy)
 ARCHS = ("sdt-2-512", "spikformer-4-384", "stable-snn-vgg11")
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
 def child(spec: dict) -> dict:
@@ -55,12 +55,8 @@ def child(spec: dict) -> dict:
 
 def geo_ci(ratios: list[float]) -> tuple[float, float, float]:
     """Geometric mean of `ratios` with a 95 % t-interval (of the logs)."""
-    logs = [math.log(r) for r in ratios]
-    m = statistics.mean(logs)
-    if len(logs) < 2:
-        return math.exp(m), math.nan, math.nan
-    h = T95.get(len(logs) - 1, 1.96) * statistics.stdev(logs) / math.sqrt(len(logs))
-    return math.exp(m), math.exp(m - h), math.exp(m + h)
+    m, lo, hi = t_interval([math.log(r) for r in ratios])
+    return math.exp(m), math.exp(lo), math.exp(hi)
 
 
 def _load() -> str:

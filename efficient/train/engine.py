@@ -246,11 +246,10 @@ class Trainer:
             torch.set_num_threads(max(1, (t.threads or os.cpu_count() or 1) // world))
         if t.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
-        if t.host_memory != "system":
-            try:
-                host_memory.apply(t.host_memory)
-            except RuntimeError as e:
-                raise ConfigError(f"{self.recipe.source}: train.host_memory: {e}") from None
+        try:
+            host_memory.apply(t.host_memory)
+        except RuntimeError as e:
+            raise ConfigError(f"{self.recipe.source}: train.host_memory: {e}") from None
         self.device = resolve_device(t.device)
         self.dist = dist_utils.init_from_env(self.device.type)
         self.device = dist_utils.device_for(self.dist, self.device)
