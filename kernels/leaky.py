@@ -246,32 +246,33 @@ def _leaky_loop_forward(x, m0, beta, thr, *, reset: int, spike_dtype: torch.dtyp
     return (M > thr).to(spike_dtype), M
 
 
-def _leaky_loop_backward(gs, gm, m, m0, beta, thr, alpha, *, reset: int, surrogate: int, x_dtype: torch.dtype,
+def _leaky_loop_backward(gs, gm, m, m0, beta, thr, alpha, one, zero, *, reset: int, surrogate: int, x_dtype: torch.dtype,
                          need_beta: bool = True, need_thr: bool = True):
     """Reverse-time recurrence of the snntorch-order backward: (grad x, grad m0 or [0], grad beta [N], grad thr [N]);
-    the gradient of beta (threshold) is None with `need_beta` (`need_thr`) False."""
+    the gradient of beta (threshold) is None with `need_beta` (`need_thr`) False. `one` and `zero` are 0-d
+    fp32 tensors holding 1.0 and +0.0: a Python number operand costs a wrap and a cast per op."""
     # What does not depend on the carried gradient runs once over all T (the surrogate, the spike
     # gradient's share, which steps reset); only gh[t] = a[t] + carry and the carry run per step.
     T = m.shape[0]
-    gsg = (gs if gs.dtype == torch.float32 else gs.float()) * surrogate_grad(m - thr, surrogate, alpha)
+    gsg = (gs if gs.dtype == torch.float32 else gs.float()) * surrogate_grad(m - thr, surrogate, alpha, one)
     a = gsg if gm is None else gsg + (gm if gm.dtype == torch.float32 else gm.float())
-    mp = torch.cat([(m0 if m0 is not None else torch.zeros_like(m[0]))[None], m[:-1]])  # membrane before each step
+    mp = torch.cat([(m0 if m0 is not None else zero.expand(m.shape[1]))[None], m[:-1]])  # membrane before each step
     r = mp > thr  # step t reset (its membrane crossed at t - 1)
     ghs = [None] * T
     a_t, r_t = a.unbind(0), r.unbind(0)
     for t in range(T - 1, -1, -1):
         # the carry into the last step is +0.0: a + 0.0 without making the zeros
-        gh = a_t[t] + 0.0 if t == T - 1 else a_t[t] + carry
+        gh = a_t[t] + (zero if t == T - 1 else carry)
         ghs[t] = gh
         if t == 0 and m0 is None:  # the carry past step 0 is m0's gradient, and there is no m0
             break
-        carry = torch.where(r_t[t], 0.0, gh * beta) if reset == RESET_ZERO else gh * beta
+        carry = torch.where(r_t[t], zero, gh * beta) if reset == RESET_ZERO else gh * beta
     GH = torch.stack(ghs)
     gb = gt = None
     if need_beta:
-        gb = torch.where(r, 0.0, GH * mp).sum(0) if reset == RESET_ZERO else (GH * mp).sum(0)
+        gb = torch.where(r, zero, GH * mp).sum(0) if reset == RESET_ZERO else (GH * mp).sum(0)
     if need_thr:
-        gt = -(gsg + torch.where(r, GH, 0.0)).sum(0) if reset == RESET_SUBTRACT else -gsg.sum(0)
+        gt = -(gsg + torch.where(r, GH, zero)).sum(0) if reset == RESET_SUBTRACT else -gsg.sum(0)
     gxs = GH if GH.dtype == x_dtype else GH.to(x_dtype)
     gm0 = carry if m0 is not None else m.new_empty(0)
     # a beta / threshold shared by all neurons arrives as [1]: its gradient is the sum over neurons
@@ -296,7 +297,7 @@ def _run_leaky_backward(gs, gm, m, m0, beta, thr, reset, surrogate, alpha, x_dty
         return _triton_leaky_backward(gs, gm, m, m0, beta, thr, reset, surrogate, alpha, x_dtype)
     static = (("reset", reset), ("surrogate", surrogate), ("x_dtype", x_dtype), ("need_beta", need[0]),
               ("need_thr", need[1]))
-    args = (gs, gm, m, m0, beta, thr, *_scalars(m.device, alpha))
+    args = (gs, gm, m, m0, beta, thr, *_scalars(m.device, alpha, 1.0, 0.0))
     if impl == "inductor":
         return _compiled(_leaky_loop_backward, static)(*_unviewed(args))
     return _leaky_loop_backward(*args, **dict(static))

@@ -349,7 +349,7 @@ def _loop_forward(x, rate, c, v_th, v_reset, v0, *, charge: int, hard: bool, spi
 
 
 def _loop_backward(
-    gs, gm, h, rate, c, v_th, v_reset, alpha, v0, *,
+    gs, gm, h, rate, c, v_th, v_reset, alpha, one, v0, *,
     charge: int, hard: bool, detach: bool, surrogate: int, x_dtype: torch.dtype,
 ):
     """Reverse-time recurrence of the backward; returns (grad x [T, N], grad rate 0-d, grad v0 [N] or [0])."""
@@ -357,18 +357,18 @@ def _loop_backward(
     # the reset gradient and the spike gradient's share (a = dL/dS * dS/dH + dL/dH); only
     # gh[t] = a[t] + carry * r[t] and the carry run per step.
     T = h.shape[0]
-    sg = surrogate_grad(h - v_th, surrogate, alpha)
+    sg = surrogate_grad(h - v_th, surrogate, alpha, one)
     a = (gs if gs.dtype == torch.float32 else gs.float()) * sg
     if gm is not None:
         a = a + (gm if gm.dtype == torch.float32 else gm.float())
     if hard:
-        r = h < v_th  # kept as bool: carry * r promotes it to exactly 1.0 / 0.0, with no cast op
-        if not detach:
-            r = r + (v_reset - h) * sg
+        r = h < v_th
+        # as fp32 once: a bool operand would be cast to 1.0 / 0.0 inside every step's product
+        r = r.to(a.dtype) if detach else r + (v_reset - h) * sg
     elif detach:
         r = None  # the carry passes unchanged
     else:
-        r = 1.0 - v_th * sg
+        r = torch.sub(one, v_th * sg)
     ghs = [None] * T
     a_t = a.unbind(0)
     r_t = r.unbind(0) if r is not None else None
@@ -376,7 +376,7 @@ def _loop_backward(
         if t == T - 1:
             # the carry into the last step is +0.0: a + (+0.0) * r is add(a, r, alpha=0.0) bit for bit
             # (signed zeros and NaN included), without making the zeros
-            gh = a_t[t] + 0.0 if r_t is None else torch.add(a_t[t], r_t[t], alpha=0.0)
+            gh = torch.add(a_t[t], one if r_t is None else r_t[t], alpha=0.0)
         else:
             gh = a_t[t] + (carry if r_t is None else carry * r_t[t])
         ghs[t] = gh
@@ -423,7 +423,7 @@ def _run_backward(gs, gm, h, rate, c, v_th, v_reset, charge, surrogate, alpha, d
     static = (
         ("charge", charge), ("hard", hard), ("detach", detach), ("surrogate", surrogate), ("x_dtype", x_dtype),
     )
-    args = (gs, gm, h, rate, *_scalars(h.device, c, v_th, v_reset if hard else 0.0, alpha), v0)
+    args = (gs, gm, h, rate, *_scalars(h.device, c, v_th, v_reset if hard else 0.0, alpha, 1.0), v0)
     if impl == "inductor":
         return _compiled(_loop_backward, static)(*_unviewed(args))
     return _loop_backward(*args, **dict(static))

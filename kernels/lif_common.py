@@ -87,11 +87,13 @@ def default_alpha(surrogate: str, alpha: Optional[float] = None) -> float:
     return _choice(SURROGATE_ALPHA, surrogate, "surrogate")
 
 
-def surrogate_grad(u: Tensor, surrogate: int, alpha: float) -> Tensor:
-    """dS/dH at u = H - V_th for a surrogate id of `SURROGATES` (spikingjelly formulas)."""
+def surrogate_grad(u: Tensor, surrogate: int, alpha: float | Tensor, one: Optional[Tensor] = None) -> Tensor:
+    """dS/dH at u = H - V_th for a surrogate id of `SURROGATES` (spikingjelly formulas). `one`, a 0-d
+    fp32 tensor holding 1.0, spares the eager loops the number 1.0: a Python number operand is wrapped
+    and cast on every call (three more dispatches inside the op), where a tensor is read as is."""
     if surrogate == SURROGATE_SIGMOID:
         sg = torch.sigmoid(u * alpha)
-        return (1.0 - sg) * sg * alpha
+        return (1.0 - sg if one is None else torch.sub(one, sg)) * sg * alpha
     if surrogate == SURROGATE_ATAN:
         a = alpha / 2
         z = (math.pi * a) * u
