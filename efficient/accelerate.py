@@ -222,9 +222,9 @@ def _snn_leaky_multi_step(self: Any, x_seq: Tensor, mem: Optional[Tensor] = None
         backend=_backend_for(self, x_seq),
     )
     mems = mems.to(x_seq.dtype)
-    g = self.graded_spikes_factor
-    if isinstance(g, nn.Parameter) or bool(g != 1):
-        spikes = spikes * g
+    # snntorch always scales by its graded-spike factor; testing the factor for 1 first would read a tensor on the
+    # host: a device sync per call and a graph break under torch.compile
+    spikes = spikes * self.graded_spikes_factor
     self.mem = mems[-1]
     if self.output or not self.init_hidden:
         return spikes, mems

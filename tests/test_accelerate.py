@@ -381,3 +381,50 @@ def test_profiler_counts_are_unchanged():
     # sops count spikes: a spike flipped at a threshold tie (per-step vs [T*B]-row GEMMs, see TIE)
     # moves them by its fan-out (<= 72 here, ~1 %); counting a layer twice or missing one moves them by far more
     assert before["sops"] > 0 and abs(after["sops"] - before["sops"]) <= 0.02 * before["sops"]
+
+
+# ------------------------------------------------------------------ one graph: what CUDA-graph replay needs
+
+
+def _compiled_steps_equal_eager(build, fwd, reset, x: torch.Tensor, steps: int = 3) -> None:
+    """`fwd(model, x)` -> output, for two models from `build()` (equal, seeded): 0 graph breaks over
+    forward + loss, and `steps` training steps (reset, forward, loss, backward, SGD update) through
+    torch.compile(fullgraph=True) give eager's losses and gradients. (Built twice, not copied:
+    snntorch resets only the neurons its constructor registered.)"""
+    def loss_of(f, m):
+        y = f(m, x)
+        return (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum()
+
+    model, twin = build(), build()
+    reset(model)
+    explained = torch._dynamo.explain(lambda: loss_of(fwd, model))()
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    compiled = torch.compile(fwd, backend="aot_eager", fullgraph=True)
+    for _ in range(steps):
+        results = []
+        for m, f in ((model, fwd), (twin, compiled)):
+            reset(m)
+            m.zero_grad()
+            loss = loss_of(f, m)
+            loss.backward()
+            results.append((loss.detach(), [p.grad.clone() for p in m.parameters()]))
+        (le, ge), (lc, gc) = results
+        torch.testing.assert_close(lc, le, rtol=1e-5, atol=1e-5)
+        for a, b in zip(gc, ge):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        with torch.no_grad():  # the same update on both, so later steps start from new weights
+            for p, q in zip(model.parameters(), twin.parameters()):
+                p -= 0.1 * p.grad
+                q -= 0.1 * q.grad
+
+
+@pytest.mark.parametrize("name", ["lif-hard-sigmoid", "plif"])
+def test_accelerated_spikingjelly_net_compiles_to_one_graph(name):
+    _compiled_steps_equal_eager(lambda: efficient.accelerate(_sj_conv(SJ_NEURONS[name]), backend=BACKEND)[0],
+                                lambda m, x: m(x), functional.reset_net, torch.rand(T, 2, 2, 8, 8) * 2)
+
+
+def test_accelerated_snntorch_net_compiles_to_one_graph():
+    """Also: the multi-step Leaky reads nothing on the host (its graded-spike factor stays a tensor)."""
+    _compiled_steps_equal_eager(lambda: efficient.accelerate(_snn_conv("subtract", True), backend=BACKEND)[0],
+                                lambda m, x: m.multi_step(x)[0], snn_utils.reset, torch.rand(T, 2, 2, 8, 8) * 1.5)
