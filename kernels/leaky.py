@@ -19,8 +19,6 @@ The backward uses the surrogate at M[t] - V_th (see `efficient.kernels.lif_commo
 
 from __future__ import annotations
 
-import functools
-
 from typing import Optional
 
 import torch
@@ -29,7 +27,7 @@ from torch import Tensor
 from efficient.kernels._backend import eager_call, eager_function
 from efficient.kernels.lif_common import (
     _BLOCK, _NUM_WARPS, CHARGE_LEAK, HAS_TRITON, _check_compiler, _check_op_args, _choice, _choose_impl, _compiled,
-    _Heaviside, _register_flops, _scalars, _surrogate_id, _triton_ready, _unviewed, check_input,
+    _Heaviside, _register_flops, _scalar, _scalars, _surrogate_id, _triton_ready, _unviewed, check_input,
     default_alpha, surrogate_grad,
 )
 
@@ -439,19 +437,12 @@ _register_flops(torch.ops.efficient.leaky_backward, 13)
 # ---------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=256)
-def _number(device: torch.device, value: float, name: str) -> Tensor:
-    """A number argument as a read-only fp32 [1] tensor, made once per (device, value, argument):
-    a fresh tensor per call costs five dispatched ops."""
-    return torch.tensor([value], dtype=torch.float32, device=device)
-
-
 def _per_neuron(value: float | Tensor, x: Tensor, name: str) -> Tensor:
     """`value` (a number, or a tensor broadcastable to one step of x) as fp32 [N], or [1] when it holds
     one value (the kernels broadcast it; expanding to [N] would cost a copy forward and a reduction
     backward per call), differentiable."""
-    if not isinstance(value, Tensor):  # a number: one cached read-only [1] tensor, not a new one per call
-        return _number(x.device, float(value), name)
+    if not isinstance(value, Tensor):  # a number: one cached read-only [1] tensor (a fresh one costs five ops)
+        return _scalar(x.device, float(value), name, (1,))
     t = value
     if t.numel() == 1 and t.dim() <= x.dim() - 1:
         return t.float().reshape(1)

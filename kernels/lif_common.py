@@ -202,11 +202,12 @@ def _scalars(device, *values):
 
 
 @functools.lru_cache(maxsize=256)
-def _scalar(device: torch.device, value: float, slot: int) -> Tensor:
-    """A 0-d fp32 tensor per (device, value, argument slot), made once: the loops only read it (new
+def _scalar(device: torch.device, value: float, slot: int | str, shape: tuple[int, ...] = ()) -> Tensor:
+    """An fp32 tensor of `shape` (0-d by default; (1,) for an argument that may also be per-neuron)
+    filled with `value`, made once per (device, value, argument slot): the loops only read it (new
     values stay runtime inputs, so no recompile), and a fresh tensor per call is an allocation and a
     fill. Per slot, so two equal arguments are never one aliased tensor (dynamo guards on aliasing)."""
-    return torch.tensor(value, dtype=torch.float32, device=device)
+    return torch.full(shape, value, dtype=torch.float32, device=device)
 
 
 # ---------------------------------------------------------------------------------------------
