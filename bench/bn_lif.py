@@ -81,8 +81,13 @@ def check(shape, T, device, impl, exact: bool) -> list[str]:
     for name, x, y in pairs:
         if exact and not torch.equal(x, y):
             bad.append(f"{name} not bit for bit")
-        elif not exact and flips == 0 and not torch.allclose(x, y, rtol=1e-4, atol=1e-5):
-            bad.append(f"{name} differs by {(x - y).abs().max().item():.2e}")
+        elif not exact and flips == 0:
+            # against the tensor's own scale: the weight and bias gradients are sums over every
+            # element of a channel (up to 262144 here) taken in another order, so an entry near zero
+            # can differ by more than an element-wise tolerance allows
+            rel = ((x - y).abs().max() / y.abs().max().clamp_min(1e-12)).item()
+            if rel > 1e-5:
+                bad.append(f"{name} differs by {rel:.2e} of its largest entry")
     return bad
 
 

@@ -843,7 +843,7 @@ def cuda_main(args) -> int:
         spec = {"arch": arch, "T": CUDA_T, "batch": B, "device": dev, "steps": args.steps or 5,
                 "img": QUICK_IMG.get(arch) if args.dry_run else None}
         res: dict[str, Any] = {"ours": _child("cuda_ours", spec, timeout=max(20.0, 0.4 * share))}
-        if sj_version is not None:
+        if sj_version is not None and any(i.startswith("sj") for i in args.impls):
             left = args.budget_s - (time.perf_counter() - t_start)
             share = left / (len(archs) - i)
             res["sj"] = _child("cuda_sj", {**spec, "levels": [1, 2, 3, 4], "search_s": args.search_s,

@@ -414,9 +414,10 @@ def _linear_backward_impl(grad_spikes, x, lin_weight, z, h, weight, stats, train
                           surrogate, alpha, detach_reset, impl):
     gz, gw, gb = _backward_impl(grad_spikes, z, h, weight, stats, training, eps, c, v_threshold, v_reset, charge,
                                 surrogate, alpha, detach_reset, impl)
-    # addmm(b, x, W.t())'s backward: grad x = gz @ (W.t()).t(); grad W.t() = x.t() @ gz, transposed back
-    # (contiguous: the layout AccumulateGrad gives the weight's gradient either way)
-    return gz.mm(lin_weight), x.t().mm(gz).t().contiguous(), gz.sum(0), gw, gb
+    # addmm(b, x, W.t())'s backward: grad x = gz @ (W.t()).t(); for W.t(), a column-major operand, aten's
+    # mm_mat2_backward computes (gz.t() @ x).t(), so W's gradient is gz.t() @ x: the same mm, so the same
+    # bits on every CPU (x.t() @ gz transposed back agrees only where the BLAS blocks both alike)
+    return gz.mm(lin_weight), gz.t().mm(x), gz.sum(0), gw, gb
 
 
 @linear_bn_lif_backward_op.register_fake

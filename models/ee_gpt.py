@@ -272,7 +272,7 @@ class EEGPT(nn.Module):
         h = self.tok_emb(idx)
         cos, sin = self._rope(0, idx.shape[1])
         out, mid = [], None
-        for i in range(max(want, default=0)):
+        for i in range(max(want) if want else 0):  # not max(..., default=): torch.compile < 2.12 breaks on it
             h, mid = self.layers[i](h, cos, sin)
             if i + 1 in want:
                 out.append(ExitState(i + 1, self.exit_hidden(i + 1, h, mid), self.head_weight(i + 1)))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -17,7 +17,7 @@ from torch import nn
 from efficient.kernels.bn_lif import bn_lif
 from efficient.kernels.lif import BACKENDS, SURROGATES, check_input, default_alpha, lif
 
-__all__ = ["SpikingNeuron", "LIF", "PLIF", "DLIF", "bn_fire", "fusable", "norm_fire", "override_surrogate",
+__all__ = ["SpikingNeuron", "LIF", "PLIF", "DLIF", "bn_fire", "fusable", "norm_fire", "override_surrogate", "spike_observer",
            "separate_units"]
 
 
@@ -222,14 +222,32 @@ def separate_units() -> Iterator[None]:
         _FUSE_UNITS.pop()
 
 
+_OBSERVER = "_efficient_spike_observer"
+
+
+def spike_observer(hook: Callable[..., None]) -> Callable[..., None]:
+    """Mark a neuron forward hook that only reads the spikes (`hook(neuron, args, spikes)`, args
+    unused): it does not keep the neuron from running fused with its BatchNorm, since `bn_fire`
+    calls it with the fused op's spikes (args empty). The memory levels' spike tracker is one: with
+    it the units run the same kernels as without, so their results are the same bit for bit."""
+    setattr(getattr(hook, "__func__", hook), _OBSERVER, True)  # a bound method: its function
+    return hook
+
+
+def _observer(hook: Any) -> bool:
+    return bool(getattr(getattr(hook, "__func__", hook), _OBSERVER, False))
+
+
 def _hooked(m: nn.Module) -> bool:
-    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
+    return bool(any(not _observer(h) for h in m._forward_hooks.values()) or m._forward_pre_hooks
+                or m._backward_hooks or m._backward_pre_hooks)
 
 
 def fusable(neuron: nn.Module, *modules: nn.Module) -> bool:
     """Whether `neuron` may run fused with the BatchNorm before it: a constant-tau `LIF` (not
     PLIF's learnable rate nor DLIF's gain) that keeps no membrane, nothing watching the modules
-    (a forward hook, such as the profiler's or memory's spike tracker, must see them called), not
+    (a hook, such as the profiler's, must see them called; a `spike_observer` on the neuron, such as
+    the memory levels' spike tracker, is called with the fused op's spikes instead), not
     inside `separate_units()`, not under torch.compile (inductor fuses the BatchNorm it sees with
     what surrounds it; an opaque op would hide it) and not under autocast (its per-op dtype policy
     applies to each call)."""
@@ -257,7 +275,10 @@ def bn_fire(z: torch.Tensor, shape: tuple[int, ...], neuron: "LIF", weight: torc
                decay_input=neuron.decay_input, surrogate=neuron.surrogate, alpha=neuron.alpha,
                spike_dtype=neuron.spike_dtype, backend=neuron.backend_for_shape(shape, z.device), lin_weight=lin_weight,
                lin_bias=lin_bias, running_out=running_out)
-    return s.view(shape)
+    s = s.view(shape)
+    for hook in list(neuron._forward_hooks.values()):  # spike observers only (`fusable` let no other through)
+        hook(neuron, (), s)
+    return s
 
 
 def norm_fire(bn: nn.Module, neuron: nn.Module, z: torch.Tensor, shape: tuple[int, ...],

@@ -203,7 +203,9 @@ class TokenPruner(nn.Module, TracksProgress):
     def begin(self) -> dict[int, PruneStep]:
         """Start a forward: reset the record and return the pruning step of each pruning block."""
         ratios = self.keep_ratios()
-        self.last = StataOutputs(stats={"tokens_in": [], "degenerate": 0, "keep_ratio": min(ratios.values(), default=1.0)})
+        # not min(..., default=): torch.compile before 2.12 breaks its graph on that keyword
+        low = min(ratios.values()) if ratios else 1.0
+        self.last = StataOutputs(stats={"tokens_in": [], "degenerate": 0, "keep_ratio": low})
         return {i: PruneStep(self, r) for i, r in ratios.items()}
 
     def enter_block(self, x: torch.Tensor) -> None:

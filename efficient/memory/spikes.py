@@ -80,10 +80,12 @@ class SpikeTracker:
 
     def watch(self, model: nn.Module) -> int:
         """Hook every neuron of `model`; returns how many."""
+        from efficient.models.neurons import spike_observer
+
         n = 0
         for m in model.modules():
-            if is_neuron(m):
-                self._handles.append(m.register_forward_hook(self._record))
+            if is_neuron(m):  # an observer: the zoo's BatchNorm + LIF units stay one op (same kernels as level none)
+                self._handles.append(m.register_forward_hook(spike_observer(self._record)))
                 n += 1
         return n
 
