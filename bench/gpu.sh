@@ -1,40 +1,43 @@
 #!/usr/bin/env bash
 # Every GPU check of the kernels and models in one run on a CUDA GPU (at most 8 minutes on an H200; see
 # the estimate below). Every kernel is checked against its reference, and every compiled or CUDA-graph
-# step against eager, before anything of it is timed (a mismatch fails the run); each part has its own
-# time limit inside one whole-run budget:
+# step against eager, before anything of it is timed (a mismatch fails the run; a compiled step may
+# differ from eager by spikes flipped at the threshold, see CHECK_TOL in bench/step.py); each part has
+# its own time limit inside one whole-run budget, in this order:
 #  ee_train        (background, from the start) ee-gpt-small trained twice (seeds 0 and 1) with
 #                  recipes/ee_gpt_small.yaml, side by side; the timed parts wait for them
 #  lif_check       Triton LIF/PLIF/DLIF vs the torch reference: every option, dtype, T in {1, 4, 16},
 #                  odd and strided inputs                                      (bench/neurons.py)
+#  steps_cifar     training steps (forward + CE + backward + AdamW) of spikformer-4-384 and
+#                  spikformer-stata at CIFAR b64, fp32 on TF32 (every model alike): eager and
+#                  reduce-overhead (CUDA graphs) vs spikingjelly 2.0's Spikformer eager and
+#                  StaticCudaGraph; peak memory; kernels per step, their summed time, the host's
+#                  launch calls and the costliest kernels (one profiled step: the device's busy
+#                  share shows how launch-bound a step is); STATA's ideal speed-up from profiler MACs
+#                                                                                (bench/step.py)
+#  memory          levels none/bits/recompute vs spikingjelly memopt 1-4 (its GPU search bounded),
+#                  spikformer-4-384 and stable-snn-vgg11 at b64, T=4: step peak and time (bench/memory.py)
+#  lif_speed       LIF/PLIF/DLIF fwd+bwd vs spikingjelly's Triton path and a compiled plain loop at
+#                  [4,32,24576], [8,64,65536] and T=16                         (bench/neurons.py)
 #  bn_lif          BatchNorm + LIF as one op (Triton) vs nn.BatchNorm + the LIF kernel at the zoo units'
 #                  CIFAR b64 / ImageNet b32 shapes: checked, then timed fwd+bwd   (bench/bn_lif.py)
 #  stata_kernels   SSA + token selection vs their references at CIFAR/ImageNet/N=1024 shapes, and
 #                  whole-model gradients with Triton vs torch kernels      (bench/stata_kernels.py)
-#  steps_cifar / steps_imagenet  training steps (forward + CE + backward + AdamW) of spikformer-4-384
-#                  and spikformer-stata at CIFAR b64, spikformer-8-512 and -stata at ImageNet b32:
-#                  eager, torch.compile default and reduce-overhead (CUDA graphs), fp32 and bf16
-#                  autocast, vs spikingjelly 2.0's Spikformer eager, compiled and StaticCudaGraph;
-#                  peak memory of each; kernels per step, their summed time and the host's
-#                  launch calls (one profiled step without the optimizer: the device's busy share
-#                  of the step shows how launch-bound it is); STATA's ideal speed-up from profiler
-#                  MACs                                                        (bench/step.py)
-#  lif_speed       LIF/PLIF/DLIF fwd+bwd vs spikingjelly's Triton path and a compiled plain loop at
-#                  [4,32,24576], [8,64,65536] and T=16                         (bench/neurons.py)
-#  memory          levels none/bits/recompute vs spikingjelly memopt 1-4 (its GPU search bounded),
-#                  spikformer-4-384 and stable-snn-vgg11 at b64, T=4: step peak and time (bench/memory.py)
 #  ee_kernels      exit_confidence (split kernel) and linear_ce vs their references, then timed
 #  ee_decode_s0/_s1  decoding speed per exit strategy of each trained seed   (bench/early_exit.py)
-# Parts are selected by group: lif, stata (the steps), memory, ee (default: all).
+#  steps_imagenet, steps_cifar_bf16  (only when named: each needs ~3 minutes of its own) spikformer-8-512
+#                  and -stata at ImageNet b32 in fp32 and bf16; the CIFAR steps in bf16 autocast
+# Parts are selected by group: lif, stata (the CIFAR steps and STATA kernels), memory, ee (default:
+# all); imagenet and bf16 only when named.
 #
-#   bash bench/gpu.sh [all|lif|stata|memory|ee ...]   (from the repository root)
+#   bash bench/gpu.sh [all|lif|stata|memory|ee|imagenet|bf16 ...]   (from the repository root)
 #   GPU_DRY=1 bash bench/gpu.sh                        (rehearsal on CPU: tiny shapes, Triton interpreter)
 #
 # Targets, printed by the scripts as "target ... PASS/FAIL" lines with their numbers:
-#  - CIFAR b64 fp32 step at least 1.5x spikingjelly's best mode (ours best of eager/default/
-#    reduce-overhead vs its best of eager/compiled/StaticCudaGraph)                 (steps_cifar)
+#  - CIFAR b64 fp32 step at least 1.5x spikingjelly's best mode (ours best of eager/reduce-overhead
+#    vs its best of eager/StaticCudaGraph)                                            (steps_cifar)
 #  - STATA at least 90 % of its ideal (MACs) speed-up over dense, CIFAR and ImageNet, best modes
-#  - bf16 autocast not slower than fp32, every model, best modes               (steps_cifar/_imagenet)
+#  - bf16 autocast not slower than fp32, every model, best modes     (steps_cifar_bf16/_imagenet)
 #  - LIF fwd+bwd at least 1.2x the best of spikingjelly's Triton and a compiled loop at both
 #    benchmark shapes (PLIF/DLIF and T=16 reported beside it)                             (lif_speed)
 #  - recompute: step peak at most 20 % of none's, time at most 1.25x, below spikingjelly memopt's best
@@ -43,12 +46,12 @@
 #  - early exits: recompute at least 1.5x at most +1 % held-out loss, speculative at least 1.3x and
 #    lossless, on both trained seeds                                                (ee_decode_s0/_s1)
 #
-# Estimated time on an H200 (the last run: 396 s for the older parts): ee_train 2 x ~70 s side by side
-# in the background (~110 s, under the first parts), lif_check 35 s, bn_lif ~15 s, stata_kernels 30 s, steps_cifar
-# ~95 s (6 processes compile and check at once for ~70 s, then ~25 s of timing), steps_imagenet ~110 s
-# (4 processes, ~80 s + ~30 s), lif_speed ~50 s (9 compiled loops), memory ~60 s, ee_kernels ~30 s,
-# ee_decode 2 x ~30 s: about 485 s in all, against the 480 s whole-run budget (GPU_BUDGET_S), which
-# skips a part rather than overrun.
+# Time on an H200, from the 2026-12-04 run: the package set-up ~15 s (outside the budget); ee_train
+# 2 x 120 s side by side in the background; lif_check 35 s; steps_cifar ~135 s (three processes
+# compile and check at once: ready after 69-123 s with three modes each, less with two; then ~10 s of
+# timing each); memory ~60 s; lif_speed 55 s (cut there: 9 compiled loops); bn_lif ~10 s;
+# stata_kernels ~45 s; ee_kernels 30 s (cut there); ee_decode 2 x 25 s: about 470 s in all, against
+# the 480 s whole-run budget (GPU_BUDGET_S), which skips a part rather than overrun.
 #
 # Logs and JSON go to $WORK (default runs/gpu) and, where $OUT is set, are packed into
 # $OUT/gpu_results.tar.gz, with the combined log and results.json beside it; every part's JSON is merged
@@ -99,6 +102,7 @@ part() {
   pack
 }
 want() { [[ " $PARTS " == *" all "* || " $PARTS " == *" $1 "* ]]; }
+wanted() { [[ " $PARTS " == *" $1 "* ]]; }  # parts only run when named
 
 if [ "$DRY" = 1 ]; then
   export TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES=""
@@ -142,25 +146,29 @@ if [ "$DRY" = 1 ]; then
   want lif && part lif_check 300 $PY bench/neurons.py --gpu --dry-run
   want lif && part bn_lif 300 $PY bench/bn_lif.py --dry-run --json "$WORK/bn_lif.json"
   want stata && part stata_kernels 300 $PY bench/stata_kernels.py --device cpu --dry-run --json "$WORK/stata_kernels.json"
-  want stata && part steps_cifar 1500 $PY bench/step.py --device cpu --dry-run --sizes cifar --amp fp32 --steps 1 --warmup 0 \
-    --budget-s 1400 --prepare-s 1300 --time-s 200 "${WAIT[@]}" --json "$WORK/steps_cifar.json"
-  want stata && part steps_imagenet 1500 $PY bench/step.py --device cpu --dry-run --sizes imagenet --amp fp32 --steps 1 --warmup 0 \
-    --budget-s 1400 --prepare-s 1300 --time-s 200 --json "$WORK/steps_imagenet.json"
+  want stata && part steps_cifar 1500 $PY bench/step.py --device cpu --dry-run --sizes cifar --amp fp32 --modes reduce-overhead \
+    --precision tf32 --steps 1 --warmup 0 --budget-s 1400 --prepare-s 1300 --time-s 200 "${WAIT[@]}" --json "$WORK/steps_cifar.json"
+  wanted imagenet && part steps_imagenet 1500 $PY bench/step.py --device cpu --dry-run --sizes imagenet --amp fp32 \
+    --modes reduce-overhead --steps 1 --warmup 0 --budget-s 1400 --prepare-s 1300 --time-s 200 --json "$WORK/steps_imagenet.json"
   want lif && part lif_speed 600 $PY bench/neurons.py --gpu --speed-only --dry-run --neurons lif plif dlif --json "$WORK/lif_speed.json"
   want memory && part memory 1500 $PY bench/memory.py --dry-run --steps 1 --budget-s 1400 --json "$WORK/memory.json"
   want ee && part ee_kernels 300 $PY bench/ee_kernels.py --device cpu --dry-run --dtypes fp32 fp16 --json "$WORK/ee_kernels.json"
 else
+  # order: what the targets need most first; the budget skips what does not fit
   want lif && part lif_check 50 $PY bench/neurons.py --gpu --check-only --json "$WORK/lif_check.json"
-  want lif && part bn_lif 25 $PY bench/bn_lif.py --device cuda --json "$WORK/bn_lif.json"
-  want stata && part stata_kernels 45 $PY bench/stata_kernels.py --device cuda --json "$WORK/stata_kernels.json"
-  want stata && part steps_cifar 130 $PY bench/step.py --device cuda --sizes cifar --amp fp32 bf16 --steps 10 --warmup 2 \
-    --budget-s 125 --prepare-s 95 --time-s 15 "${WAIT[@]}" --json "$WORK/steps_cifar.json"
-  want stata && part steps_imagenet 140 $PY bench/step.py --device cuda --sizes imagenet --amp fp32 bf16 --steps 10 --warmup 2 \
-    --budget-s 135 --prepare-s 100 --time-s 25 --json "$WORK/steps_imagenet.json"
-  want lif && part lif_speed 70 env SJ_LIF_CUDA_IMPLEMENTATION=triton $PY bench/neurons.py --gpu --speed-only --neurons lif plif dlif \
-    --shapes 4x32x24576,8x64x65536,16x32x24576 --repeats 20 --json "$WORK/lif_speed.json"
+  want stata && part steps_cifar 150 $PY bench/step.py --device cuda --sizes cifar --amp fp32 --modes reduce-overhead cudagraph \
+    --precision tf32 --steps 10 --warmup 2 --budget-s 145 --prepare-s 115 --time-s 10 "${WAIT[@]}" --json "$WORK/steps_cifar.json"
   want memory && part memory 80 $PY bench/memory.py --device cuda --steps 8 --search-s 10 --budget-s 75 --json "$WORK/memory.json"
-  want ee && part ee_kernels 40 $PY bench/ee_kernels.py --device cuda --repeats 20 --budget-s 30 --dtypes fp32 bf16 --json "$WORK/ee_kernels.json"
+  want lif && part lif_speed 55 env SJ_LIF_CUDA_IMPLEMENTATION=triton $PY bench/neurons.py --gpu --speed-only --neurons lif plif dlif \
+    --shapes 4x32x24576,8x64x65536,16x32x24576 --repeats 20 --json "$WORK/lif_speed.json"
+  want lif && part bn_lif 20 $PY bench/bn_lif.py --device cuda --json "$WORK/bn_lif.json"
+  want stata && part stata_kernels 40 $PY bench/stata_kernels.py --device cuda --json "$WORK/stata_kernels.json"
+  want ee && part ee_kernels 30 $PY bench/ee_kernels.py --device cuda --repeats 20 --budget-s 25 --dtypes fp32 bf16 --json "$WORK/ee_kernels.json"
+  # not in "all": the ImageNet steps and the bf16 steps need a run of their own (4-6 processes compile ~2 min)
+  wanted imagenet && part steps_imagenet 200 $PY bench/step.py --device cuda --sizes imagenet --amp fp32 bf16 --modes reduce-overhead \
+    --precision tf32 --steps 10 --warmup 2 --budget-s 195 --prepare-s 150 --time-s 12 --json "$WORK/steps_imagenet.json"
+  wanted bf16 && part steps_cifar_bf16 200 $PY bench/step.py --device cuda --sizes cifar --amp bf16 --modes reduce-overhead cudagraph \
+    --precision tf32 --steps 10 --warmup 2 --budget-s 195 --prepare-s 150 --time-s 12 --json "$WORK/steps_cifar_bf16.json"
 fi
 
 if want ee; then
@@ -178,8 +186,8 @@ if want ee; then
       part ee_decode_s$seed 300 $PY bench/early_exit.py "$RUN" --device cpu --prompts 2 --new-tokens 8 --unpaired --repeats 1 \
         --val-batches 2 --sweep recompute=auto speculative=0.5 --targets --json "$WORK/early_exit_s$seed.json"
     else
-      part ee_decode_s$seed 45 $PY bench/early_exit.py "$RUN" --device cuda --prompts 10 --new-tokens 128 --unpaired --repeats 1 \
-        --val-batches 12 --sweep recompute=auto speculative=0.8 --targets --budget-s 25 --json "$WORK/early_exit_s$seed.json"
+      part ee_decode_s$seed 25 $PY bench/early_exit.py "$RUN" --device cuda --prompts 10 --new-tokens 128 --unpaired --repeats 1 \
+        --val-batches 12 --sweep recompute=auto speculative=0.8 --targets --budget-s 20 --json "$WORK/early_exit_s$seed.json"
     fi
   done
   # the runs' small files come back; their weights stay (hundreds of MB)

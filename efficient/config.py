@@ -116,6 +116,9 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"
     amp: bool = True
+    # CUDA only: fp32 matmuls and convolutions on TF32 tensor cores (torch's default for cuDNN
+    # convolutions, not for matmuls); false: strict fp32 everywhere
+    tf32: bool = True
     grad_clip: float | None = _opt(_positive, default=None)
     log_every: int = _opt(_positive, default=10)
     eval_every: int = _opt(_positive, default=1)

@@ -50,7 +50,7 @@ ENV_VAR = "EFFICIENT_BACKEND"
 _HAVE_CXX = any(shutil.which(cc) for cc in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if cc)
 
 
-def eager_call(x: torch.Tensor, function_modes: bool = True) -> bool:
+def eager_call(x: torch.Tensor, function_modes: bool = True, op: str | None = None) -> bool:
     """Whether a kernel call may run its custom op's implementation directly (under a plain
     `torch.autograd.Function`, `eager_function`, where it has a gradient) instead of the op. The op's
     Python dispatch and autograd wrapper cost 0.1-0.2 ms per call, more than a small layer's
@@ -58,11 +58,23 @@ def eager_call(x: torch.Tensor, function_modes: bool = True) -> bool:
     (tracing), a Python dispatch mode (FakeTensor, FLOP counters), a functorch transform, a tensor
     subclass, and with `function_modes` a torch-function mode (memory's spike tracking follows some
     ops, such as the token gather, by name; a neuron's compiled CPU loop runs outside the mode only
-    inside the op, and dynamo cannot trace the mode's handler)."""
+    inside the op, and dynamo cannot trace the mode's handler), unless every active mode says it
+    need not see `op` (`mode.sees_op(op)` is False): `eager_function` then runs the implementation
+    with the modes off, as the op would, without the op's dispatch."""
     return (type(x) is torch.Tensor and not torch.compiler.is_compiling()
             and not torch._C._len_torch_dispatch_stack()
-            and not (function_modes and torch._C._len_torch_function_stack())
+            and not (function_modes and not _modes_let_through(op))
             and not torch._C._are_functorch_transforms_active())
+
+
+def _modes_let_through(op: str | None) -> bool:
+    """No torch-function mode is active, or `op` is named and no active mode needs to see it."""
+    n = torch._C._len_torch_function_stack()
+    if not n:
+        return True
+    if op is None:
+        return False
+    return not any(getattr(torch._C._get_function_stack_at(i), "sees_op", lambda name: True)(op) for i in range(n))
 
 
 def eager_function(name: str, forward, setup_context, backward) -> type:
@@ -71,7 +83,11 @@ def eager_function(name: str, forward, setup_context, backward) -> type:
     semantics without its dispatch (see `eager_call`)."""
 
     def fwd(ctx, *inputs):
-        out = forward(*inputs)
+        if torch._C._len_torch_function_stack():  # modes that let the op through (eager_call) see nothing inside it
+            with torch._C.DisableTorchFunction():
+                out = forward(*inputs)
+        else:
+            out = forward(*inputs)
         setup_context(ctx, inputs, out)
         return out
 

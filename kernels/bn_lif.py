@@ -546,7 +546,7 @@ def bn_lif(
     _check_compiler(impl, z)
     args = (int(steps), weight, bias, running_mean, running_var, bool(training), float(momentum), float(eps),
             float(tau), float(v_threshold), vr, charge, sid, float(alpha), bool(detach_reset), spike_dtype, impl)
-    eager = eager_call(z)
+    eager = eager_call(z, op="bn_lif_forward" if lin_weight is None else "linear_bn_lif_forward")
     if lin_weight is not None:
         args = (z, lin_weight, lin_bias, *args)
         out = _EagerLinearBNLIF.apply(*args) if eager else torch.ops.efficient.linear_bn_lif_forward(*args)

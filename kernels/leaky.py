@@ -490,7 +490,7 @@ def leaky(
         m0 = mem.reshape(-1).float() if mem is not None else None
         args = (x.reshape(x.shape[0], -1), m0, _per_neuron(beta, x, "beta"), _per_neuron(threshold, x, "threshold"),
                 rid, sid, alpha, spike_dtype, impl)
-        if eager_call(x):
+        if eager_call(x, op="leaky_forward"):
             s, m = _EagerLeaky.apply(*args)  # same loops as the op, without its per-call dispatch cost
         else:
             s, m = torch.ops.efficient.leaky_forward(*args)

@@ -638,7 +638,7 @@ def lif(
         v0 = v_init.reshape(-1).float() if v_init is not None else None
         args = (x2, r, c, float(v_threshold), vr, charge, sid, alpha, bool(detach_reset), spike_dtype, impl, v0)
         # eager: the op's implementation without its dispatch cost; traced or observed: the op
-        s, h = _EagerLIF.apply(*args) if eager_call(x) else torch.ops.efficient.lif_forward(*args)
+        s, h = _EagerLIF.apply(*args) if eager_call(x, op="lif_forward") else torch.ops.efficient.lif_forward(*args)
         s = s.view(x.shape)
         if not return_membrane:  # an unused view of H would still be an op and an autograd node
             return s

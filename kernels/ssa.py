@@ -241,7 +241,7 @@ def spiking_attention(
     if resolve_backend(backend, q, "ssa") == "torch":
         # plain aten ops: autograd differentiates the reference and op counters see its matmuls
         return ssa_ref(q, k, v, float(scale), bool(anchor), bool(scores))
-    y, s, c = (_EagerSSA.apply if eager_call(q) else _ssa_op)(q, k, v, float(scale), bool(anchor), bool(scores), "triton")
+    y, s, c = (_EagerSSA.apply if eager_call(q, op="ssa") else _ssa_op)(q, k, v, float(scale), bool(anchor), bool(scores), "triton")
     if not scores:
         return y, None, None
     return y, s, c

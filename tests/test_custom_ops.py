@@ -175,3 +175,34 @@ print(json.dumps(out))
     res = run_interpreted(script, [])
     for got, dt in zip(res, ["torch.float32"] * 2 + ["torch.float16"] * 2 + ["torch.bfloat16"] * 2):
         assert got == [dt, dt, dt]
+
+
+def test_a_function_mode_sees_a_neuron_op_unless_it_lets_it_through():
+    """A torch-function mode sees the LIF call as its op (by name), as a FLOP counter or memory's
+    op-following needs; a mode whose `sees_op` lets the op through gets the direct implementation
+    instead (no op dispatch), sees nothing inside it, and the spikes and gradients are the same."""
+    from torch.overrides import TorchFunctionMode
+
+    class Names(TorchFunctionMode):
+        def __init__(self, lets_through: bool) -> None:
+            super().__init__()
+            self.names: list[str] = []
+            if lets_through:
+                self.sees_op = lambda name: False
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.names.append(getattr(func, "__name__", ""))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(4, 3, 5, generator=torch.Generator().manual_seed(0)) + 0.8
+    got = {}
+    for lets_through in (False, True):
+        xx = x.clone().requires_grad_()
+        with Names(lets_through) as mode:
+            s = K.lif(xx, backend="loop")
+        s.sum().backward()
+        got[lets_through] = (s, xx.grad, mode.names)
+    assert "lif_forward" in got[False][2]
+    assert "lif_forward" not in got[True][2]
+    assert not {"sigmoid", "where", "mul", "sub", "add"} & set(got[True][2]), "the mode saw inside the implementation"
+    assert torch.equal(got[False][0], got[True][0]) and torch.equal(got[False][1], got[True][1])

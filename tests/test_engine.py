@@ -152,3 +152,29 @@ def test_training_time_measures_are_logged(tmp_path: Path, monkeypatch: pytest.M
         assert 0 < row["measures"]["lc"] <= 16  # sign-changing neurons among the 16 hidden units
     with pytest.raises(ConfigError, match="train.measures: unknown measure 'local_complexty'"):
         Trainer(load_recipe(recipe, ["train.measures=[local_complexty]"]), tmp_path / "r2")
+
+
+@pytest.mark.parametrize("tf32", [True, False])
+def test_fp32_precision_sets_matmuls_and_convolutions_alike_on_cuda_only(tf32: bool) -> None:
+    """train.tf32: torch allows TF32 in cuDNN convolutions but not in matmuls by default, so a model
+    of nn.Linear trained strict fp32 beside a peer of 1x1 convolutions on TF32. The setting makes
+    both flags the same on CUDA (the flags are plain attributes: no GPU needed to read them) and
+    leaves them alone for a CPU run."""
+    from efficient.train.engine import set_fp32_precision
+
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, True  # torch's defaults
+        set_fp32_precision(torch.device("cpu"), tf32)
+        assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (False, True)
+        set_fp32_precision(torch.device("cuda"), tf32)
+        assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (tf32, tf32)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def test_train_tf32_is_a_recipe_key_defaulting_on(tiny_recipe: Path) -> None:
+    assert load_recipe(tiny_recipe).train.tf32 is True
+    assert load_recipe(tiny_recipe, ["train.tf32=false"]).train.tf32 is False
+    with pytest.raises(ConfigError, match="tf32"):
+        load_recipe(tiny_recipe, ["train.tf32=fast"])

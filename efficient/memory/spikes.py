@@ -248,8 +248,17 @@ def _operands(tracker: SpikeTracker, name: str, args: tuple, kwargs: dict) -> in
     return bounds[0] + alpha * bounds[1]
 
 
+# The names `SpikePropagation` looks at (without keyword arguments, any other name that is not
+# in-place passes straight through).
+_SEEN = VALUE_PRESERVING | PRODUCTS | SUMS | MATMULS | frozenset({"__setitem__", "max_pool2d", "batch_norm"})
+
 # In-place methods that leave values as they are.
 _NO_VALUE_WRITE = frozenset({"requires_grad_", "detach_", "share_memory_", "record_stream", "retain_grad"})
+
+
+def _in_place(name: str) -> bool:
+    """An in-place method's name (`add_`, `__iadd__`; not a dunder such as `__get__`)."""
+    return (name.endswith("_") and not name.startswith("__")) or name.startswith("__i")
 
 
 def _written(name: str, args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -258,7 +267,7 @@ def _written(name: str, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     written = list(tensors_in(kwargs.get("out")))
     if name in _NO_VALUE_WRITE:
         return written
-    inplace = (name.endswith("_") and not name.startswith("__")) or name.startswith("__i") or name == "__setitem__"
+    inplace = _in_place(name) or name == "__setitem__"
     if (inplace or kwargs.get("inplace") is True) and args and isinstance(args[0], torch.Tensor):
         written.append(args[0])
     return written
@@ -340,9 +349,20 @@ class SpikePropagation(TorchFunctionMode):
         super().__init__()
         self.tracker = tracker
 
+    def sees_op(self, name: str) -> bool:
+        """Whether the kernels must call op `name` through its dispatch so that this mode sees it
+        (`kernels._backend.eager_call`): only the ops it follows by name; the neurons' and the
+        attention's run their implementation directly (their outputs reach the tracker by hooks)."""
+        return name in _SEEN
+
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
+        # most calls (attribute reads, linear, the neurons' ops) neither carry a bound, nor write into
+        # a tensor, nor are rerouted: call them at once. The mode sees every torch call of a forward,
+        # so on a fast device this is most of what the level costs the host.
+        if not kwargs and name not in _SEEN and not _in_place(name):
+            return func(*args)
+        kwargs = kwargs or {}
         written = _written(name, args, kwargs)
         bound = None
         if name in VALUE_PRESERVING or name in PRODUCTS or name in SUMS:
@@ -499,7 +519,10 @@ class BitsHooks:
         self.observer: Callable[[torch.Tensor, Any], None] | None = None
 
     def pack(self, t: torch.Tensor) -> Any:
-        kept = self._pack(t)
+        # bookkeeping, not the model's computation: `SpikePropagation` (active in the same forward)
+        # need not see its calls, and skipping it halves what a save costs the host
+        with torch._C.DisableTorchFunction():
+            kept = self._pack(t)
         if self.observer is not None:
             self.observer(t, kept)
         return kept

@@ -91,6 +91,18 @@ def resolve_device(name: str, option: str = "train.device") -> torch.device:
     return dev
 
 
+def set_fp32_precision(device: torch.device, tf32: bool) -> None:
+    """On CUDA, fp32 matmuls and convolutions on TF32 tensor cores (`tf32`) or in strict fp32.
+
+    torch's own defaults differ by op: TF32 on for cuDNN convolutions, off for matmuls, so a model
+    built of nn.Linear (ours) ran strict fp32 where one built of 1x1 nn.Conv1d (spikingjelly's
+    Spikformer) ran TF32. Setting both alike makes the two kinds of model train at the same
+    precision. Process-wide, as torch's flags are; nothing changes on a CPU."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+
+
 def to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
@@ -251,6 +263,7 @@ class Trainer:
         except RuntimeError as e:
             raise ConfigError(f"{self.recipe.source}: train.host_memory: {e}") from None
         self.device = resolve_device(t.device)
+        set_fp32_precision(self.device, t.tf32)
         self.dist = dist_utils.init_from_env(self.device.type)
         self.device = dist_utils.device_for(self.dist, self.device)
         # this process's share of the data: every process is a data-parallel replica here

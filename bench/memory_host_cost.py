@@ -1,0 +1,90 @@
+"""What the memory levels cost the host per training step: a zoo model's structure at toy width
+(the arithmetic is next to nothing, so what is left is the levels' Python work: the spike tracker,
+the saved-tensor hooks, the torch-function mode that follows spikes through ops), none / bits /
+recompute interleaved step by step. On a GPU the same work is what a level adds to a step whose
+kernels take a few milliseconds (BENCHMARKS.md `## gpu`).
+
+    python bench/memory_host_cost.py                                   # spikformer-4-384, sdt-2-512
+    python bench/memory_host_cost.py --models sdt-2-512 --rounds 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from efficient import memory
+from efficient.zoo import create
+
+# toy widths of each model: the same units, blocks and saved tensors per step as the full model
+TOY = {
+    "spikformer-4-384": ({"embed_dim": 32, "num_heads": 2, "img_size": 16}, (3, 16, 16)),
+    "sdt-2-512": ({"embed_dim": 32, "num_heads": 2, "img_size": 16}, (3, 16, 16)),
+}
+LEVELS = ("none", "bits", "recompute")
+
+
+def measure(name: str, rounds: int) -> dict:
+    kw, shape = TOY[name]
+    x = torch.rand(1, *shape, generator=torch.Generator().manual_seed(0))
+    y = torch.tensor([1])
+    models = {}
+    for level in LEVELS:
+        torch.manual_seed(0)
+        m = create(name, **kw).train()
+        models[level] = (m, memory.optimize(m, level) if level != "none" else None)
+
+    def step(m: torch.nn.Module) -> None:
+        for p in m.parameters():
+            p.grad = None
+        out = m(x)
+        torch.nn.functional.cross_entropy((out.mean(0) if out.dim() == 3 else out), y).backward()
+
+    for m, _ in models.values():
+        for _ in range(3):
+            step(m)
+    times: dict[str, list[float]] = {level: [] for level in LEVELS}
+    for r in range(rounds):  # interleaved, rotating the order: drift hits every level alike
+        order = LEVELS[r % 3:] + LEVELS[:r % 3]
+        for level in order:
+            t = time.perf_counter()
+            step(models[level][0])
+            times[level].append(time.perf_counter() - t)
+    plan = models["bits"][1]
+    plan.hooks.packed = 0
+    step(models["bits"][0])
+    med = {level: 1e3 * statistics.median(v) for level, v in times.items()}
+    return {"model": name, "toy": kw, "median_ms": med, "packed_per_step": plan.hooks.packed,
+            "over_none_ms": {level: med[level] - med["none"] for level in LEVELS[1:]}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["spikformer-4-384", "sdt-2-512"], choices=list(TOY))
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    print(f"# bench/memory_host_cost.py -- torch {torch.__version__}, load {os.getloadavg()[0]:.2f}, 1 thread")
+    print("| model (toy width) | none ms | bits ms | recompute ms | bits - none ms | recompute - none ms | packed / step |")
+    print("|---|---|---|---|---|---|---|")
+    rows = []
+    for name in args.models:
+        r = measure(name, args.rounds)
+        rows.append(r)
+        m, o = r["median_ms"], r["over_none_ms"]
+        print(f"| {name} | {m['none']:.2f} | {m['bits']:.2f} | {m['recompute']:.2f} | {o['bits']:.2f} | "
+              f"{o['recompute']:.2f} | {r['packed_per_step']} |")
+    print(f"# load at the end {os.getloadavg()[0]:.2f}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
