@@ -305,19 +305,21 @@ def _triton_backward(gs, gm, h, rate, c, v_th, v_reset, charge, surrogate, alpha
     _triton_ready(h)
     T, N = h.shape
     gx = torch.empty((T, N), dtype=x_dtype, device=h.device)
-    gv0 = torch.empty(N if v0 is not None else 0, dtype=torch.float32, device=h.device)
+    gv0 = torch.empty(N, dtype=torch.float32, device=h.device) if v0 is not None else None
     nblocks = triton.cdiv(N, _BLOCK)
-    grate = torch.zeros(nblocks if rate is not None else 1, dtype=torch.float32, device=h.device)
+    # per-block partial rate gradients, only for PLIF: without a rate the kernel writes none, and a
+    # zero-fill and a sum would be two launches for nothing (the op fills in its 0-d output)
+    grate = torch.zeros(nblocks, dtype=torch.float32, device=h.device) if rate is not None else None
     hard = v_reset is not None
     last = T - 1  # kernels walk backwards from the last step
     _lif_bwd_kernel[(nblocks,)](
         gs[last], gm[last] if gm is not None else h[last], h[last],
-        rate if rate is not None else h, v0 if v0 is not None else h, gx[last], grate,
+        rate if rate is not None else h, v0 if v0 is not None else h, gx[last], grate if grate is not None else h,
         gv0 if v0 is not None else h, N, T, float(c), float(v_th), float(v_reset) if hard else 0.0, float(alpha),
         CHARGE=charge, HAS_RATE=rate is not None, HAS_GM=gm is not None, HARD=hard,
         DETACH=detach, SURROGATE=surrogate, HAS_V0=v0 is not None, BLOCK=_BLOCK, num_warps=_NUM_WARPS,
     )
-    return gx, grate.sum(), gv0
+    return gx, (grate.sum() if grate is not None else None), (gv0 if v0 is not None else None)
 
 
 # ---------------------------------------------------------------------------------------------
