@@ -20,6 +20,7 @@ import torch
 
 from efficient import memory
 from efficient.zoo import create
+from memory import train_step  # bench/memory.py: zero_grad, forward, cross-entropy, backward
 
 # toy widths of each model: the same units, blocks and saved tensors per step as the full model
 TOY = {
@@ -40,10 +41,7 @@ def measure(name: str, rounds: int) -> dict:
         models[level] = (m, memory.optimize(m, level) if level != "none" else None)
 
     def step(m: torch.nn.Module) -> None:
-        for p in m.parameters():
-            p.grad = None
-        out = m(x)
-        torch.nn.functional.cross_entropy((out.mean(0) if out.dim() == 3 else out), y).backward()
+        train_step(m, x, y)
 
     for m, _ in models.values():
         for _ in range(3):

@@ -328,16 +328,15 @@ DRY_STEP = {"cifar": {"batch": 2, "img": 32, "kw": {"embed_dim": 32, "num_heads"
             "imagenet": {"batch": 2, "img": 64, "kw": {"embed_dim": 32, "num_heads": 2, "img_size": 64}}}
 OUR_MODES = ("eager", "default", "reduce-overhead")
 PEER_MODES = ("eager", "default", "cudagraph")
-# compiled/graph vs eager, same weights and batch: |loss difference| / |loss| and the gradient
-# difference's L2 norm over the eager gradients' (all parameters as one vector). A spike that flips
-# at its threshold under a reordered sum moves a few gradient entries; a wrong graph moves them all.
-# (loss rel, gradient rel L2) of a mode against its reference, per amp. A step compiled by inductor
-# sums in another order than eager; at full width and batch some membrane potentials lie within that
-# rounding of the threshold, their spikes flip and the surrogate gradients carry the flips through
-# every later block (an H200 run: loss 1e-4..2e-3, gradients 40-50 % apart, spikingjelly's compiled
-# step as ours), while the same comparison at toy widths agrees to 3e-7 (the CPU rehearsal). Such a
-# mode is "flips": timed, its loss within FLIP_LOSS_TOL; the CPU tests hold compiled training equal
-# to eager where no spike sits that close. A CUDA-graph replay runs the kernels it captured: exact.
+# (loss rel, gradient rel L2) of a mode against its reference, per amp: |loss difference| / |loss| and
+# the gradient difference's L2 norm over the reference gradients' (all parameters as one vector),
+# same weights and batch. A step compiled by inductor sums in another order than eager; at full
+# width and batch some membrane potentials lie within that rounding of the threshold, their spikes
+# flip and the surrogate gradients carry the flips through every later block (an H200 run: loss
+# 1e-4..2e-3, gradients 40-50 % apart, spikingjelly's compiled step as ours), while the same
+# comparison at toy widths agrees to 3e-7 (the CPU rehearsal). Such a mode is "flips": timed, its
+# loss within FLIP_LOSS_TOL; the CPU tests hold compiled training equal to eager where no spike sits
+# that close. A CUDA-graph replay runs the kernels it captured: exact against what it replays.
 CHECK_TOL = {"fp32": (1e-4, 2e-3), "bf16": (2e-2, 5e-2), "fp16": (2e-2, 5e-2)}
 FLIP_LOSS_TOL = 1e-2
 INDUCTOR_MODES = ("default", "reduce-overhead")

@@ -319,7 +319,7 @@ def _triton_backward(gs, gm, h, rate, c, v_th, v_reset, charge, surrogate, alpha
         CHARGE=charge, HAS_RATE=rate is not None, HAS_GM=gm is not None, HARD=hard,
         DETACH=detach, SURROGATE=surrogate, HAS_V0=v0 is not None, BLOCK=_BLOCK, num_warps=_NUM_WARPS,
     )
-    return gx, (grate.sum() if grate is not None else None), (gv0 if v0 is not None else None)
+    return gx, (grate.sum() if grate is not None else None), gv0
 
 
 # ---------------------------------------------------------------------------------------------
