@@ -25,10 +25,12 @@
 #                  whole-model gradients with Triton vs torch kernels      (bench/stata_kernels.py)
 #  ee_kernels      exit_confidence (split kernel) and linear_ce vs their references, then timed
 #  ee_decode_s0/_s1  decoding speed per exit strategy of each trained seed   (bench/early_exit.py)
-#  steps_imagenet, steps_cifar_bf16  (only when named: each needs ~3 minutes of its own) spikformer-8-512
-#                  and -stata at ImageNet b32 in fp32 and bf16; the CIFAR steps in bf16 autocast
+#  steps_imagenet  (only when named: ~3 minutes of its own) spikformer-8-512 and -stata at ImageNet b32
+#                  in fp32 and bf16
+#  with bf16 named, steps_cifar runs the CIFAR steps in bf16 autocast beside fp32 (6 processes, ~220 s)
 # Parts are selected by group: lif, stata (the CIFAR steps and STATA kernels), memory, ee (default:
-# all); imagenet and bf16 only when named.
+# all); imagenet and bf16 only when named. GPU_SKIP="part ..." leaves named parts out (a rerun of what
+# the last run measured with code unchanged since).
 #
 #   bash bench/gpu.sh [all|lif|stata|memory|ee|imagenet|bf16 ...]   (from the repository root)
 #   GPU_DRY=1 bash bench/gpu.sh                        (rehearsal on CPU: tiny shapes, Triton interpreter)
@@ -37,7 +39,7 @@
 #  - CIFAR b64 fp32 step at least 1.5x spikingjelly's best mode (ours best of eager/reduce-overhead
 #    vs its best of eager/StaticCudaGraph)                                            (steps_cifar)
 #  - STATA at least 90 % of its ideal (MACs) speed-up over dense, CIFAR and ImageNet, best modes
-#  - bf16 autocast not slower than fp32, every model, best modes     (steps_cifar_bf16/_imagenet)
+#  - bf16 autocast not slower than fp32, every model, best modes     (steps_cifar with bf16/_imagenet)
 #  - LIF fwd+bwd at least 1.2x the best of spikingjelly's Triton and a compiled loop at both
 #    benchmark shapes (PLIF/DLIF and T=16 reported beside it)                             (lif_speed)
 #  - recompute: step peak at most 20 % of none's, time at most 1.25x, below spikingjelly memopt's best
@@ -85,6 +87,10 @@ BUDGET=${GPU_BUDGET_S:-480}
 part() {
   local name=$1 limit=$2
   shift 2
+  if [[ " ${GPU_SKIP:-} " == *" $name "* ]]; then
+    echo "=== $name: skipped (GPU_SKIP)" | tee -a "$LOG"
+    return
+  fi
   local left=$((BUDGET - SECONDS - 5))
   if [ "$left" -lt 15 ]; then
     echo "=== $name: skipped, ${left}s of the ${BUDGET}s budget left" | tee -a "$LOG"
@@ -146,7 +152,8 @@ if [ "$DRY" = 1 ]; then
   want lif && part lif_check 300 $PY bench/neurons.py --gpu --dry-run
   want lif && part bn_lif 300 $PY bench/bn_lif.py --dry-run --json "$WORK/bn_lif.json"
   want stata && part stata_kernels 300 $PY bench/stata_kernels.py --device cpu --dry-run --json "$WORK/stata_kernels.json"
-  want stata && part steps_cifar 1500 $PY bench/step.py --device cpu --dry-run --sizes cifar --amp fp32 --modes reduce-overhead \
+  CIFAR_AMP=(fp32); wanted bf16 && CIFAR_AMP=(fp32 bf16)
+  { want stata || wanted bf16; } && part steps_cifar 1500 $PY bench/step.py --device cpu --dry-run --sizes cifar --amp "${CIFAR_AMP[@]}" --modes reduce-overhead \
     --precision tf32 --steps 1 --warmup 0 --budget-s 1400 --prepare-s 1300 --time-s 200 "${WAIT[@]}" --json "$WORK/steps_cifar.json"
   wanted imagenet && part steps_imagenet 1500 $PY bench/step.py --device cpu --dry-run --sizes imagenet --amp fp32 \
     --modes reduce-overhead --steps 1 --warmup 0 --budget-s 1400 --prepare-s 1300 --time-s 200 --json "$WORK/steps_imagenet.json"
@@ -156,19 +163,25 @@ if [ "$DRY" = 1 ]; then
 else
   # order: what the targets need most first; the budget skips what does not fit
   want lif && part lif_check 50 $PY bench/neurons.py --gpu --check-only --json "$WORK/lif_check.json"
-  want stata && part steps_cifar 150 $PY bench/step.py --device cuda --sizes cifar --amp fp32 --modes reduce-overhead cudagraph \
-    --precision tf32 --steps 10 --warmup 2 --budget-s 145 --prepare-s 115 --time-s 10 "${WAIT[@]}" --json "$WORK/steps_cifar.json"
+  # the CIFAR steps: fp32, and bf16 beside it when bf16 is named (the bf16 target compares the two in one run)
+  if want stata || wanted bf16; then
+    if wanted bf16; then
+      part steps_cifar 230 $PY bench/step.py --device cuda --sizes cifar --amp fp32 bf16 --modes reduce-overhead cudagraph \
+        --precision tf32 --steps 10 --warmup 2 --budget-s 225 --prepare-s 150 --time-s 10 "${WAIT[@]}" --json "$WORK/steps_cifar.json"
+    else
+      part steps_cifar 150 $PY bench/step.py --device cuda --sizes cifar --amp fp32 --modes reduce-overhead cudagraph \
+        --precision tf32 --steps 10 --warmup 2 --budget-s 145 --prepare-s 115 --time-s 10 "${WAIT[@]}" --json "$WORK/steps_cifar.json"
+    fi
+  fi
   want memory && part memory 80 $PY bench/memory.py --device cuda --steps 8 --search-s 10 --budget-s 75 --json "$WORK/memory.json"
   want lif && part lif_speed 55 env SJ_LIF_CUDA_IMPLEMENTATION=triton $PY bench/neurons.py --gpu --speed-only --neurons lif plif dlif \
     --shapes 4x32x24576,8x64x65536,16x32x24576 --repeats 20 --json "$WORK/lif_speed.json"
   want lif && part bn_lif 20 $PY bench/bn_lif.py --device cuda --json "$WORK/bn_lif.json"
   want stata && part stata_kernels 40 $PY bench/stata_kernels.py --device cuda --json "$WORK/stata_kernels.json"
   want ee && part ee_kernels 30 $PY bench/ee_kernels.py --device cuda --repeats 20 --budget-s 25 --dtypes fp32 bf16 --json "$WORK/ee_kernels.json"
-  # not in "all": the ImageNet steps and the bf16 steps need a run of their own (4-6 processes compile ~2 min)
+  # not in "all": the ImageNet steps need a run of their own (4 processes compile ~2 min)
   wanted imagenet && part steps_imagenet 200 $PY bench/step.py --device cuda --sizes imagenet --amp fp32 bf16 --modes reduce-overhead \
     --precision tf32 --steps 10 --warmup 2 --budget-s 195 --prepare-s 150 --time-s 12 --json "$WORK/steps_imagenet.json"
-  wanted bf16 && part steps_cifar_bf16 200 $PY bench/step.py --device cuda --sizes cifar --amp bf16 --modes reduce-overhead cudagraph \
-    --precision tf32 --steps 10 --warmup 2 --budget-s 195 --prepare-s 150 --time-s 12 --json "$WORK/steps_cifar_bf16.json"
 fi
 
 if want ee; then
