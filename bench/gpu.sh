@@ -181,7 +181,7 @@ else
   want ee && part ee_kernels 30 $PY bench/ee_kernels.py --device cuda --repeats 20 --budget-s 25 --dtypes fp32 bf16 --json "$WORK/ee_kernels.json"
   # not in "all": the ImageNet steps need a run of their own (4 processes compile ~2 min)
   wanted imagenet && part steps_imagenet 200 $PY bench/step.py --device cuda --sizes imagenet --amp fp32 bf16 --modes reduce-overhead \
-    --precision tf32 --steps 10 --warmup 2 --budget-s 195 --prepare-s 150 --time-s 12 --json "$WORK/steps_imagenet.json"
+    --precision tf32 --steps 10 --warmup 2 --budget-s 195 --prepare-s 150 --time-s 12 "${WAIT[@]}" --json "$WORK/steps_imagenet.json"
 fi
 
 if want ee; then
@@ -199,8 +199,10 @@ if want ee; then
       part ee_decode_s$seed 300 $PY bench/early_exit.py "$RUN" --device cpu --prompts 2 --new-tokens 8 --unpaired --repeats 1 \
         --val-batches 2 --sweep recompute=auto speculative=0.5 --targets --json "$WORK/early_exit_s$seed.json"
     else
-      part ee_decode_s$seed 25 $PY bench/early_exit.py "$RUN" --device cuda --prompts 10 --new-tokens 128 --unpaired --repeats 1 \
-        --val-batches 12 --sweep recompute=auto speculative=0.8 --targets --budget-s 20 --json "$WORK/early_exit_s$seed.json"
+      # EE_DECODE_S: each seed's limit (the compiled decoder alone compiles for ~20 s on an H200)
+      part ee_decode_s$seed "${EE_DECODE_S:-25}" $PY bench/early_exit.py "$RUN" --device cuda --prompts 10 --new-tokens 128 --unpaired \
+        --repeats 1 --val-batches 12 --sweep recompute=auto speculative=0.8 --targets --budget-s $(( ${EE_DECODE_S:-25} - 5 )) \
+        --json "$WORK/early_exit_s$seed.json"
     fi
   done
   # the runs' small files come back; their weights stay (hundreds of MB)
