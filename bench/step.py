@@ -430,9 +430,12 @@ class DeviceStep:
             self.reset = None
             # built as stata.py builds it: at the final keep ratio (no warm-up told)
             self.model = create(spec["model"], **(dry["kw"] if dry else {}))
+            _stage("model built")
             m, b = macs(self.model.train(), x[:1])  # counted on the CPU before the move
+            _stage("MACs counted")
             self.info.update(macs=m, block_macs=b)
         self.model = self.model.train().to(self.dev)
+        _stage(f"model on {self.dev}")
         self.info["params_m"] = sum(p.numel() for p in self.model.parameters()) / 1e6
         self.x, self.y = x.to(self.dev), y.to(self.dev)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -515,6 +518,7 @@ class DeviceStep:
             row: dict[str, Any] = {}
             out[mode] = row
             try:
+                _stage(f"{mode}: building")
                 step = self.make(mode)
                 if self.dev.type == "cuda":
                     torch.cuda.empty_cache()
@@ -526,6 +530,7 @@ class DeviceStep:
                     step()
                 _sync(self.dev)
                 row["warmup_s"] = time.perf_counter() - t0
+                _stage(f"{mode}: warm ({row['warmup_s']:.0f} s)")
                 if mode in ("default", "reduce-overhead"):  # graphs compiled (1 = no graph break); CUDA graphs refused
                     row["graphs"] = counters["stats"]["unique_graphs"] - graphs0
                     row["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"] - skips0
@@ -534,6 +539,7 @@ class DeviceStep:
                 row["peak_bytes"] = _peak(self.dev)
                 g = self.grads()
                 row.update(_launch_profile(step, self.dev))  # after the check: its gradients are read above
+                _stage(f"{mode}: checked and profiled")
                 row["loss"] = float(loss)
                 if mode == "eager":
                     ref_loss, ref_g = float(loss), g
@@ -593,6 +599,14 @@ class DeviceStep:
         return {m: {"step_ms": 1e3 * statistics.median(v), "min_ms": 1e3 * min(v)} for m, v in times.items()}
 
 
+_T_CHILD = time.perf_counter()
+
+
+def _stage(what: str) -> None:
+    """A device child's progress on stderr: the parent shows the last lines of a child that never gets ready."""
+    print(f"# stage {time.perf_counter() - _T_CHILD:.0f} s: {what}", file=sys.stderr, flush=True)
+
+
 def gpu_child(spec: dict[str, Any]) -> int:
     """One (model, amp): prepare, print READY, wait for a line on stdin, time, print RESULT."""
     warnings.simplefilter("ignore")
@@ -643,8 +657,12 @@ def _run_wave(jobs: list[dict[str, Any]], args: argparse.Namespace, deadline: fl
         procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
     # stderr drained in threads: a full pipe would stall a child
     errs: list[list[str]] = [[] for _ in procs]
+    stages = ["no stage reported"] * len(procs)  # each child's last "# stage" line (see _stage)
     def drain(i: int) -> None:
         for line in procs[i].stderr:  # type: ignore[union-attr]
+            if line.startswith("# stage"):
+                stages[i] = line[2:].strip()
+                continue
             errs[i].append(line)
             del errs[i][:-20]
     threads = [threading.Thread(target=drain, args=(i,), daemon=True) for i in range(len(procs))]
@@ -665,8 +683,12 @@ def _run_wave(jobs: list[dict[str, Any]], args: argparse.Namespace, deadline: fl
 
     prep_until = min(deadline, time.perf_counter() + args.prepare_s)
     results = []
-    for job, p, e in zip(jobs, procs, errs):
-        r = read_tagged(p, READY, prep_until) or {"error": f"not ready in time or exited ({''.join(e[-3:]).strip()[-300:]})"}
+    for i, (job, p, e) in enumerate(zip(jobs, procs, errs)):
+        r = read_tagged(p, READY, prep_until)
+        if r is None:  # still preparing, or gone: the stage it last reported says where it stood
+            rc = p.poll()
+            state = "still preparing" if rc is None else f"exited with code {rc}"
+            r = {"error": f"not ready in time: {state}, last {stages[i]} ({''.join(e[-3:]).strip()[-300:]})"}
         results.append({**job, **r})
         state = "ready" if "error" not in r else f"failed: {r['error']}"
         print(f"#   {job['model']} {job['amp']}: {state}" + (f" after {r['prepare_s']:.0f} s" if "prepare_s" in r else ""), flush=True)
