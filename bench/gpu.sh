@@ -25,8 +25,8 @@
 #                  whole-model gradients with Triton vs torch kernels      (bench/stata_kernels.py)
 #  ee_kernels      exit_confidence (split kernel) and linear_ce vs their references, then timed
 #  ee_decode_s0/_s1  decoding speed per exit strategy of each trained seed   (bench/early_exit.py)
-#  steps_imagenet  (only when named: ~3 minutes of its own) spikformer-8-512 and -stata at ImageNet b32
-#                  in fp32 and bf16
+#  steps_imagenet  (only when named: ~6 minutes of its own, GPU_BUDGET_S=400) spikformer-8-512 and -stata
+#                  at ImageNet b32, an fp32 wave then a bf16 wave
 #  with bf16 named, steps_cifar runs the CIFAR steps in bf16 autocast beside fp32 (6 processes, ~220 s)
 # Parts are selected by group: lif, stata (the CIFAR steps and STATA kernels), memory, ee (default:
 # all); imagenet and bf16 only when named. GPU_SKIP="part ..." leaves named parts out (a rerun of what
@@ -48,12 +48,14 @@
 #  - early exits: recompute at least 1.5x at most +1 % held-out loss, speculative at least 1.3x and
 #    lossless, on both trained seeds                                                (ee_decode_s0/_s1)
 #
-# Time on an H200, from the 2026-12-04 run: the package set-up ~15 s (outside the budget); ee_train
-# 2 x 120 s side by side in the background; lif_check 35 s; steps_cifar ~135 s (three processes
-# compile and check at once: ready after 69-123 s with three modes each, less with two; then ~10 s of
-# timing each); memory ~60 s; lif_speed 55 s (cut there: 9 compiled loops); bn_lif ~10 s;
-# stata_kernels ~45 s; ee_kernels 30 s (cut there); ee_decode 2 x 25 s: about 470 s in all, against
-# the 480 s whole-run budget (GPU_BUDGET_S), which skips a part rather than overrun.
+# Time on an H200, from the two runs of 2026-12-04: the package set-up ~15 s (outside the budget);
+# ee_train 2 x 120 s side by side in the background (they slow to half speed beside four ImageNet
+# compiles); lif_check 35 s; steps_cifar ~125 s fp32 alone (three processes ready after 69-123 s, then
+# ~10 s of timing each), ~125 s with bf16 too (six processes ready after 15-113 s); memory ~60 s;
+# lif_speed 55 s (cut there: 9 compiled loops); bn_lif ~10 s; stata_kernels ~45 s; ee_kernels 30 s
+# (cut there); ee_decode 2 x ~40 s on the eager engine: about 500 s in all, more than the 480 s
+# whole-run budget (GPU_BUDGET_S), which skips a part rather than overrun: a rerun leaves out what
+# the last one measured with GPU_SKIP.
 #
 # Logs and JSON go to $WORK (default runs/gpu) and, where $OUT is set, are packed into
 # $OUT/gpu_results.tar.gz, with the combined log and results.json beside it; every part's JSON is merged
@@ -179,9 +181,11 @@ else
   want lif && part bn_lif 20 $PY bench/bn_lif.py --device cuda --json "$WORK/bn_lif.json"
   want stata && part stata_kernels 40 $PY bench/stata_kernels.py --device cuda --json "$WORK/stata_kernels.json"
   want ee && part ee_kernels 30 $PY bench/ee_kernels.py --device cuda --repeats 20 --budget-s 25 --dtypes fp32 bf16 --json "$WORK/ee_kernels.json"
-  # not in "all": the ImageNet steps need a run of their own (4 processes compile ~2 min)
-  wanted imagenet && part steps_imagenet 200 $PY bench/step.py --device cuda --sizes imagenet --amp fp32 bf16 --modes reduce-overhead \
-    --precision tf32 --steps 10 --warmup 2 --budget-s 195 --prepare-s 150 --time-s 12 "${WAIT[@]}" --json "$WORK/steps_imagenet.json"
+  # not in "all": the ImageNet steps need a call of their own, in two waves (fp32, then bf16) of the
+  # dense and STATA processes (each holds tens of GiB; four at once never got ready, 2026-12-04)
+  wanted imagenet && part steps_imagenet 380 $PY bench/step.py --device cuda --sizes imagenet --amp fp32 bf16 --modes reduce-overhead \
+    --precision tf32 --steps 10 --warmup 2 --budget-s 375 --prepare-s 160 --time-s 12 --max-procs 2 "${WAIT[@]}" \
+    --json "$WORK/steps_imagenet.json"
 fi
 
 if want ee; then
@@ -199,10 +203,13 @@ if want ee; then
       part ee_decode_s$seed 300 $PY bench/early_exit.py "$RUN" --device cpu --prompts 2 --new-tokens 8 --unpaired --repeats 1 \
         --val-batches 2 --sweep recompute=auto speculative=0.5 --targets --json "$WORK/early_exit_s$seed.json"
     else
-      # EE_DECODE_S: each seed's limit (the compiled decoder alone compiles for ~20 s on an H200)
-      part ee_decode_s$seed "${EE_DECODE_S:-25}" $PY bench/early_exit.py "$RUN" --device cuda --prompts 10 --new-tokens 128 --unpaired \
-        --repeats 1 --val-batches 12 --sweep recompute=auto speculative=0.8 --targets --budget-s $(( ${EE_DECODE_S:-25} - 5 )) \
-        --json "$WORK/early_exit_s$seed.json"
+      # the sweep on the eager decode engine: the compiled one takes 39 s to warm up on an H200 and the
+      # module-path comparison another 15 s, which left no time for the sweep (2026-12-04); EE_DECODE_S
+      # sets each seed's limit
+      part ee_decode_s$seed "${EE_DECODE_S:-45}" $PY bench/early_exit.py "$RUN" --device cuda --prompts 10 --new-tokens 128 --unpaired \
+        --repeats 1 --val-batches 12 --sweep recompute=auto speculative=0.8 --engine eager --no-before-after --targets \
+        --recompute-speedup 1.5 --speculative-speedup 1.3 \
+        --budget-s $(( ${EE_DECODE_S:-45} - 8 )) --json "$WORK/early_exit_s$seed.json"
     fi
   done
   # the runs' small files come back; their weights stay (hundreds of MB)

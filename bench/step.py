@@ -800,15 +800,20 @@ def device_main(args: argparse.Namespace) -> int:
                  "modes": [md for md in (PEER_MODES if m == "spikingjelly" else OUR_MODES)
                            if not (args.dry_run and md == "cudagraph") and (md == "eager" or md in args.modes)]}
                 for amp in args.amp for m in models]
-        if time.perf_counter() > deadline - 30:
-            print(f"# {size}: skipped, the part's budget is spent")
-            failed = True
-            continue
-        print(f"# {size}: {len(jobs)} processes compile and check at once, then time one after the other", flush=True)
-        results += _run_wave(jobs, args, deadline)
-        if args.json:
-            Path(args.json).write_text(json.dumps({"device": name, "torch": torch.__version__, "spikingjelly": sj,
-                                                   "results": results}, indent=1, default=str))
+        # --max-procs splits a size's processes into waves (the ImageNet steps hold tens of GiB each)
+        per = args.max_procs or len(jobs)
+        for w in range(0, len(jobs), per):
+            wave = jobs[w:w + per]
+            if time.perf_counter() > deadline - 30:
+                print(f"# {size}: {len(jobs) - w} processes skipped, the part's budget is spent")
+                failed = True
+                results += [{**j, "error": "skipped: the part's budget is spent"} for j in jobs[w:]]
+                break
+            print(f"# {size}: {len(wave)} processes compile and check at once, then time one after the other", flush=True)
+            results += _run_wave(wave, args, deadline)
+            if args.json:
+                Path(args.json).write_text(json.dumps({"device": name, "torch": torch.__version__, "spikingjelly": sj,
+                                                       "results": results}, indent=1, default=str))
     print("\n## training step on the device (zero_grad + forward + CE + backward + AdamW), median ms\n")
     print("| size | model | amp | mode | check vs eager (loss rel, grad rel) | peak MiB (first steps) | step ms | warm-up s "
           "| kernels / step (host launch calls) | kernel ms / step | device busy |")
@@ -889,6 +894,8 @@ def main(argv: list[str] | None = None) -> int:
     dv.add_argument("--warmup", type=int, default=2, help="untimed steps per mode before timing (compiled already)")
     dv.add_argument("--budget-s", type=float, default=600.0, help="the whole device part; what does not fit is skipped")
     dv.add_argument("--prepare-s", type=float, default=240.0, help="per wave: compile and check")
+    dv.add_argument("--max-procs", type=int, default=0,
+                    help="at most this many processes per wave (default: a size's all at once); jobs are ordered amp by amp")
     dv.add_argument("--time-s", type=float, default=90.0, help="per process: timing")
     dv.add_argument("--wait-pids", default=None, help="file of process ids sharing the device: time only once they are gone")
     dv.add_argument("--json", default=None)
