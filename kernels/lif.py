@@ -307,9 +307,10 @@ def _triton_backward(gs, gm, h, rate, c, v_th, v_reset, charge, surrogate, alpha
     gx = torch.empty((T, N), dtype=x_dtype, device=h.device)
     gv0 = torch.empty(N, dtype=torch.float32, device=h.device) if v0 is not None else None
     nblocks = triton.cdiv(N, _BLOCK)
-    # per-block partial rate gradients, only for PLIF: without a rate the kernel writes none, and a
-    # zero-fill and a sum would be two launches for nothing (the op fills in its 0-d output)
-    grate = torch.zeros(nblocks, dtype=torch.float32, device=h.device) if rate is not None else None
+    # per-block partial rate gradients, only for PLIF: every program writes its own slot, so the
+    # buffer needs no zero-fill (a launch); without a rate the kernel writes none, and the op fills in
+    # its 0-d output
+    grate = torch.empty(nblocks, dtype=torch.float32, device=h.device) if rate is not None else None
     hard = v_reset is not None
     last = T - 1  # kernels walk backwards from the last step
     _lif_bwd_kernel[(nblocks,)](
