@@ -169,10 +169,10 @@ else
   if want stata || wanted bf16; then
     if wanted bf16; then
       part steps_cifar 230 $PY bench/step.py --device cuda --sizes cifar --amp fp32 bf16 --modes reduce-overhead cudagraph \
-        --precision tf32 --steps 10 --warmup 2 --budget-s 225 --prepare-s 150 --time-s 10 "${WAIT[@]}" --json "$WORK/steps_cifar.json"
+        --precision tf32 --steps 10 --warmup 2 --budget-s 225 --prepare-s 150 --time-s 15 "${WAIT[@]}" --json "$WORK/steps_cifar.json"
     else
       part steps_cifar 150 $PY bench/step.py --device cuda --sizes cifar --amp fp32 --modes reduce-overhead cudagraph \
-        --precision tf32 --steps 10 --warmup 2 --budget-s 145 --prepare-s 115 --time-s 10 "${WAIT[@]}" --json "$WORK/steps_cifar.json"
+        --precision tf32 --steps 10 --warmup 2 --budget-s 145 --prepare-s 115 --time-s 15 "${WAIT[@]}" --json "$WORK/steps_cifar.json"
     fi
   fi
   want memory && part memory 80 $PY bench/memory.py --device cuda --steps 8 --search-s 10 --budget-s 75 --json "$WORK/memory.json"

@@ -538,8 +538,7 @@ class DeviceStep:
                 _sync(self.dev)
                 row["peak_bytes"] = _peak(self.dev)
                 g = self.grads()
-                row.update(_launch_profile(step, self.dev))  # after the check: its gradients are read above
-                _stage(f"{mode}: checked and profiled")
+                _stage(f"{mode}: checked")
                 row["loss"] = float(loss)
                 if mode == "eager":
                     ref_loss, ref_g = float(loss), g
@@ -580,8 +579,9 @@ class DeviceStep:
             torch.cuda.empty_cache()
         return out
 
-    def time(self, modes: list[str], steps: int, warmup: int) -> dict[str, dict[str, float]]:
-        """Median step ms per mode with AdamW, modes interleaved step by step in rotating order."""
+    def time(self, modes: list[str], steps: int, warmup: int) -> dict[str, dict[str, Any]]:
+        """Median step ms per mode with AdamW, modes interleaved step by step in rotating order; then
+        one profiled step per mode (kernels, their time, launch calls)."""
         opt = torch.optim.AdamW(self.params, lr=1e-5)
         fns = {m: self.steps[m] for m in modes}
         times: dict[str, list[float]] = {m: [] for m in modes}
@@ -596,7 +596,18 @@ class DeviceStep:
                 _sync(self.dev)
                 if i >= warmup:
                     times[m].append(time.perf_counter() - t0)
-        return {m: {"step_ms": 1e3 * statistics.median(v), "min_ms": 1e3 * min(v)} for m, v in times.items()}
+        out = {m: {"step_ms": 1e3 * statistics.median(v), "min_ms": 1e3 * min(v)} for m, v in times.items()}
+        # one more step per mode under the profiler, here rather than in prepare: the processes of a
+        # wave prepare side by side on one device, and a kernel's recorded time then includes the
+        # other processes' time slices (kernel sums above the step time, 2026-12-04); timing runs alone
+        for m in modes:
+            def timed_unit(m: str = m) -> None:  # what each timed step ran, the optimizer included
+                if m == "cudagraph":
+                    opt.zero_grad(set_to_none=False)
+                fns[m]()
+                opt.step()
+            out[m].update(_launch_profile(timed_unit, self.dev))
+        return out
 
 
 _T_CHILD = time.perf_counter()
