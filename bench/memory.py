@@ -97,10 +97,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 LEVELS = ("none", "bits", "recompute")
-IMPLS = ("none", "bits", "recompute", "recompute-budget", "sj", "sj-memopt")
+IMPLS = ("none", "bits", "recompute", "recompute-budget", "recompute-whole-stem", "sj", "sj-memopt")
 RECOMPUTE_BUDGET = 0.2  # recompute-budget: at most this fraction of none's saved bytes (planned on the step's own batch)
 LABEL = {"none": "ours none", "bits": "ours bits", "recompute": "ours recompute", "sj": "spikingjelly",
-         "recompute-budget": f"ours recompute, budget {RECOMPUTE_BUDGET:.0%}", "sj-memopt": "spikingjelly memopt L1"}
+         "recompute-budget": f"ours recompute, budget {RECOMPUTE_BUDGET:.0%}", "sj-memopt": "spikingjelly memopt L1",
+         "recompute-whole-stem": "ours recompute, stem as one unit"}
 MiB, GiB = 2**20, 2**30
 RESULT = "RESULT "  # a child's last line: RESULT <json>
 
@@ -318,11 +319,16 @@ def build(arch: str, impl: str, T: int, img: int | None = None, example: Any = N
     import torch
 
     torch.manual_seed(0)
-    if impl in LEVELS or impl == "recompute-budget":
+    if impl in LEVELS or impl in ("recompute-budget", "recompute-whole-stem"):
         import efficient
         from efficient import memory
 
         m = efficient.load(ARCHS[arch].ours, timesteps=T, **({"img_size": img} if img else {})).train()
+        if impl == "recompute-whole-stem":  # the stem rerun whole, as before its stages were units
+            for mod in m.modules():
+                if hasattr(mod, "recompute_parts"):
+                    mod.recompute_parts = list
+            impl = "recompute"
         if impl == "recompute-budget":
             t0 = time.perf_counter()
             plan = memory.optimize(m, "recompute", budget=budget, example=example)

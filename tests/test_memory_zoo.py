@@ -58,3 +58,71 @@ def test_levels_run_the_units_as_the_same_fused_ops(level: str, monkeypatch: pyt
     none = fused_calls("none")
     assert none > 0, "the reference model ran no fused unit"
     assert fused_calls(level) == (none if level == "bits" else 2 * none)
+
+
+def test_spikformer_stem_is_recomputed_stage_by_stage() -> None:
+    """At level recompute Spikformer's stem is five units (its four stages and the position
+    embedding), not one: the same gradients and running statistics as the stem rerun whole and as
+    `none`, the same state dict, and a lower peak of live tensor bytes in the step (backward holds
+    one stage's rerun at a time)."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+
+    from efficient.memory.measure import step_peak_bytes
+    from efficient.zoo import create
+
+    torch.manual_seed(0)
+    base = create("spikformer-4-384", embed_dim=64, depth=1, num_heads=2, img_size=32).train()
+    x, y = torch.rand(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])
+
+    def run(model: torch.nn.Module) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], int]:
+        def step() -> None:
+            for p in model.parameters():
+                p.grad = None
+            F.cross_entropy(model(x), y).backward()
+
+        peak = step_peak_bytes(step)
+        return [p.grad.clone() for p in model.parameters() if p.requires_grad], copy.deepcopy(model.state_dict()), peak
+
+    none = run(copy.deepcopy(base))
+    staged_model = copy.deepcopy(base)
+    plan = memory.optimize(staged_model, "recompute")
+    assert [u for u in plan.units if u.startswith("patch_embed")] == [
+        "patch_embed.stage0", "patch_embed.stage1", "patch_embed.stage2", "patch_embed.stage3", "patch_embed.rpe"]
+    staged = run(staged_model)
+    whole_model = copy.deepcopy(base)
+    whole_model.patch_embed.recompute_parts = list  # the stem as one unit
+    assert "patch_embed" in memory.optimize(whole_model, "recompute").units
+    whole = run(whole_model)
+    assert staged_model.state_dict().keys() == base.state_dict().keys()
+    for other in (whole, none):
+        for a, b in zip(staged[0], other[0]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        for k in base.state_dict():
+            torch.testing.assert_close(staged[1][k], other[1][k], rtol=1e-5, atol=1e-6)
+    assert staged[2] < whole[2] < none[2], f"peaks staged {staged[2]}, whole stem {whole[2]}, none {none[2]}"
+
+
+def test_a_folded_stem_stays_folded_in_its_stages() -> None:
+    """The stages call the stem's modules as they are when called: folding BatchNorm for inference
+    (which replaces the stem's BatchNorms) changes what the stages compute, and matches the unfolded
+    model's evaluation output."""
+    import torch
+
+    from efficient import fold_batchnorm
+    from efficient.zoo import create
+
+    torch.manual_seed(0)
+    model = create("spikformer-4-384", embed_dim=64, depth=1, num_heads=2, img_size=32)
+    x = torch.rand(2, 3, 32, 32)
+    model.train()
+    model(torch.rand(8, 3, 32, 32))  # running statistics away from their defaults
+    model.eval()
+    with torch.no_grad():
+        ref = model(x)
+        folded = fold_batchnorm(model, x)
+        assert any(n.startswith("patch_embed.bns") for n in folded)
+        assert all(not isinstance(m, torch.nn.BatchNorm2d) for m in model.patch_embed.modules())
+        torch.testing.assert_close(model(x), ref, rtol=1e-4, atol=1e-4)

@@ -437,5 +437,22 @@ def from_run_record(d: dict[str, Any]) -> dict[str, ActivationMemory]:
     return {k: ActivationMemory.from_dict(v) for k, v in d.get("levels", {}).items()}
 
 
+def step_peak_bytes(step: Callable[[], Any]) -> int:
+    """Peak of live CPU tensor bytes while `step()` runs, above those alive before it: what a GPU's
+    `torch.cuda.max_memory_allocated` counts for the same step, read on a CPU from the allocator's
+    records in `torch.profiler` (a resident-set peak would add the host allocator's retention)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    records = sorted((r for r in prof.profiler.kineto_results.events() if r.name() == "[memory]"),
+                     key=lambda r: r.start_ns())
+    live = peak = 0
+    for r in records:
+        live += r.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
 __all__ = ["ActivationMemory", "LOSS", "MEMORY_FILE", "MODEL", "activation_memory", "applied_level", "default_loss", "eager_module",
-           "first_input", "fmt_bytes", "measure_levels", "run_memory", "write_run_memory"]
+           "first_input", "fmt_bytes", "measure_levels", "run_memory", "step_peak_bytes", "write_run_memory"]

@@ -2,7 +2,8 @@
 
 A unit is a module whose class says `recompute_unit = True` (the zoo's spiking transformer blocks,
 spiking stems and Linear/Conv -> BatchNorm -> neuron units), or one of our (stateless) spiking
-neurons outside any unit. Its forward runs under
+neurons outside any unit. A unit with `recompute_parts()` stands for the smaller units it returns
+(Spikformer's stem: its stages), so backward holds one part's rerun at a time. Its forward runs under
 `torch.utils.checkpoint` (non-reentrant): nothing inside is saved, the input is saved once (as bits
 when it is spikes and the bits hooks are on, see `efficient.memory.spikes`), and backward reruns the
 unit on it with the forward's RNG state and autocast. A rerun must see what the forward saw and
@@ -56,7 +57,12 @@ def units(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
     def visit(prefix: str, m: nn.Module) -> None:
         if m is not model and (is_unit(m) or (is_neuron(m) and _stateless(m))):
-            found.append((prefix, m))
+            # a unit may stand for smaller ones (a stem's stages): backward then holds one at a time
+            parts = m.recompute_parts() if is_unit(m) and hasattr(m, "recompute_parts") else []
+            if parts:
+                found.extend((f"{prefix}.{n}", p) for n, p in parts)
+            else:
+                found.append((prefix, m))
             return
         for name, child in m.named_children():
             visit(f"{prefix}.{name}" if prefix else name, child)
@@ -75,16 +81,21 @@ class _BufferReplay:
         self.module = module
         self.before: list[torch.Tensor] = []
 
+    def buffers(self) -> list[torch.Tensor]:
+        """The unit's buffers, or those it names (`recompute_buffers`: a part that owns no modules)."""
+        named = getattr(self.module, "recompute_buffers", None)
+        return list(named()) if named is not None else list(self.module.buffers())
+
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
-        self.before = [b.detach().clone() for b in self.module.buffers()]
+        self.before = [b.detach().clone() for b in self.buffers()]
         yield
 
     @contextlib.contextmanager
     def rerun(self) -> Iterator[None]:
         from efficient.models.replay import replay
 
-        buffers = list(self.module.buffers())
+        buffers = self.buffers()
         after = [b.detach().clone() for b in buffers]
         with torch.no_grad():
             for b, v in zip(buffers, self.before):

@@ -1,0 +1,97 @@
+"""What recomputing a spiking stem stage by stage buys: the peak of live tensor bytes in one training
+step (forward + cross-entropy + backward) at memory level `recompute` with the SPS stem rerun as one
+unit (as before its stages were units) and stage by stage (the default), beside levels `none` and
+`bits`. The peak counts what the CPU allocator hands out and takes back during the step, from
+`torch.profiler`'s memory records, above what was allocated before it: the quantity a GPU's
+`max_memory_allocated` reports, without the host allocator's retention that a resident-set peak
+includes. Each implementation runs in a fresh process; the step time is the median of `--steps`
+unprofiled steps.
+
+    python bench/stem_stages.py --archs spikformer-4-384 --batch 64 --steps 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import memory as M  # noqa: E402
+
+IMPLS = ("none", "bits", "recompute-whole-stem", "recompute")
+RESULT = "RESULT "
+
+
+def child(spec: dict) -> dict:
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    x, y = M._inputs(spec["arch"], spec["batch"])
+    model, plan, _ = M.build(spec["arch"], spec["impl"], spec["T"], None, example=x)
+    M.train_step(model, x, y)  # warm-up
+    for p in model.parameters():
+        p.grad = None
+    from efficient.memory.measure import step_peak_bytes
+
+    peak = step_peak_bytes(lambda: M.train_step(model, x, y))
+    times = []
+    for _ in range(spec["steps"]):
+        t0 = time.perf_counter()
+        M.train_step(model, x, y)
+        times.append(time.perf_counter() - t0)
+    return {"peak_bytes": peak, "step_s": statistics.median(times), "times_s": times,
+            "units": list(plan.units) if plan is not None else []}
+
+
+def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        print(RESULT + json.dumps(child(json.loads(sys.argv[2]))), flush=True)
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--archs", nargs="+", default=["spikformer-4-384"], choices=sorted(M.ARCHS))
+    ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--T", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1))
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    print(f"# bench/stem_stages.py -- {datetime.date.today()}, {platform.machine()} {os.cpu_count()} cores, "
+          f"batch {args.batch}, T {args.T}, load {os.getloadavg()[0]:.2f} before")
+    print("\n| architecture | impl | step peak of live tensors MiB | vs none | step s | time vs none |")
+    print("|---|---|---|---|---|---|")
+    out = []
+    for arch in args.archs:
+        rows: dict[str, dict] = {}
+        for impl in args.impls:
+            spec = {"arch": arch, "impl": impl, "T": args.T, "batch": args.batch, "steps": args.steps, "threads": args.threads}
+            r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
+                               capture_output=True, text=True)
+            lines = [ln for ln in r.stdout.splitlines() if ln.startswith(RESULT)]
+            res = json.loads(lines[-1][len(RESULT):]) if lines else {"error": (r.stderr.strip().splitlines() or ["?"])[-1]}
+            rows[impl] = res
+            out.append({**spec, **res})
+            if "error" in res:
+                print(f"| {arch} | {M.LABEL[impl]} | {res['error']} | | | |", flush=True)
+                continue
+            base = rows.get("none", {})
+            def rel(k: str) -> str:
+                return f"{res[k] / base[k]:.3f}" if k in base else ""
+            print(f"| {arch} | {M.LABEL[impl]} | {res['peak_bytes'] / M.MiB:,.1f} | {rel('peak_bytes')} | {res['step_s']:.2f} "
+                  f"| {rel('step_s')} |", flush=True)
+    print(f"\n# load {os.getloadavg()[0]:.2f} after")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
