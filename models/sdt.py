@@ -31,21 +31,48 @@ from efficient.zoo import InputSpec, Variant, config_from_options, register_vari
 PAPER = "Spike-driven Transformer (Yao et al., NeurIPS 2023)"
 
 
+class MSSPSTail(nn.Module):
+    """The last stage of the MS-SPS stem and its position embedding: conv-BN(-pool) to real-valued
+    features, spiked for the embedding's conv-BN and added back to it. Like `StemStage`, it owns
+    nothing and calls the stem's modules, so at memory level `recompute` it is a unit of its own."""
+
+    recompute_unit = True
+
+    def __init__(self, stem: MSSPS) -> None:
+        super().__init__()
+        object.__setattr__(self, "_stem", stem)  # a back reference, not a child
+
+    def recompute_buffers(self) -> list[torch.Tensor]:
+        st = self._stem
+        return [b for m in (st.convs[3], st.bns[3], st.pools[3], st.lifs[3], st.rpe_conv, st.rpe_bn) for b in m.buffers()]
+
+    def forward(self, x: torch.Tensor, T: int) -> torch.Tensor:
+        st = self._stem
+        feat = st.pools[3](st.bns[3](st.convs[3](x)))  # real-valued
+        s = st.lifs[3](feat.reshape(T, -1, *feat.shape[1:])).flatten(0, 1)
+        return st.rpe_bn(st.rpe_conv(s)) + feat
+
+
 class MSSPS(SPS):
     """Stem: SPS's conv-BN-LIF x3 (+ max-pools on the last `pool_stages` stages), then conv-BN(-pool)
     whose real-valued output is both spiked for the conv position embedding and added back to it."""
 
     def __init__(self, img_size: int, in_chans: int, dim: int, pool_stages: int, lif_cfg: dict) -> None:
         super().__init__(img_size, in_chans, dim, pool_stages, lif_cfg, rpe_lif=False)
+        # recomputed stage by stage (efficient.memory): SPS's first three stages, then the tail
+        object.__setattr__(self, "_stages", [*self._stages[:3], MSSPSTail(self)])
+
+    def recompute_parts(self) -> list[tuple[str, nn.Module]]:
+        if type(self).forward is not MSSPS.forward:
+            return []
+        return [*((f"stage{i}", st) for i, st in enumerate(self._stages[:3])), ("tail", self._stages[3])]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         T, B = x.shape[:2]
         x = x.flatten(0, 1)
-        for i in range(3):
-            x = self.pools[i](self.norm_fire(i, self.convs[i](x), T))
-        feat = self.pools[3](self.bns[3](self.convs[3](x)))  # real-valued
-        x = self.lifs[3](feat.reshape(T, B, *feat.shape[1:])).flatten(0, 1)
-        x = self.rpe_bn(self.rpe_conv(x)) + feat
+        for stage in self._stages[:3]:
+            x = stage(x, T)
+        x = self._stages[3](x, T)
         return x.flatten(2).transpose(1, 2).reshape(T, B, -1, x.shape[1])
 
 

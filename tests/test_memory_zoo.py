@@ -60,11 +60,16 @@ def test_levels_run_the_units_as_the_same_fused_ops(level: str, monkeypatch: pyt
     assert fused_calls(level) == (none if level == "bits" else 2 * none)
 
 
-def test_spikformer_stem_is_recomputed_stage_by_stage() -> None:
-    """At level recompute Spikformer's stem is five units (its four stages and the position
-    embedding), not one: the same gradients and running statistics as the stem rerun whole and as
-    `none`, the same state dict, and a lower peak of live tensor bytes in the step (backward holds
-    one stage's rerun at a time)."""
+STEM_PARTS = {"spikformer-4-384": ["stage0", "stage1", "stage2", "stage3", "rpe"],
+              "sdt-2-512": ["stage0", "stage1", "stage2", "tail"]}
+
+
+@pytest.mark.parametrize("name", sorted(STEM_PARTS))
+def test_the_stem_is_recomputed_stage_by_stage(name: str) -> None:
+    """At level recompute the SPS stem (Spikformer's; the Spike-driven Transformer's MS-SPS) is a
+    unit per stage, not one: the same gradients and running statistics as the stem rerun whole and
+    as `none`, the same state dict, and a lower peak of live tensor bytes in the step (backward
+    holds one stage's rerun at a time)."""
     import copy
 
     import torch
@@ -74,7 +79,7 @@ def test_spikformer_stem_is_recomputed_stage_by_stage() -> None:
     from efficient.zoo import create
 
     torch.manual_seed(0)
-    base = create("spikformer-4-384", embed_dim=64, depth=1, num_heads=2, img_size=32).train()
+    base = create(name, embed_dim=64, depth=1, num_heads=2, img_size=32).train()
     x, y = torch.rand(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])
 
     def run(model: torch.nn.Module) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], int]:
@@ -89,8 +94,7 @@ def test_spikformer_stem_is_recomputed_stage_by_stage() -> None:
     none = run(copy.deepcopy(base))
     staged_model = copy.deepcopy(base)
     plan = memory.optimize(staged_model, "recompute")
-    assert [u for u in plan.units if u.startswith("patch_embed")] == [
-        "patch_embed.stage0", "patch_embed.stage1", "patch_embed.stage2", "patch_embed.stage3", "patch_embed.rpe"]
+    assert [u for u in plan.units if u.startswith("patch_embed")] == [f"patch_embed.{p}" for p in STEM_PARTS[name]]
     staged = run(staged_model)
     whole_model = copy.deepcopy(base)
     whole_model.patch_embed.recompute_parts = list  # the stem as one unit
