@@ -18,7 +18,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import memory as M  # noqa: E402
 
 IMPLS = ("none", "bits", "recompute-whole-stem", "recompute")
-RESULT = "RESULT "
 
 
 def child(spec: dict) -> dict:
@@ -52,8 +50,8 @@ def child(spec: dict) -> dict:
 
 
 def main() -> int:
-    if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        print(RESULT + json.dumps(child(json.loads(sys.argv[2]))), flush=True)
+    if len(sys.argv) == 4 and sys.argv[1] == "--child":  # memory.py's child protocol: --child KIND SPEC
+        print(M.RESULT + json.dumps(child(json.loads(sys.argv[3]))), flush=True)
         return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--archs", nargs="+", default=["spikformer-4-384"], choices=sorted(M.ARCHS))
@@ -73,10 +71,7 @@ def main() -> int:
         rows: dict[str, dict] = {}
         for impl in args.impls:
             spec = {"arch": arch, "impl": impl, "T": args.T, "batch": args.batch, "steps": args.steps, "threads": args.threads}
-            r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
-                               capture_output=True, text=True)
-            lines = [ln for ln in r.stdout.splitlines() if ln.startswith(RESULT)]
-            res = json.loads(lines[-1][len(RESULT):]) if lines else {"error": (r.stderr.strip().splitlines() or ["?"])[-1]}
+            res = M._child("stem", spec, timeout=3600, script=__file__)
             rows[impl] = res
             out.append({**spec, **res})
             if "error" in res:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import os
@@ -585,14 +586,18 @@ class DeviceStep:
         opt = torch.optim.AdamW(self.params, lr=1e-5)
         fns = {m: self.steps[m] for m in modes}
         times: dict[str, list[float]] = {m: [] for m in modes}
+
+        def unit(m: str) -> None:  # one timed step: the mode's step and the optimizer
+            if m == "cudagraph":  # its trainer keeps the gradient tensors the graph writes into
+                opt.zero_grad(set_to_none=False)
+            fns[m]()
+            opt.step()
+
         for i in range(warmup + steps):
             for m in modes[i % len(modes):] + modes[: i % len(modes)]:
                 _sync(self.dev)
                 t0 = time.perf_counter()
-                if m == "cudagraph":  # its trainer keeps the gradient tensors the graph writes into
-                    opt.zero_grad(set_to_none=False)
-                fns[m]()
-                opt.step()
+                unit(m)
                 _sync(self.dev)
                 if i >= warmup:
                     times[m].append(time.perf_counter() - t0)
@@ -601,12 +606,7 @@ class DeviceStep:
         # wave prepare side by side on one device, and a kernel's recorded time then includes the
         # other processes' time slices (kernel sums above the step time, 2026-12-04); timing runs alone
         for m in modes:
-            def timed_unit(m: str = m) -> None:  # what each timed step ran, the optimizer included
-                if m == "cudagraph":
-                    opt.zero_grad(set_to_none=False)
-                fns[m]()
-                opt.step()
-            out[m].update(_launch_profile(timed_unit, self.dev))
+            out[m].update(_launch_profile(functools.partial(unit, m), self.dev))
         return out
 
 

@@ -156,13 +156,6 @@ class SPS(nn.Module):
             res = pooled
         return peak
 
-    def norm_fire(self, i: int, x: torch.Tensor, T: int) -> torch.Tensor:
-        """Stage `i` after its conv: BatchNorm (then max-pool, with `pool_first`) -> LIF, on `[T*B, C, H, W]`."""
-        if not self.pool_first:
-            return norm_fire(self.bns[i], self.lifs[i], x, (T, x.shape[0] // T, *x.shape[1:])).flatten(0, 1)
-        x = self.pools[i](self.bns[i](x))
-        return self.lifs[i](x.reshape(T, -1, *x.shape[1:])).flatten(0, 1)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`[T, B, C, H, W]` -> tokens `[T, B, N, D]`."""
         T, B = x.shape[:2]
