@@ -143,8 +143,18 @@ def cases() -> list[Case]:
                               "new_rm_ptr": "*fp32", "new_rv_ptr": "*fp32", "s_ptr": f"*{dt}", "h_ptr": "*fp32",
                               "N": "i32", "T": "i32", "C": "i32", "S": "i32", "eps": "fp32", "momentum": "fp32",
                               "unbias": "fp32", "c": "fp32", "v_th": "fp32", "v_reset": "fp32"},
-                             {"TRAINING": training, "CHARGE": lif.CHARGE_DECAY_INPUT, "HARD": True, "BLOCK": lif._BLOCK},
+                             {"TRAINING": training, "CHARGE": lif.CHARGE_DECAY_INPUT, "HARD": True, "STORE_H": True,
+                              "BLOCK": lif._BLOCK},
                              lif._NUM_WARPS, True))
+        # the backward of a unit that kept z but not H (memory level recompute's reruns): H rebuilt in
+        # the gradient's buffer, then the reverse-time loop over it
+        out.append(_case("bn_lif_recompute_bwd", f"LIF {dt} training", bn_lif._bn_lif_recompute_bwd_kernel,
+                         {"z_ptr": f"*{dt}", "gs_ptr": f"*{dt}", "stats_ptr": f"*{dt}", "w_ptr": f"*{dt}",
+                          "b_ptr": f"*{dt}", "gy_ptr": "*fp32", "N": "i32", "T": "i32", "C": "i32", "S": "i32",
+                          "eps": "fp32", "c": "fp32", "v_th": "fp32", "v_reset": "fp32", "alpha": "fp32"},
+                         {"TRAINING": True, "CHARGE": lif.CHARGE_DECAY_INPUT, "HARD": True, "DETACH": True,
+                          "SURROGATE": 0, "BLOCK": lif._BLOCK},
+                         lif._NUM_WARPS, True))
         # snntorch's Leaky order (efficient.accelerate): per-neuron beta and threshold
         for m0, label in ((False, "Leaky"), (True, "Leaky +m0")):
             out.append(_case("leaky_fwd", f"{label} {dt}", leaky._leaky_fwd_kernel,

@@ -97,11 +97,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 LEVELS = ("none", "bits", "recompute")
-IMPLS = ("none", "bits", "recompute", "recompute-budget", "recompute-whole-stem", "sj", "sj-memopt")
+IMPLS = ("none", "bits", "recompute", "recompute-budget", "recompute-whole-stem", "recompute-keep-membrane", "sj",
+         "sj-memopt")
 RECOMPUTE_BUDGET = 0.2  # recompute-budget: at most this fraction of none's saved bytes (planned on the step's own batch)
 LABEL = {"none": "ours none", "bits": "ours bits", "recompute": "ours recompute", "sj": "spikingjelly",
          "recompute-budget": f"ours recompute, budget {RECOMPUTE_BUDGET:.0%}", "sj-memopt": "spikingjelly memopt L1",
-         "recompute-whole-stem": "ours recompute, stem as one unit"}
+         "recompute-whole-stem": "ours recompute, stem as one unit",
+         "recompute-keep-membrane": "ours recompute, reruns keep H"}
 MiB, GiB = 2**20, 2**30
 RESULT = "RESULT "  # a child's last line: RESULT <json>
 
@@ -319,7 +321,7 @@ def build(arch: str, impl: str, T: int, img: int | None = None, example: Any = N
     import torch
 
     torch.manual_seed(0)
-    if impl in LEVELS or impl in ("recompute-budget", "recompute-whole-stem"):
+    if impl in LEVELS or impl in ("recompute-budget", "recompute-whole-stem", "recompute-keep-membrane"):
         import efficient
         from efficient import memory
 
@@ -328,6 +330,11 @@ def build(arch: str, impl: str, T: int, img: int | None = None, example: Any = N
             for mod in m.modules():
                 if hasattr(mod, "recompute_parts"):
                     mod.recompute_parts = list
+            impl = "recompute"
+        if impl == "recompute-keep-membrane":  # reruns keep H, as before bn_lif(keep_membrane=False)
+            from efficient.memory import spikes
+
+            spikes.REBUILD_MEMBRANE = False
             impl = "recompute"
         if impl == "recompute-budget":
             t0 = time.perf_counter()

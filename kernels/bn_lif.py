@@ -94,15 +94,17 @@ def bn_lif_reference(
 # ---------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
-    from efficient.kernels.lif import _lif_step_tl
+    from efficient.kernels.lif import _TL_DECAY_INPUT, _TL_LEAK, _lif_step_tl
+    from efficient.kernels.lif_common import _surrogate_tl
 
     @triton.jit
     def _bn_lif_fwd_kernel(
         z_ptr, mean_ptr, var_ptr, w_ptr, b_ptr, rm_ptr, rv_ptr, stats_ptr, new_rm_ptr, new_rv_ptr, s_ptr, h_ptr,
         N, T, C, S, eps, momentum, unbias, c, v_th, v_reset,
-        TRAINING: tl.constexpr, CHARGE: tl.constexpr, HARD: tl.constexpr, BLOCK: tl.constexpr,
+        TRAINING: tl.constexpr, CHARGE: tl.constexpr, HARD: tl.constexpr, STORE_H: tl.constexpr, BLOCK: tl.constexpr,
     ):
         # mean/var: the batch's mean and biased variance in training, the running ones in eval.
+        # STORE_H False: H is not written (the backward rebuilds it, `_bn_lif_recompute_bwd_kernel`).
         # The programs whose index range [pid*BLOCK, pid*BLOCK + BLOCK) meets the channels write
         # those channels' stats for the backward (training: mean, 1/sqrt(var + eps); eval: the
         # running mean and variance) and, in training, the running statistics moved towards the
@@ -138,11 +140,69 @@ if HAS_TRITON:
         for _t in range(T):
             x = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32) * scale + shift
             h, spike, v = _lif_step_tl(x, v, 0.0, c, v_th, v_reset, CHARGE, False, HARD)
-            tl.store(h_ptr + offs, h, mask=mask)
+            if STORE_H:
+                tl.store(h_ptr + offs, h, mask=mask)
+                h_ptr += N
             tl.store(s_ptr + offs, spike.to(s_ptr.dtype.element_ty), mask=mask)
             z_ptr += N
-            h_ptr += N
             s_ptr += N
+
+
+    @triton.jit
+    def _bn_lif_recompute_bwd_kernel(
+        z_ptr, gs_ptr, stats_ptr, w_ptr, b_ptr, gy_ptr, N, T, C, S, eps, c, v_th, v_reset, alpha,
+        TRAINING: tl.constexpr, CHARGE: tl.constexpr, HARD: tl.constexpr, DETACH: tl.constexpr,
+        SURROGATE: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        # The LIF's backward for a unit whose forward kept z but not H: each program rebuilds its
+        # neurons' H over all T exactly as `_bn_lif_fwd_kernel` made it (stats: the batch's mean and
+        # invstd in training, which the forward kernel computed as rsqrt(var + eps) and stored in fp32;
+        # the running mean and variance in eval), parks it in the gradient's own buffer (fp32), then
+        # walks back over T overwriting each step's H with its gradient: z, grad spikes and grad y are
+        # the only full-size tensors.
+        pid = tl.program_id(0)
+        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < N
+        ch = (offs // S) % C
+        second = tl.load(stats_ptr + C + ch, mask=mask, other=1.0).to(tl.float32)
+        if TRAINING:
+            inv = second
+        else:
+            inv = tl.rsqrt(second + eps)
+        scale = tl.load(w_ptr + ch, mask=mask, other=0.0).to(tl.float32) * inv
+        shift = tl.load(b_ptr + ch, mask=mask, other=0.0).to(tl.float32) - tl.load(
+            stats_ptr + ch, mask=mask, other=0.0).to(tl.float32) * scale
+        v = tl.zeros([BLOCK], dtype=tl.float32) + v_reset
+        for t in range(T):
+            x = tl.load(z_ptr + t * N + offs, mask=mask, other=0.0).to(tl.float32) * scale + shift
+            h, spike, v = _lif_step_tl(x, v, 0.0, c, v_th, v_reset, CHARGE, False, HARD)
+            tl.store(gy_ptr + t * N + offs, h, mask=mask)
+        carry = tl.zeros([BLOCK], dtype=tl.float32)
+        for i in range(T):
+            t = T - 1 - i
+            h = tl.load(gy_ptr + t * N + offs, mask=mask, other=0.0)
+            gs = tl.load(gs_ptr + t * N + offs, mask=mask, other=0.0).to(tl.float32)
+            sg = _surrogate_tl(h - v_th, alpha, SURROGATE)
+            if HARD:
+                rg = tl.where(h >= v_th, 0.0, 1.0)
+                if not DETACH:
+                    rg += (v_reset - h) * sg
+                gh = gs * sg + carry * rg
+            else:
+                if DETACH:
+                    gh = gs * sg + carry
+                else:
+                    gh = gs * sg + carry * (1.0 - v_th * sg)
+            if CHARGE == _TL_DECAY_INPUT:
+                gx = tl.math.div_rn(gh, c)
+                carry = gh - gx
+            else:
+                gx = gh
+                if CHARGE == _TL_LEAK:
+                    carry = gh * c
+                else:
+                    carry = gh - tl.math.div_rn(gh, c)
+            tl.store(gy_ptr + t * N + offs, gx, mask=mask)
 
 
 def _no_running(running_mean: Tensor) -> tuple[Tensor, Tensor]:
@@ -151,7 +211,7 @@ def _no_running(running_mean: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _triton_forward(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c, v_th, v_reset,
-                    charge, spike_dtype, inplace=False):
+                    charge, spike_dtype, inplace=False, keep_membrane=True):
     _triton_ready(z)
     z = z.contiguous()
     C = z.shape[1]
@@ -170,13 +230,14 @@ def _triton_forward(z, steps, weight, bias, running_mean, running_var, training,
     stats = torch.empty((2, C), dtype=weight.dtype, device=z.device)
     N = z.numel() // steps
     s = torch.empty(z.shape, dtype=spike_dtype, device=z.device)
-    h = torch.empty((steps, N), dtype=torch.float32, device=z.device)
+    h = torch.empty((steps, N), dtype=torch.float32, device=z.device) if keep_membrane else _no_membrane(z)
     hard = v_reset is not None
     S = math.prod(z.shape[2:])  # elements per channel and sample (1 for a Linear unit)
     _bn_lif_fwd_kernel[(triton.cdiv(N, _BLOCK),)](
         z, mean, var, weight, bias, running_mean, running_var, stats, new_mean, new_var, s, h, N, steps, C, S,
         float(eps), float(momentum), float(unbias), float(c), float(v_th), float(v_reset) if hard else 0.0,
-        TRAINING=bool(training), CHARGE=charge, HARD=hard, BLOCK=_BLOCK, num_warps=_NUM_WARPS,
+        TRAINING=bool(training), CHARGE=charge, HARD=hard, STORE_H=bool(keep_membrane), BLOCK=_BLOCK,
+        num_warps=_NUM_WARPS,
     )
     if inplace:
         new_mean, new_var = _no_running(running_mean)
@@ -214,6 +275,7 @@ def bn_lif_forward_op(
     detach_reset: bool,
     spike_dtype: torch.dtype,
     impl: str,
+    keep_membrane: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """z [T*R, C, ...] -> (spikes shaped like z, H [T, R*C*S] fp32, stats [2, C], new running mean
     [C], new running variance [C]): stats are what BatchNorm's backward takes (the batch's mean and
@@ -221,20 +283,21 @@ def bn_lif_forward_op(
     BatchNorm keeps them), one tensor for the pair because every output autograd saves costs a
     detach per step. The new running statistics are BatchNorm's update in training (empty in
     eval); the op is functional (autograd needs that), so `bn_lif` copies them into the buffers.
-    surrogate/alpha/detach_reset serve the backward."""
+    surrogate/alpha/detach_reset serve the backward; `keep_membrane` False: autograd keeps z but not
+    H, and the backward recomputes H from z (`bn_lif_backward_recompute`)."""
     return _forward_impl(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c, v_threshold,
                          v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl)
 
 
 def _forward_impl(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c, v_threshold, v_reset,
-                  charge, surrogate, alpha, detach_reset, spike_dtype, impl, inplace=False):
+                  charge, surrogate, alpha, detach_reset, spike_dtype, impl, keep_membrane=True, inplace=False):
     """The op's implementation. `inplace` (the eager path, which need not be functional): the
     running statistics are updated in the caller's buffers, as BatchNorm does, and the two
     running-statistics outputs are empty; no copies."""
     _check_op(z, steps, weight, bias, impl)
     if impl == "triton":
         return _triton_forward(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c,
-                               v_threshold, v_reset, charge, spike_dtype, inplace)
+                               v_threshold, v_reset, charge, spike_dtype, inplace, keep_membrane)
     # aten's own BatchNorm (what nn.BatchNorm calls), then the LIF's loop: bit for bit the separate calls
     if training:  # updated in place by native_batch_norm: the buffers, or the op's new statistics
         new_mean, new_var = (running_mean, running_var) if inplace else (running_mean.clone(), running_var.clone())
@@ -246,16 +309,24 @@ def _forward_impl(z, steps, weight, bias, running_mean, running_var, training, m
         y, _, _ = torch.native_batch_norm(z, weight, bias, running_mean, running_var, False, momentum, eps)
         stats = torch.stack([running_mean, running_var]).to(weight.dtype)
         new_mean, new_var = _no_running(running_mean)
-    s, h = _lif._run_forward(y.reshape(steps, -1), None, c, v_threshold, v_reset, charge, spike_dtype, impl)
-    return s.view(z.shape), h, stats, new_mean, new_var
+    s, h = _lif._run_forward(y.reshape(steps, -1), None, c, v_threshold, v_reset, charge, spike_dtype, impl,
+                             membrane=keep_membrane)
+    del y
+    return s.view(z.shape), (h if keep_membrane else _no_membrane(z)), stats, new_mean, new_var
+
+
+def _no_membrane(z: Tensor) -> Tensor:
+    """The op's H output where the backward rebuilds H (`keep_membrane=False`): empty."""
+    return z.new_empty(0, dtype=torch.float32)
 
 
 @bn_lif_forward_op.register_fake
 def _fake_forward(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c, v_threshold, v_reset,
-                  charge, surrogate, alpha, detach_reset, spike_dtype, impl):
+                  charge, surrogate, alpha, detach_reset, spike_dtype, impl, keep_membrane=True):
     _check_op(z, steps, weight, bias, impl)
     C = z.shape[1]
-    return (z.new_empty(z.shape, dtype=spike_dtype), z.new_empty((steps, z.numel() // steps), dtype=torch.float32),
+    return (z.new_empty(z.shape, dtype=spike_dtype),
+            z.new_empty((steps, z.numel() // steps) if keep_membrane else (0,), dtype=torch.float32),
             weight.new_empty((2, C)), running_mean.new_empty(C if training else 0),
             running_var.new_empty(C if training else 0))
 
@@ -304,32 +375,142 @@ def _(grad_spikes, z, h, weight, stats, training, eps, c, v_threshold, v_reset, 
     return z.new_empty(z.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape)
 
 
+# --- the backward of a unit that kept z but not H (`keep_membrane=False`)
+
+# Channels are taken a chunk at a time, so that beside z, the spikes' gradient and z's gradient
+# (whole), the rebuilt BatchNorm output, H and the chunk's gradients exist for one chunk only.
+RECOMPUTE_CHUNK = 1 << 22  # elements of z per chunk of channels (at least one channel)
+
+
+def _channel_chunks(z: Tensor) -> list[tuple[int, int]]:
+    C = z.shape[1]
+    per_channel = max(1, z.numel() // max(C, 1))
+    width = max(1, min(C, RECOMPUTE_CHUNK // per_channel))
+    return [(c0, min(C, c0 + width)) for c0 in range(0, C, width)]
+
+
+def _recompute_chunk(gs, z, steps, weight, bias, stats, training, eps, c, v_threshold, v_reset, charge, surrogate,
+                     alpha, detach_reset, impl):
+    """(grad z, grad weight, grad bias) of one contiguous chunk of channels, H rebuilt from z."""
+    if impl == "triton":
+        _triton_ready(z)
+        N = z.numel() // steps
+        gy = torch.empty((steps, N), dtype=torch.float32, device=z.device)  # H's buffer first, then grad y
+        hard = v_reset is not None
+        _bn_lif_recompute_bwd_kernel[(triton.cdiv(N, _BLOCK),)](
+            z, gs, stats, weight, bias, gy, N, steps, z.shape[1], math.prod(z.shape[2:]), float(eps), float(c),
+            float(v_threshold), float(v_reset) if hard else 0.0, float(alpha), TRAINING=bool(training), CHARGE=charge,
+            HARD=hard, DETACH=bool(detach_reset), SURROGATE=surrogate, BLOCK=_BLOCK, num_warps=_NUM_WARPS,
+        )
+        gy = gy.to(z.dtype)
+    else:
+        # aten's BatchNorm again: in training it recomputes the chunk's mean and invstd channel by channel,
+        # as the forward's call did over all channels, so y, and H after it, are the forward's bit for bit
+        if training:
+            y = torch.native_batch_norm(z, weight, bias, None, None, True, 0.0, eps)[0]
+        else:
+            y = torch.native_batch_norm(z, weight, bias, stats[0], stats[1], False, 0.0, eps)[0]
+        _, h = _lif._run_forward(y.view(steps, -1), None, c, v_threshold, v_reset, charge, z.dtype, impl)
+        del y
+        gy, _, _ = _lif._run_backward(gs.view(steps, -1), None, h, None, c, v_threshold, v_reset, charge, surrogate,
+                                      alpha, detach_reset, z.dtype, impl)
+        del h
+    gy = gy.view(z.shape)
+    if training:
+        return torch.ops.aten.native_batch_norm_backward(gy, z, weight, None, None, stats[0], stats[1], True, eps,
+                                                         [True, True, True])
+    return torch.ops.aten.native_batch_norm_backward(gy, z, weight, stats[0], stats[1], None, None, False, eps,
+                                                     [True, True, True])
+
+
+def _recompute_backward_impl(grad_spikes, z, steps, weight, bias, stats, training, eps, c, v_threshold, v_reset, charge,
+                             surrogate, alpha, detach_reset, impl):
+    args = (training, eps, c, v_threshold, v_reset, charge, surrogate, alpha, detach_reset, impl)
+    chunks = _channel_chunks(z)
+    if len(chunks) == 1:
+        return _recompute_chunk(grad_spikes.contiguous(), z.contiguous(), steps, weight, bias, stats, *args)
+    gz = torch.empty(z.shape, dtype=z.dtype, device=z.device)
+    gw, gb = torch.empty_like(weight), torch.empty_like(weight)
+    for c0, c1 in chunks:
+        gzc, gwc, gbc = _recompute_chunk(grad_spikes[:, c0:c1].contiguous(), z[:, c0:c1].contiguous(), steps,
+                                         weight[c0:c1], bias[c0:c1], stats[:, c0:c1].contiguous(), *args)
+        gz[:, c0:c1] = gzc
+        gw[c0:c1], gb[c0:c1] = gwc, gbc
+        del gzc
+    return gz, gw, gb
+
+
+@torch.library.custom_op("efficient::bn_lif_backward_recompute", mutates_args=())
+def bn_lif_backward_recompute_op(
+    grad_spikes: Tensor,
+    z: Tensor,
+    steps: int,
+    weight: Tensor,
+    bias: Tensor,
+    stats: Tensor,
+    training: bool,
+    eps: float,
+    c: float,
+    v_threshold: float,
+    v_reset: Optional[float],
+    charge: int,
+    surrogate: int,
+    alpha: float,
+    detach_reset: bool,
+    impl: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad z, grad weight, grad bias) as `bn_lif_backward`, without H: BatchNorm's output and H are
+    rebuilt from z (H bit for bit the forward's), a chunk of channels at a time."""
+    return _recompute_backward_impl(grad_spikes, z, steps, weight, bias, stats, training, eps, c, v_threshold, v_reset,
+                                    charge, surrogate, alpha, detach_reset, impl)
+
+
+@bn_lif_backward_recompute_op.register_fake
+def _(grad_spikes, z, steps, weight, bias, stats, training, eps, c, v_threshold, v_reset, charge, surrogate, alpha,
+      detach_reset, impl):
+    return z.new_empty(z.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape)
+
+
 def _setup_context(ctx, inputs, output) -> None:
-    z, steps, weight, bias, rm, rv, training, momentum, eps, c, v_th, v_reset, charge, surrogate, alpha, detach, sd, impl = inputs
+    z, steps, weight, bias, rm, rv, training, momentum, eps, c, v_th, v_reset, charge, surrogate, alpha, detach, sd, impl = inputs[:18]
+    keep = inputs[18] if len(inputs) > 18 else True
     _, h, stats, _, _ = output
-    ctx.save_for_backward(z, h, weight, stats)  # what BatchNorm and the LIF keep, no more
+    ctx.keep_membrane, ctx.steps = keep, steps
+    if keep:
+        ctx.save_for_backward(z, h, weight, stats)  # what BatchNorm and the LIF keep, no more
+    else:  # H is rebuilt from z in backward: BatchNorm's bias comes along for that
+        ctx.save_for_backward(z, bias, weight, stats)
     ctx.params = (training, eps, c, v_th, v_reset, charge, surrogate, alpha, detach, impl)
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, grad_spikes, *_grads_of_statistics, backward_fn=bn_lif_backward_op):
-    z, h, weight, stats = ctx.saved_tensors
+def _backward(ctx, grad_spikes, *_grads_of_statistics, backward_fn=bn_lif_backward_op,
+              recompute_fn=None):
     if grad_spikes is None:
-        return (None,) * 18
-    gz, gw, gb = backward_fn(grad_spikes, z, h, weight, stats, *ctx.params)
+        return (None,) * (len(ctx.needs_input_grad))
+    if ctx.keep_membrane:
+        z, h, weight, stats = ctx.saved_tensors
+        gz, gw, gb = backward_fn(grad_spikes, z, h, weight, stats, *ctx.params)
+    else:
+        z, bias, weight, stats = ctx.saved_tensors
+        gz, gw, gb = (recompute_fn or torch.ops.efficient.bn_lif_backward_recompute)(
+            grad_spikes, z, ctx.steps, weight, bias, stats, *ctx.params)
     need = ctx.needs_input_grad
-    return (gz if need[0] else None, None, gw if need[2] else None, gb if need[3] else None) + (None,) * 14
+    return (gz if need[0] else None, None, gw if need[2] else None, gb if need[3] else None) + (None,) * (len(need) - 4)
 
 
 bn_lif_forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 _EagerBNLIF = eager_function("_EagerBNLIF", functools.partial(_forward_impl, inplace=True), _setup_context,
-                             lambda ctx, gs, *rest: _backward(ctx, gs, backward_fn=_backward_impl))
+                             lambda ctx, gs, *rest: _backward(ctx, gs, backward_fn=_backward_impl,
+                                                              recompute_fn=_recompute_backward_impl))
 
 # flops as the separate calls count them, so a profile does not change with the path: the LIF's 6
 # per element and step forward and 13 backward (torch's counter has no BatchNorm formula)
 _register_flops(torch.ops.efficient.bn_lif_forward, 6)
 _register_flops(torch.ops.efficient.bn_lif_backward, 13)
+# without H the backward runs the LIF's forward again before its backward: 6 + 13 per element and step
+_register_flops(torch.ops.efficient.bn_lif_backward_recompute, 19)
 
 
 # --- with the Linear in front: the whole Linear -> BatchNorm -> LIF unit as one op pair
@@ -357,28 +538,30 @@ def linear_bn_lif_forward_op(
     detach_reset: bool,
     spike_dtype: torch.dtype,
     impl: str,
+    keep_membrane: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """x [T*M, D_in] -> z = x @ lin_weight.T + lin_bias [T*M, C], then `bn_lif_forward` on z:
     (spikes [T*M, C], H, stats, new running mean, new running variance, z). z is returned for the
-    backward (BatchNorm's input)."""
+    backward (BatchNorm's input); `keep_membrane` as `bn_lif_forward`'s."""
     return _linear_forward_impl(x, lin_weight, lin_bias, steps, weight, bias, running_mean, running_var, training,
                                 momentum, eps, c, v_threshold, v_reset, charge, surrogate, alpha, detach_reset,
                                 spike_dtype, impl)
 
 
 def _linear_forward_impl(x, lin_weight, lin_bias, steps, weight, bias, running_mean, running_var, training, momentum, eps,
-                         c, v_threshold, v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl, inplace=False):
+                         c, v_threshold, v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl,
+                         keep_membrane=True, inplace=False):
     if x.dim() != 2 or lin_weight.dim() != 2 or x.shape[1] != lin_weight.shape[1]:
         raise ValueError(f"efficient::linear_bn_lif_forward: x [T*M, D_in] and lin_weight [C, D_in] expected, got "
                          f"{tuple(x.shape)} and {tuple(lin_weight.shape)}")
     z = F.linear(x, lin_weight, lin_bias)  # what nn.Linear computes (addmm), bit for bit
     return (*_forward_impl(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c, v_threshold,
-                           v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl, inplace), z)
+                           v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl, keep_membrane, inplace), z)
 
 
 @linear_bn_lif_forward_op.register_fake
 def _(x, lin_weight, lin_bias, steps, weight, bias, running_mean, running_var, training, momentum, eps, c, v_threshold,
-      v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl):
+      v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl, keep_membrane=True):
     z = x.new_empty((x.shape[0], lin_weight.shape[0]))
     return (*_fake_forward(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c, v_threshold,
                            v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl), z)
@@ -414,10 +597,15 @@ def _linear_backward_impl(grad_spikes, x, lin_weight, z, h, weight, stats, train
                           surrogate, alpha, detach_reset, impl):
     gz, gw, gb = _backward_impl(grad_spikes, z, h, weight, stats, training, eps, c, v_threshold, v_reset, charge,
                                 surrogate, alpha, detach_reset, impl)
+    return (*_linear_grads(gz, x, lin_weight), gw, gb)
+
+
+def _linear_grads(gz: Tensor, x: Tensor, lin_weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad x, grad lin_weight, grad lin_bias) of z = x @ lin_weight.T + lin_bias."""
     # addmm(b, x, W.t())'s backward: grad x = gz @ (W.t()).t(); for W.t(), a column-major operand, aten's
     # mm_mat2_backward computes (gz.t() @ x).t(), so W's gradient is gz.t() @ x: the same mm, so the same
     # bits on every CPU (x.t() @ gz transposed back agrees only where the BLAS blocks both alike)
-    return gz.mm(lin_weight), gz.t().mm(x), gz.sum(0), gw, gb
+    return gz.mm(lin_weight), gz.t().mm(x), gz.sum(0)
 
 
 @linear_bn_lif_backward_op.register_fake
@@ -429,21 +617,30 @@ def _(grad_spikes, x, lin_weight, z, h, weight, stats, training, eps, c, v_thres
 
 
 def _linear_setup_context(ctx, inputs, output) -> None:
-    x, lw, lb, steps, weight, bias, rm, rv, training, momentum, eps, c, v_th, v_reset, charge, surrogate, alpha, detach, sd, impl = inputs
+    x, lw, lb, steps, weight, bias, rm, rv, training, momentum, eps, c, v_th, v_reset, charge, surrogate, alpha, detach, sd, impl = inputs[:20]
+    keep = inputs[20] if len(inputs) > 20 else True
     _, h, stats, _, _, z = output
-    ctx.save_for_backward(x, lw, z, h, weight, stats)  # what Linear, BatchNorm and the LIF keep
+    ctx.keep_membrane, ctx.steps = keep, steps
+    # what Linear, BatchNorm and the LIF keep; without H, BatchNorm's bias to rebuild it
+    ctx.save_for_backward(x, lw, z, h if keep else bias, weight, stats)
     ctx.params = (training, eps, c, v_th, v_reset, charge, surrogate, alpha, detach, impl)
     ctx.set_materialize_grads(False)
 
 
-def _linear_backward(ctx, grad_spikes, *_grads_of_statistics, backward_fn=linear_bn_lif_backward_op):
+def _linear_backward(ctx, grad_spikes, *_grads_of_statistics, backward_fn=linear_bn_lif_backward_op,
+                     recompute_fn=None):
     if grad_spikes is None:
-        return (None,) * 20
-    x, lw, z, h, weight, stats = ctx.saved_tensors
-    gx, glw, glb, gw, gb = backward_fn(grad_spikes, x, lw, z, h, weight, stats, *ctx.params)
+        return (None,) * len(ctx.needs_input_grad)
+    x, lw, z, h_or_bias, weight, stats = ctx.saved_tensors
+    if ctx.keep_membrane:
+        gx, glw, glb, gw, gb = backward_fn(grad_spikes, x, lw, z, h_or_bias, weight, stats, *ctx.params)
+    else:
+        gz, gw, gb = (recompute_fn or torch.ops.efficient.bn_lif_backward_recompute)(
+            grad_spikes, z, ctx.steps, weight, h_or_bias, stats, *ctx.params)
+        gx, glw, glb = _linear_grads(gz, x, lw)
     need = ctx.needs_input_grad
     return (gx if need[0] else None, glw if need[1] else None, glb if need[2] else None, None,
-            gw if need[4] else None, gb if need[5] else None) + (None,) * 14
+            gw if need[4] else None, gb if need[5] else None) + (None,) * (len(need) - 6)
 
 
 linear_bn_lif_forward_op.register_autograd(_linear_backward, setup_context=_linear_setup_context)
@@ -473,7 +670,8 @@ _register_linear_flops()
 
 _EagerLinearBNLIF = eager_function(
     "_EagerLinearBNLIF", functools.partial(_linear_forward_impl, inplace=True), _linear_setup_context,
-    lambda ctx, gs, *rest: _linear_backward(ctx, gs, backward_fn=_linear_backward_impl))
+    lambda ctx, gs, *rest: _linear_backward(ctx, gs, backward_fn=_linear_backward_impl,
+                                            recompute_fn=_recompute_backward_impl))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -505,6 +703,7 @@ def bn_lif(
     lin_weight: Optional[Tensor] = None,
     lin_bias: Optional[Tensor] = None,
     running_out: Optional[Sequence[Tensor]] = None,
+    keep_membrane: bool = True,
 ) -> Tensor:
     """BatchNorm over `z` [T*R, C, ...] (time folded into the batch, `steps` = T) with `weight`,
     `bias` and running statistics (updated in place in training, with BatchNorm's `momentum`
@@ -516,7 +715,13 @@ def bn_lif(
 
     `running_out`: in training, the buffers that receive the new running statistics instead of
     `running_mean` and `running_var`: k means, then k variances, of k BatchNorms whose channels
-    were concatenated into these, as a fused unit of several layers keeps them."""
+    were concatenated into these, as a fused unit of several layers keeps them.
+
+    `keep_membrane=False`: autograd keeps z but not the membrane trace H; the backward rebuilds H
+    from z (bit for bit the forward's) a chunk of channels at a time, so it holds z, the spikes'
+    gradient and z's gradient whole and nothing else of the unit's size. It costs a BatchNorm and a
+    LIF forward in backward; memory level `recompute` uses it in its reruns, where the largest rerun
+    sets a step's peak (`efficient.memory.spikes.rebuild_membrane`)."""
     if running_out is not None and (len(running_out) % 2 or not running_out
                                     or sum(t.numel() for t in running_out) != 2 * running_mean.numel()):
         raise ValueError(f"bn_lif: running_out must hold k means then k variances covering the {running_mean.numel()} "
@@ -547,6 +752,7 @@ def bn_lif(
     args = (int(steps), weight, bias, running_mean, running_var, bool(training), float(momentum), float(eps),
             float(tau), float(v_threshold), vr, charge, sid, float(alpha), bool(detach_reset), spike_dtype, impl)
     eager = eager_call(z, op="bn_lif_forward" if lin_weight is None else "linear_bn_lif_forward")
+    args = (*args, bool(keep_membrane))
     if lin_weight is not None:
         args = (z, lin_weight, lin_bias, *args)
         out = _EagerLinearBNLIF.apply(*args) if eager else torch.ops.efficient.linear_bn_lif_forward(*args)

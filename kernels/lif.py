@@ -329,9 +329,10 @@ def _triton_backward(gs, gm, h, rate, c, v_th, v_reset, charge, surrogate, alpha
 
 
 def _loop_forward(x, rate, c, v_th, v_reset, v0, *, charge: int, hard: bool, spike_dtype: torch.dtype,
-                  zero_reset: bool = False):
+                  zero_reset: bool = False, membrane: bool = True):
     """x [T, N] -> (spikes [T, N], H [T, N] fp32); scalars arrive as 0-d fp32 tensors, v0 [N] or None;
-    `zero_reset`: v_reset is +0.0 (its subtraction is skipped)."""
+    `zero_reset`: v_reset is +0.0 (its subtraction is skipped); `membrane` False: H is not returned
+    (None), and compiled, never written."""
     # only the recurrence runs per step; casts and the spike threshold run once over all T (fewer
     # dispatched ops per call: on small tensors the host cost of each op is the cost)
     xf = x if x.dtype == torch.float32 else x.float()  # `.float()` of fp32 is still a dispatched op
@@ -347,6 +348,8 @@ def _loop_forward(x, rate, c, v_th, v_reset, v0, *, charge: int, hard: bool, spi
         hs.append(h)
         if t + 1 < len(steps):  # the membrane after the last step is not returned
             v = torch.where(h >= v_th, v_reset, h) if hard else torch.where(h >= v_th, h - v_th, h)
+    if not membrane:  # each step's spikes written into the stacked output: H is never one buffer
+        return torch.stack([(h >= v_th).to(spike_dtype) for h in hs]), None
     H = torch.stack(hs)
     return (H >= v_th).to(spike_dtype), H
 
@@ -406,13 +409,17 @@ def _loop_backward(
     return (gx if gx.dtype == x_dtype else gx.to(x_dtype)), gk, gv0
 
 
-def _run_forward(x, rate, c, v_th, v_reset, charge, spike_dtype, impl, v0=None):
+def _run_forward(x, rate, c, v_th, v_reset, charge, spike_dtype, impl, v0=None, membrane=True):
+    """(spikes, H) of the CPU loops (or the Triton kernel); `membrane` False: (spikes, None), H not made
+    where the loop is compiled (the Triton kernel always writes it)."""
     if impl == "triton":
         return _triton_forward(x, rate, c, v_th, v_reset, charge, spike_dtype, v0)
     hard = v_reset is not None
     vr = float(v_reset) if hard else 0.0
     zero_reset = vr == 0.0 and math.copysign(1.0, vr) > 0  # a -0.0 reset still subtracts (signed zeros)
     static = (("charge", charge), ("hard", hard), ("spike_dtype", spike_dtype), ("zero_reset", zero_reset))
+    if not membrane:
+        static += (("membrane", False),)
     args = (x, rate, *_scalars(x.device, c, v_th, vr), v0)
     if impl == "inductor":
         return _compiled(_loop_forward, static)(*_unviewed(args))

@@ -176,7 +176,7 @@ def _compiled(base: types.FunctionType, static: tuple):
     code = base.__code__.replace(co_name=f"{base.__name__}_{len(_compiled_names)}")
     _compiled_names.append(code.co_name)
     fn = types.FunctionType(code, base.__globals__, code.co_name, base.__defaults__, base.__closure__)
-    fn.__kwdefaults__ = dict(static)
+    fn.__kwdefaults__ = {**(base.__kwdefaults__ or {}), **dict(static)}
     compiled = torch.compile(fn, dynamic=True, fullgraph=True)
 
     def run(*args):

@@ -264,17 +264,23 @@ def fusable(neuron: nn.Module, *modules: nn.Module) -> bool:
 def bn_fire(z: torch.Tensor, shape: tuple[int, ...], neuron: "LIF", weight: torch.Tensor, bias: torch.Tensor,
             running_mean: torch.Tensor, running_var: torch.Tensor, training: bool, momentum: float,
             eps: float, lin_weight: torch.Tensor | None = None, lin_bias: torch.Tensor | None = None,
-            running_out: list[torch.Tensor] | None = None) -> torch.Tensor:
+            running_out: list[torch.Tensor] | None = None, keep_membrane: bool | None = None) -> torch.Tensor:
     """Spikes of `neuron` on the BatchNorm of `z` [T*R, C, ...] (one fused op), shaped `shape`, the
     time-major shape the neuron would take (concrete, no -1): the same values as the separate
     calls. With `lin_weight` (and `lin_bias`), z is a Linear's input [T*M, D_in] and the Linear is
-    in the op. `running_out`: the buffers that receive the new running statistics (`bn_lif`)."""
+    in the op. `running_out`: the buffers that receive the new running statistics; `keep_membrane`
+    False: backward rebuilds the membrane trace from z rather than keeping it (`bn_lif`); None: False
+    inside a region memory level `recompute` reruns in backward (`efficient.memory.spikes.rebuild_membrane`)."""
     steps = shape[0]
+    if keep_membrane is None:
+        from efficient.memory.spikes import rebuild_membrane
+
+        keep_membrane = not rebuild_membrane()
     s = bn_lif(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, tau=neuron.tau,
                v_threshold=neuron.v_threshold, v_reset=neuron.v_reset, detach_reset=neuron.detach_reset,
                decay_input=neuron.decay_input, surrogate=neuron.surrogate, alpha=neuron.alpha,
                spike_dtype=neuron.spike_dtype, backend=neuron.backend_for_shape(shape, z.device), lin_weight=lin_weight,
-               lin_bias=lin_bias, running_out=running_out)
+               lin_bias=lin_bias, running_out=running_out, keep_membrane=keep_membrane)
     s = s.view(shape)
     for hook in list(neuron._forward_hooks.values()):  # spike observers only (`fusable` let no other through)
         hook(neuron, (), s)
@@ -282,12 +288,14 @@ def bn_fire(z: torch.Tensor, shape: tuple[int, ...], neuron: "LIF", weight: torc
 
 
 def norm_fire(bn: nn.Module, neuron: nn.Module, z: torch.Tensor, shape: tuple[int, ...],
-              linear: nn.Module | None = None) -> torch.Tensor:
+              linear: nn.Module | None = None, keep_membrane: bool | None = None) -> torch.Tensor:
     """`neuron(bn(z).reshape(shape))`: BatchNorm over `z` [T*R, C, ...], then the neuron over time
     on the time-major `shape` (concrete, no -1); one fused op where the pair allows it (`fusable`, an affine
     BatchNorm with running statistics), with BatchNorm's bookkeeping (batch count, momentum).
     With `linear` (an nn.Linear), z is its input [T*M, D_in]: `neuron(bn(linear(z)).reshape(shape))`,
-    the Linear inside the same op."""
+    the Linear inside the same op. `keep_membrane` False: the fused op's backward rebuilds the
+    membrane trace from z instead of keeping it (the separate calls keep theirs); None: False inside
+    a region memory level `recompute` reruns in backward (`efficient.memory.spikes.rebuild_membrane`)."""
     ok = (isinstance(bn, nn.modules.batchnorm._BatchNorm) and bn.affine and bn.track_running_stats
           and bn.running_mean is not None and fusable(neuron, bn, *([] if linear is None else [linear]))
           and (linear is None or type(linear) is nn.Linear))
@@ -299,7 +307,7 @@ def norm_fire(bn: nn.Module, neuron: nn.Module, z: torch.Tensor, shape: tuple[in
         factor = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
     lin = {} if linear is None else {"lin_weight": linear.weight, "lin_bias": linear.bias}
     return bn_fire(z, tuple(shape), neuron, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.training,
-                   factor, bn.eps, **lin)
+                   factor, bn.eps, **lin, keep_membrane=keep_membrane)
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ from efficient.errors import ConfigError
 from efficient.kernels.lif import COMPILE_MIN_NUMEL
 from efficient.kernels.ssa import attention_ref, spiking_attention
 from efficient.kernels.token_select import gather_tokens
+from efficient.memory.spikes import region_max_pool
 from efficient.models.neurons import bn_fire, fusable, norm_fire
 from efficient.models.spiking_transformer import (  # noqa: F401 - ModelLIF, share_neuron_backend: public here too
     CIFAR_MEAN,
@@ -100,7 +101,7 @@ class StemStage(nn.Module):
             x = pool(bn(x))
             return lif(x.reshape(T, -1, *x.shape[1:])).flatten(0, 1)
         x = norm_fire(bn, lif, x, (T, x.shape[0] // T, *x.shape[1:])).flatten(0, 1)
-        return x if pool is None else pool(x)
+        return x if pool is None else region_max_pool(pool, x)
 
 
 class SPS(nn.Module):

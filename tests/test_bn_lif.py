@@ -202,6 +202,79 @@ def test_running_out_gives_each_concatenated_batchnorm_its_own_statistics(backen
         bn_lif(z, 2, w, bias, rm, rv, backend=backend, running_out=dest[:3])
 
 
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("neuron_kw", [
+    {},
+    {"v_reset": None, "decay_input": False, "surrogate": "atan", "detach_reset": False},
+], ids=["spikformer", "soft-no-decay-atan"])
+def test_without_the_membrane_the_backward_rebuilds_it(training: bool, neuron_kw: dict, monkeypatch) -> None:
+    """`keep_membrane=False`: autograd keeps z and not H, and the backward rebuilds H from z: the
+    same spikes, running statistics and gradients as keeping it (bit for bit in one piece; a chunk of
+    channels at a time, within the rounding of the surrogate's exp), and a lower peak of live tensor
+    bytes over forward + backward when the backward takes the channels a chunk at a time."""
+    from efficient.kernels import bn_lif as K
+    from efficient.memory.measure import step_peak_bytes
+
+    bn, z0 = _pair((4 * 4, 8, 16, 16), 8, seed=3)
+
+    def run(keep: bool) -> tuple[list[torch.Tensor], int, int]:
+        b, z = copy.deepcopy(bn), z0.clone().requires_grad_()
+        go = torch.randn(z.shape, generator=torch.Generator().manual_seed(5))
+        kept = []
+        out = []
+
+        def step() -> None:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.numel()) or t, lambda t: t):
+                s = bn_lif(z, 4, b.weight, b.bias, b.running_mean, b.running_var, training, 0.1, 1e-5, backend="loop",
+                           keep_membrane=keep, **neuron_kw)
+            (s * go).sum().backward()
+            out.append(s)
+
+        peak = step_peak_bytes(step)
+        return [out[0], z.grad, b.weight.grad, b.bias.grad, b.running_mean, b.running_var], peak, sum(kept)
+
+    keep, peak_keep, saved_keep = run(True)
+    whole, peak_whole, saved_lean = run(False)
+    for a, b in zip(keep, whole):
+        assert torch.equal(a, b)
+    assert saved_keep - saved_lean == z0.numel() - 8  # H (z's size) is not kept; BatchNorm's bias (8) is
+    monkeypatch.setattr(K, "RECOMPUTE_CHUNK", 3 * z0.numel() // 8)  # 3 channels a chunk: 3 chunks, the last short
+    chunked, peak_chunked, _ = run(False)
+    assert torch.equal(keep[0], chunked[0])
+    for a, b in zip(keep[1:], chunked[1:]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    # in one piece the rebuilt H and the loop's temporaries are as large as what was not kept; by chunks not
+    assert peak_chunked < min(peak_keep, peak_whole), (peak_chunked, peak_keep, peak_whole)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_the_unit_with_its_linear_rebuilds_the_membrane_too(training: bool, monkeypatch) -> None:
+    """The Linear -> BatchNorm -> LIF op without H: the same spikes and gradients (input, Linear and
+    BatchNorm parameters) as keeping it, a chunk of channels at a time too."""
+    from efficient.kernels import bn_lif as K
+
+    bn, z0 = _pair((4 * 6, 8), 8, seed=4)
+    g = torch.Generator().manual_seed(9)
+    x0, lw0, lb0 = torch.randn(4 * 6, 5, generator=g), torch.randn(8, 5, generator=g), torch.randn(8, generator=g)
+
+    def run(keep: bool) -> list[torch.Tensor]:
+        b = copy.deepcopy(bn)
+        x, lw, lb = (t.clone().requires_grad_() for t in (x0, lw0, lb0))
+        s = bn_lif(x, 4, b.weight, b.bias, b.running_mean, b.running_var, training, 0.1, 1e-5, lin_weight=lw,
+                   lin_bias=lb, backend="loop", keep_membrane=keep)
+        (s * torch.linspace(-1, 1, s.numel()).view(s.shape)).sum().backward()
+        return [s, x.grad, lw.grad, lb.grad, b.weight.grad, b.bias.grad, b.running_mean, b.running_var]
+
+    keep = run(True)
+    for a, b in zip(keep, run(False)):
+        assert torch.equal(a, b)
+    monkeypatch.setattr(K, "RECOMPUTE_CHUNK", 3 * 4 * 6)  # 3 channels a chunk
+    chunked = run(False)
+    assert torch.equal(keep[0], chunked[0])
+    for a, b in zip(keep[1:], chunked[1:]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(z=torch.randn(7, 3)), "must be T\\*R for T=2"),
     (dict(z=torch.randn(8)), "at least 2 dims"),
@@ -274,6 +347,30 @@ INTERPRETER = textwrap.dedent(
         assert launches == [True, False], launches
     finally:
         K._bn_lif_fwd_kernel = real
+    # without the membrane trace: the recompute kernel rebuilds H as the forward kernel made it, whole
+    # and a chunk of channels at a time (each chunk reads its own channels' statistics)
+    for shape, T in (((4 * 3 * 5, 6), 4), ((2 * 2, 5, 4, 4), 2)):
+        C = shape[1]
+        bn = (nn.BatchNorm1d if len(shape) == 2 else nn.BatchNorm2d)(C)
+        with torch.no_grad():
+            bn.weight.uniform_(0.5, 1.5); bn.bias.uniform_(-0.2, 0.2)
+            bn.running_mean.uniform_(-0.5, 0.5); bn.running_var.uniform_(0.5, 2.0)
+        z = (torch.randn(shape) * 1.3).requires_grad_()
+        for training in (True, False):
+            outs = []
+            for keep, chunk in ((True, 1 << 22), (False, 1 << 22), (False, 2 * z.numel() // C)):
+                K.RECOMPUTE_CHUNK = chunk
+                b = copy.deepcopy(bn)
+                zz = z.detach().clone().requires_grad_()
+                s = bn_lif(zz, T, b.weight, b.bias, b.running_mean, b.running_var, training, 0.1, 1e-5,
+                           impl="triton", surrogate="sigmoid", keep_membrane=keep)
+                (s * torch.linspace(-1, 1, s.numel()).view(s.shape)).sum().backward()
+                outs.append((s, zz.grad, b.weight.grad, b.bias.grad))
+            K.RECOMPUTE_CHUNK = 1 << 22
+            for other in outs[1:]:
+                assert torch.equal(outs[0][0], other[0])
+                for x, y in zip(outs[0][1:], other[1:]):
+                    torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
     print("TRITON-OK")
     """
 )

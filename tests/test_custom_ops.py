@@ -86,6 +86,11 @@ def op_cases(dtype):
          (_randn(4, 3, dtype=dtype, seed=19), _randn(4, 3, dtype=dtype, seed=20), _randn(2, 6, dtype=torch.float32, seed=21),
           _randn(3, dtype=dtype, seed=22), torch.stack([torch.zeros(3), torch.ones(3)]).to(dtype), True, 1e-5, 2.0, 1.0, 0.0,
           K.CHARGE_DECAY_INPUT, 0, 4.0, True, "loop")),
+        ("bn_lif_backward_recompute", torch.ops.efficient.bn_lif_backward_recompute,
+         (_randn(4, 3, 2, 2, dtype=dtype, seed=34), _randn(4, 3, 2, 2, dtype=dtype, seed=35), 2,
+          _randn(3, dtype=dtype, seed=36), _randn(3, dtype=dtype, seed=37),
+          torch.stack([torch.zeros(3), torch.ones(3)]).to(dtype), True, 1e-5, 2.0, 1.0, 0.0, K.CHARGE_DECAY_INPUT, 0, 4.0,
+          True, "loop")),
         # the whole Linear -> BatchNorm -> LIF unit: x [T*M, D_in] = [6, 5] (T=2), 4 channels
         ("linear_bn_lif_forward", torch.ops.efficient.linear_bn_lif_forward,
          (_randn(6, 5, dtype=dtype, seed=23, grad=True), _randn(4, 5, dtype=dtype, seed=24, grad=True),

@@ -297,9 +297,13 @@ class _CompactMaxPool2d(torch.autograd.Function):
         (offset,) = ctx.saved_tensors
         idx = offset.to(torch.int64) + ctx.origin
         shape, stride, dtype, device = ctx.like
-        # the kernel reads only the input's sizes and memory format: an uninitialised tensor with the
-        # forward input's strides stands in for it (its pages are never touched)
-        like = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+        # the kernel reads only the input's sizes and memory format: a contiguous input is stood in for
+        # by one element expanded to its sizes (no bytes allocated), any other layout by an uninitialised
+        # tensor with the forward input's strides (its pages are never touched on a CPU)
+        if stride == torch.empty(shape, device="meta").stride():
+            like = torch.empty((), dtype=dtype, device=device).expand(shape)
+        else:
+            like = torch.empty_strided(shape, stride, dtype=dtype, device=device)
         gx = torch.ops.aten.max_pool2d_with_indices_backward(grad, like, *ctx.pool, idx)
         return (gx, *([None] * len(ctx.pool)))
 
@@ -553,6 +557,30 @@ region_state = threading.local()  # how deep the running code is inside recomput
 
 def in_region() -> bool:
     return getattr(region_state, "depth", 0) > 0
+
+
+REBUILD_MEMBRANE = True  # False: reruns keep what their units keep outside a region (for comparison in bench/)
+
+
+def region_max_pool(pool: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`pool(x)` for a model's max-pool; inside a recomputed region (its forward and its rerun alike,
+    so both keep the same tensors) the max-pool that keeps window offsets instead of its input and
+    int64 indices (`_CompactMaxPool2d`, bitwise autograd's): a stem stage's rerun in backward then
+    holds no copy of its spikes for the pool. The bits level gives every other max-pool the same."""
+    if (REBUILD_MEMBRANE and isinstance(pool, nn.MaxPool2d) and not pool.return_indices and in_region()
+            and not torch.compiler.is_compiling() and torch.is_grad_enabled() and x.requires_grad
+            and x.is_floating_point()):
+        args = _pool2d_args((x, pool.kernel_size, pool.stride, pool.padding, pool.dilation, pool.ceil_mode), {})
+        return _CompactMaxPool2d.apply(x, *args)
+    return pool(x)
+
+
+def rebuild_membrane() -> bool:
+    """Whether a fused BatchNorm + LIF unit called now should leave its membrane trace to its backward
+    to rebuild (`bn_lif(keep_membrane=False)`): inside a recomputed region, whose rerun runs in
+    backward, where what it keeps lives only until its own backward and the largest rerun sets the
+    step's peak. Compiled steps leave recomputation to the compiler."""
+    return REBUILD_MEMBRANE and not torch.compiler.is_compiling() and in_region()
 
 
 def iter_neurons(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
