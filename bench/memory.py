@@ -314,6 +314,16 @@ def _memopt(model, arch: str, img: int | None) -> dict:
     return {"checkpointed": len(wrapped), "compressed": sum(w.checkpoint_fn.keywords.get("compressor") is not None for w in wrapped)}
 
 
+def _keep_membranes(model, plan) -> None:
+    """Rewrap `plan`'s units so that their reruns keep what their units keep outside a region."""
+    from efficient.memory.recompute import units, wrap
+
+    named = dict(units(model))
+    for name in plan.units:
+        unit = named[name]
+        wrap(unit, unit.__dict__.get("_efficient_kept"), lean=False)
+
+
 def build(arch: str, impl: str, T: int, img: int | None = None, example: Any = None,
           budget: float = RECOMPUTE_BUDGET) -> tuple[Any, Any, dict]:
     """The model of `impl` at T (training mode), its memory plan (ours) and what was done to it.
@@ -331,11 +341,10 @@ def build(arch: str, impl: str, T: int, img: int | None = None, example: Any = N
                 if hasattr(mod, "recompute_parts"):
                     mod.recompute_parts = list
             impl = "recompute"
-        if impl == "recompute-keep-membrane":  # reruns keep H, as before bn_lif(keep_membrane=False)
-            from efficient.memory import spikes
-
-            spikes.REBUILD_MEMBRANE = False
-            impl = "recompute"
+        if impl == "recompute-keep-membrane":  # reruns keep H and pool inputs, as before bn_lif(keep_membrane=False)
+            plan = memory.optimize(m, "recompute")
+            _keep_membranes(m, plan)
+            return m, plan, {"summary": plan.summary()}
         if impl == "recompute-budget":
             t0 = time.perf_counter()
             plan = memory.optimize(m, "recompute", budget=budget, example=example)
@@ -731,8 +740,10 @@ def run_cuda_ours(spec: dict) -> dict:
     m = efficient.load(ARCHS[arch].ours, timesteps=spec["T"], **({"img_size": spec["img"]} if spec.get("img") else {}))
     m = m.train().to(dev)
     rows, ref = {}, None
-    for level in LEVELS:
-        memory.optimize(m, level)
+    for level in (*LEVELS, "recompute-keep-membrane"):
+        plan = memory.optimize(m, "recompute" if level == "recompute-keep-membrane" else level)
+        if level == "recompute-keep-membrane":  # the level as before its reruns rebuilt membranes
+            _keep_membranes(m, plan)
         train_step(m, x, y)  # warm-up
         torch.manual_seed(0)  # the checked step draws the same dropout masks at every level
         loss = train_step(m, x, y)

@@ -719,9 +719,10 @@ def bn_lif(
 
     `keep_membrane=False`: autograd keeps z but not the membrane trace H; the backward rebuilds H
     from z (bit for bit the forward's) a chunk of channels at a time, so it holds z, the spikes'
-    gradient and z's gradient whole and nothing else of the unit's size. It costs a BatchNorm and a
-    LIF forward in backward; memory level `recompute` uses it in its reruns, where the largest rerun
-    sets a step's peak (`efficient.memory.spikes.rebuild_membrane`)."""
+    gradient and z's gradient whole and nothing else of the unit's size (a unit of fewer than two
+    chunks, `RECOMPUTE_CHUNK` elements each, keeps H). It costs a BatchNorm and a LIF forward in
+    backward; memory level `recompute` uses it in its reruns, where the largest rerun sets a step's
+    peak (`efficient.memory.spikes.rebuild_membrane`)."""
     if running_out is not None and (len(running_out) % 2 or not running_out
                                     or sum(t.numel() for t in running_out) != 2 * running_mean.numel()):
         raise ValueError(f"bn_lif: running_out must hold k means then k variances covering the {running_mean.numel()} "
@@ -752,7 +753,10 @@ def bn_lif(
     args = (int(steps), weight, bias, running_mean, running_var, bool(training), float(momentum), float(eps),
             float(tau), float(v_threshold), vr, charge, sid, float(alpha), bool(detach_reset), spike_dtype, impl)
     eager = eager_call(z, op="bn_lif_forward" if lin_weight is None else "linear_bn_lif_forward")
-    args = (*args, bool(keep_membrane))
+    # rebuilt in one piece, H and the loop's temporaries would take what was not kept: a unit smaller
+    # than two chunks keeps H
+    out_numel = z.numel() if lin_weight is None else z.shape[0] * lin_weight.shape[0]
+    args = (*args, bool(keep_membrane) or out_numel < 2 * RECOMPUTE_CHUNK)
     if lin_weight is not None:
         args = (z, lin_weight, lin_bias, *args)
         out = _EagerLinearBNLIF.apply(*args) if eager else torch.ops.efficient.linear_bn_lif_forward(*args)

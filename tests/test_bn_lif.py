@@ -208,10 +208,10 @@ def test_running_out_gives_each_concatenated_batchnorm_its_own_statistics(backen
     {"v_reset": None, "decay_input": False, "surrogate": "atan", "detach_reset": False},
 ], ids=["spikformer", "soft-no-decay-atan"])
 def test_without_the_membrane_the_backward_rebuilds_it(training: bool, neuron_kw: dict, monkeypatch) -> None:
-    """`keep_membrane=False`: autograd keeps z and not H, and the backward rebuilds H from z: the
-    same spikes, running statistics and gradients as keeping it (bit for bit in one piece; a chunk of
-    channels at a time, within the rounding of the surrogate's exp), and a lower peak of live tensor
-    bytes over forward + backward when the backward takes the channels a chunk at a time."""
+    """`keep_membrane=False`: autograd keeps z and not H, and the backward rebuilds H from z a chunk
+    of channels at a time: the same spikes and running statistics, gradients within the rounding of
+    the surrogate's exp, and a lower peak of live tensor bytes over forward + backward. A unit
+    smaller than two chunks keeps H (rebuilt whole, it would hold as much)."""
     from efficient.kernels import bn_lif as K
     from efficient.memory.measure import step_peak_bytes
 
@@ -234,17 +234,32 @@ def test_without_the_membrane_the_backward_rebuilds_it(training: bool, neuron_kw
         return [out[0], z.grad, b.weight.grad, b.bias.grad, b.running_mean, b.running_var], peak, sum(kept)
 
     keep, peak_keep, saved_keep = run(True)
-    whole, peak_whole, saved_lean = run(False)
-    for a, b in zip(keep, whole):
-        assert torch.equal(a, b)
-    assert saved_keep - saved_lean == z0.numel() - 8  # H (z's size) is not kept; BatchNorm's bias (8) is
-    monkeypatch.setattr(K, "RECOMPUTE_CHUNK", 3 * z0.numel() // 8)  # 3 channels a chunk: 3 chunks, the last short
-    chunked, peak_chunked, _ = run(False)
-    assert torch.equal(keep[0], chunked[0])
-    for a, b in zip(keep[1:], chunked[1:]):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-    # in one piece the rebuilt H and the loop's temporaries are as large as what was not kept; by chunks not
-    assert peak_chunked < min(peak_keep, peak_whole), (peak_chunked, peak_keep, peak_whole)
+    assert run(False)[2] == saved_keep  # one chunk (the default 4 Mi elements) holds the whole unit: H kept
+    for channels in (4, 3):  # 2 chunks; 3 chunks, the last short
+        monkeypatch.setattr(K, "RECOMPUTE_CHUNK", channels * z0.numel() // 8)
+        lean, peak_lean, saved_lean = run(False)
+        assert saved_keep - saved_lean == z0.numel() - 8  # H (z's size) is not kept; BatchNorm's bias (8) is
+        assert torch.equal(keep[0], lean[0])
+        for a, b in zip(keep[1:], lean[1:]):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        assert peak_lean < peak_keep, (channels, peak_lean, peak_keep)
+
+
+def test_the_rebuilt_membrane_is_the_forwards_bit_for_bit() -> None:
+    """The op's backward without H, in one piece, is the backward from the kept H bit for bit."""
+    from efficient.kernels import bn_lif as K
+
+    bn, z = _pair((2 * 4, 6, 8, 8), 6, seed=6)
+    g = torch.randn(z.shape, generator=torch.Generator().manual_seed(2))
+    for training in (True, False):
+        s, h, stats, _, _ = K._forward_impl(z, 2, bn.weight.detach(), bn.bias.detach(), bn.running_mean.clone(),
+                                            bn.running_var.clone(), training, 0.1, 1e-5, 2.0, 1.0, 0.0, 0, 0, 4.0, True,
+                                            torch.float32, "loop")
+        args = (training, 1e-5, 2.0, 1.0, 0.0, 0, 0, 4.0, True, "loop")
+        kept = K._backward_impl(g, z, h, bn.weight.detach(), stats, *args)
+        rebuilt = K._recompute_backward_impl(g, z, 2, bn.weight.detach(), bn.bias.detach(), stats, *args)
+        for a, b in zip(kept, rebuilt):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
@@ -266,8 +281,6 @@ def test_the_unit_with_its_linear_rebuilds_the_membrane_too(training: bool, monk
         return [s, x.grad, lw.grad, lb.grad, b.weight.grad, b.bias.grad, b.running_mean, b.running_var]
 
     keep = run(True)
-    for a, b in zip(keep, run(False)):
-        assert torch.equal(a, b)
     monkeypatch.setattr(K, "RECOMPUTE_CHUNK", 3 * 4 * 6)  # 3 channels a chunk
     chunked = run(False)
     assert torch.equal(keep[0], chunked[0])

@@ -167,12 +167,15 @@ def _contexts(module: nn.Module, kept: KeptOps | None) -> tuple[contextlib.Abstr
     return _both(r.forward(), caching), _both(r.rerun(), cached)
 
 
-def _inside(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def _inside(forward: Callable[..., Any], *args: Any, lean: bool = True, **kwargs: Any) -> Any:
     region_state.depth = getattr(region_state, "depth", 0) + 1
+    outer = getattr(region_state, "lean", True)
+    region_state.lean = outer and lean
     try:
         return forward(*args, **kwargs)
     finally:
         region_state.depth -= 1
+        region_state.lean = outer
 
 
 def recomputed_forward(module: nn.Module, forward: Callable[..., Any], *args: Any, kept_ops: KeptOps | None = None,
@@ -190,8 +193,8 @@ def recomputed_forward(module: nn.Module, forward: Callable[..., Any], *args: An
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
     if in_region():
         return forward(*args, **kwargs)
-    return checkpoint(functools.partial(_inside, forward), *args, use_reentrant=False,
-                      context_fn=functools.partial(_contexts, module, kept_ops), **kwargs)
+    return checkpoint(functools.partial(_inside, forward, lean=module.__dict__.get("_efficient_lean", True)), *args,
+                      use_reentrant=False, context_fn=functools.partial(_contexts, module, kept_ops), **kwargs)
 
 
 def _call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -204,15 +207,18 @@ def is_wrapped(module: nn.Module) -> bool:
     return isinstance(f, functools.partial) and f.func is _call
 
 
-def wrap(module: nn.Module, kept: KeptOps | None = None) -> None:
+def wrap(module: nn.Module, kept: KeptOps | None = None, lean: bool = True) -> None:
     """Make calls of `module` recomputed regions that keep the outputs `kept` names (`unwrap` undoes
     it). The instance's `forward` is a partial over the module itself, so copies of the model stay
-    wrapped."""
+    wrapped. `lean` False: the region's fused BatchNorm + LIF units keep their membrane traces and
+    its max-pools their inputs, as outside a region (`spikes.rebuild_membrane`; a comparison)."""
     module.forward = functools.partial(_call, module)  # type: ignore[method-assign]
     module.__dict__["_efficient_kept"] = kept
+    module.__dict__["_efficient_lean"] = lean
 
 
 def unwrap(module: nn.Module) -> None:
     if is_wrapped(module):
         del module.__dict__["forward"]
     module.__dict__.pop("_efficient_kept", None)
+    module.__dict__.pop("_efficient_lean", None)

@@ -559,7 +559,6 @@ def in_region() -> bool:
     return getattr(region_state, "depth", 0) > 0
 
 
-REBUILD_MEMBRANE = True  # False: reruns keep what their units keep outside a region (for comparison in bench/)
 
 
 def region_max_pool(pool: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -567,9 +566,8 @@ def region_max_pool(pool: nn.Module, x: torch.Tensor) -> torch.Tensor:
     so both keep the same tensors) the max-pool that keeps window offsets instead of its input and
     int64 indices (`_CompactMaxPool2d`, bitwise autograd's): a stem stage's rerun in backward then
     holds no copy of its spikes for the pool. The bits level gives every other max-pool the same."""
-    if (REBUILD_MEMBRANE and isinstance(pool, nn.MaxPool2d) and not pool.return_indices and in_region()
-            and not torch.compiler.is_compiling() and torch.is_grad_enabled() and x.requires_grad
-            and x.is_floating_point()):
+    if (isinstance(pool, nn.MaxPool2d) and not pool.return_indices and rebuild_membrane() and torch.is_grad_enabled()
+            and x.requires_grad and x.is_floating_point()):
         args = _pool2d_args((x, pool.kernel_size, pool.stride, pool.padding, pool.dilation, pool.ceil_mode), {})
         return _CompactMaxPool2d.apply(x, *args)
     return pool(x)
@@ -579,8 +577,9 @@ def rebuild_membrane() -> bool:
     """Whether a fused BatchNorm + LIF unit called now should leave its membrane trace to its backward
     to rebuild (`bn_lif(keep_membrane=False)`): inside a recomputed region, whose rerun runs in
     backward, where what it keeps lives only until its own backward and the largest rerun sets the
-    step's peak. Compiled steps leave recomputation to the compiler."""
-    return REBUILD_MEMBRANE and not torch.compiler.is_compiling() and in_region()
+    step's peak. Compiled steps leave recomputation to the compiler. A unit wrapped with
+    `lean=False` (`recompute.wrap`) keeps what it keeps outside a region (for comparison in bench/)."""
+    return not torch.compiler.is_compiling() and in_region() and getattr(region_state, "lean", True)
 
 
 def iter_neurons(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
