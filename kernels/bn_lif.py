@@ -94,8 +94,7 @@ def bn_lif_reference(
 # ---------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
-    from efficient.kernels.lif import _TL_DECAY_INPUT, _TL_LEAK, _lif_step_tl
-    from efficient.kernels.lif_common import _surrogate_tl
+    from efficient.kernels.lif import _TL_DECAY_INPUT, _TL_LEAK, _lif_grad_h_tl, _lif_step_tl
 
     @triton.jit
     def _bn_lif_fwd_kernel(
@@ -182,17 +181,7 @@ if HAS_TRITON:
             t = T - 1 - i
             h = tl.load(gy_ptr + t * N + offs, mask=mask, other=0.0)
             gs = tl.load(gs_ptr + t * N + offs, mask=mask, other=0.0).to(tl.float32)
-            sg = _surrogate_tl(h - v_th, alpha, SURROGATE)
-            if HARD:
-                rg = tl.where(h >= v_th, 0.0, 1.0)
-                if not DETACH:
-                    rg += (v_reset - h) * sg
-                gh = gs * sg + carry * rg
-            else:
-                if DETACH:
-                    gh = gs * sg + carry
-                else:
-                    gh = gs * sg + carry * (1.0 - v_th * sg)
+            gh = _lif_grad_h_tl(h, gs, carry, v_th, v_reset, alpha, HARD, DETACH, SURROGATE)
             if CHARGE == _TL_DECAY_INPUT:
                 gx = tl.math.div_rn(gh, c)
                 carry = gh - gx
@@ -722,7 +711,7 @@ def bn_lif(
     gradient and z's gradient whole and nothing else of the unit's size (a unit of fewer than two
     chunks, `RECOMPUTE_CHUNK` elements each, keeps H). It costs a BatchNorm and a LIF forward in
     backward; memory level `recompute` uses it in its reruns, where the largest rerun sets a step's
-    peak (`efficient.memory.spikes.rebuild_membrane`)."""
+    peak (`efficient.models.replay.rebuild_membrane`)."""
     if running_out is not None and (len(running_out) % 2 or not running_out
                                     or sum(t.numel() for t in running_out) != 2 * running_mean.numel()):
         raise ValueError(f"bn_lif: running_out must hold k means then k variances covering the {running_mean.numel()} "

@@ -186,6 +186,23 @@ if HAS_TRITON:
         return h, spike, v
 
     @triton.jit
+    def _lif_grad_h_tl(h, gs, carry, v_th, v_reset, alpha, HARD: tl.constexpr, DETACH: tl.constexpr,
+                       SURROGATE: tl.constexpr):
+        """dL/dH[t] from the spike's gradient gs and the carry dL/dV[t] from step t+1 (fp32)."""
+        sg = _surrogate_tl(h - v_th, alpha, SURROGATE)
+        if HARD:
+            rg = tl.where(h >= v_th, 0.0, 1.0)
+            if not DETACH:
+                rg += (v_reset - h) * sg
+            gh = gs * sg + carry * rg
+        else:
+            if DETACH:
+                gh = gs * sg + carry
+            else:
+                gh = gs * sg + carry * (1.0 - v_th * sg)
+        return gh
+
+    @triton.jit
     def _lif_fwd_kernel(
         x_ptr, rate_ptr, v0_ptr, s_ptr, h_ptr, N, T, c, v_th, v_reset, stride_xt, stride_xn,
         CHARGE: tl.constexpr, HAS_RATE: tl.constexpr, HARD: tl.constexpr, HAS_V0: tl.constexpr,
@@ -231,17 +248,7 @@ if HAS_TRITON:
         for i in range(T):
             h = tl.load(h_ptr + offs, mask=mask, other=0.0)
             gs = tl.load(gs_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            sg = _surrogate_tl(h - v_th, alpha, SURROGATE)
-            if HARD:
-                rg = tl.where(h >= v_th, 0.0, 1.0)
-                if not DETACH:
-                    rg += (v_reset - h) * sg
-                gh = gs * sg + carry * rg
-            else:
-                if DETACH:
-                    gh = gs * sg + carry
-                else:
-                    gh = gs * sg + carry * (1.0 - v_th * sg)
+            gh = _lif_grad_h_tl(h, gs, carry, v_th, v_reset, alpha, HARD, DETACH, SURROGATE)
             if HAS_GM:
                 gh += tl.load(gm_ptr + offs, mask=mask, other=0.0).to(tl.float32)
                 gm_ptr -= N

@@ -270,10 +270,10 @@ def bn_fire(z: torch.Tensor, shape: tuple[int, ...], neuron: "LIF", weight: torc
     calls. With `lin_weight` (and `lin_bias`), z is a Linear's input [T*M, D_in] and the Linear is
     in the op. `running_out`: the buffers that receive the new running statistics; `keep_membrane`
     False: backward rebuilds the membrane trace from z rather than keeping it (`bn_lif`); None: False
-    inside a region memory level `recompute` reruns in backward (`efficient.memory.spikes.rebuild_membrane`)."""
+    inside a region memory level `recompute` reruns in backward (`efficient.models.replay.rebuild_membrane`)."""
     steps = shape[0]
     if keep_membrane is None:
-        from efficient.memory.spikes import rebuild_membrane
+        from efficient.models.replay import rebuild_membrane
 
         keep_membrane = not rebuild_membrane()
     s = bn_lif(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, tau=neuron.tau,
@@ -295,7 +295,7 @@ def norm_fire(bn: nn.Module, neuron: nn.Module, z: torch.Tensor, shape: tuple[in
     With `linear` (an nn.Linear), z is its input [T*M, D_in]: `neuron(bn(linear(z)).reshape(shape))`,
     the Linear inside the same op. `keep_membrane` False: the fused op's backward rebuilds the
     membrane trace from z instead of keeping it (the separate calls keep theirs); None: False inside
-    a region memory level `recompute` reruns in backward (`efficient.memory.spikes.rebuild_membrane`)."""
+    a region memory level `recompute` reruns in backward (`efficient.models.replay.rebuild_membrane`)."""
     ok = (isinstance(bn, nn.modules.batchnorm._BatchNorm) and bn.affine and bn.track_running_stats
           and bn.running_mean is not None and fusable(neuron, bn, *([] if linear is None else [linear]))
           and (linear is None or type(linear) is nn.Linear))

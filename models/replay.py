@@ -1,12 +1,16 @@
 """Whether the running forward is a replay: activation recomputation (`efficient.memory`'s
 `recompute` level) reruns a unit in backward, and what that rerun records about itself (STATA's
-scores, kept indices and counts) was already recorded by the forward it repeats."""
+scores, kept indices and counts) was already recorded by the forward it repeats. Also whether the
+running code is inside a recomputed region at all (its forward or its rerun), which decides what
+the zoo's fused units keep for backward there."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
 from typing import Iterator
+
+import torch
 
 _state = threading.local()
 
@@ -23,3 +27,19 @@ def replay() -> Iterator[None]:
         yield
     finally:
         _state.depth -= 1
+
+
+region_state = threading.local()  # how deep the running code is inside recomputed regions (`recompute.py`)
+
+
+def in_region() -> bool:
+    return getattr(region_state, "depth", 0) > 0
+
+
+def rebuild_membrane() -> bool:
+    """Whether a fused BatchNorm + LIF unit called now should leave its membrane trace to its backward
+    to rebuild (`bn_lif(keep_membrane=False)`): inside a recomputed region, whose rerun runs in
+    backward, where what it keeps lives only until its own backward and the largest rerun sets the
+    step's peak. Compiled steps leave recomputation to the compiler. A unit wrapped with
+    `lean=False` (`recompute.wrap`) keeps what it keeps outside a region (for comparison in bench/)."""
+    return not torch.compiler.is_compiling() and in_region() and getattr(region_state, "lean", True)

@@ -211,7 +211,7 @@ def wrap(module: nn.Module, kept: KeptOps | None = None, lean: bool = True) -> N
     """Make calls of `module` recomputed regions that keep the outputs `kept` names (`unwrap` undoes
     it). The instance's `forward` is a partial over the module itself, so copies of the model stay
     wrapped. `lean` False: the region's fused BatchNorm + LIF units keep their membrane traces and
-    its max-pools their inputs, as outside a region (`spikes.rebuild_membrane`; a comparison)."""
+    its max-pools their inputs, as outside a region (`efficient.models.replay.rebuild_membrane`; a comparison)."""
     module.forward = functools.partial(_call, module)  # type: ignore[method-assign]
     module.__dict__["_efficient_kept"] = kept
     module.__dict__["_efficient_lean"] = lean

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -31,6 +30,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from efficient.kernels.spike_pack import pack_binary, unpack_spikes
+from efficient.models.replay import in_region, rebuild_membrane, region_state  # noqa: F401 - used here and by recompute.py
 
 
 def is_neuron(m: nn.Module) -> bool:
@@ -552,15 +552,6 @@ class BitsHooks:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
 
-region_state = threading.local()  # how deep the running code is inside recomputed regions (`recompute.py`)
-
-
-def in_region() -> bool:
-    return getattr(region_state, "depth", 0) > 0
-
-
-
-
 def region_max_pool(pool: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`pool(x)` for a model's max-pool; inside a recomputed region (its forward and its rerun alike,
     so both keep the same tensors) the max-pool that keeps window offsets instead of its input and
@@ -572,14 +563,6 @@ def region_max_pool(pool: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return _CompactMaxPool2d.apply(x, *args)
     return pool(x)
 
-
-def rebuild_membrane() -> bool:
-    """Whether a fused BatchNorm + LIF unit called now should leave its membrane trace to its backward
-    to rebuild (`bn_lif(keep_membrane=False)`): inside a recomputed region, whose rerun runs in
-    backward, where what it keeps lives only until its own backward and the largest rerun sets the
-    step's peak. Compiled steps leave recomputation to the compiler. A unit wrapped with
-    `lean=False` (`recompute.wrap`) keeps what it keeps outside a region (for comparison in bench/)."""
-    return not torch.compiler.is_compiling() and in_region() and getattr(region_state, "lean", True)
 
 
 def iter_neurons(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
