@@ -15,7 +15,8 @@
 #                  launch calls and the costliest kernels (one profiled step: the device's busy
 #                  share shows how launch-bound a step is); STATA's ideal speed-up from profiler MACs
 #                                                                                (bench/step.py)
-#  memory          levels none/bits/recompute vs spikingjelly memopt 1-4 (its GPU search bounded),
+#  memory          levels none/bits/recompute (and recompute with reruns keeping their membranes, as
+#                  before bn_lif(keep_membrane=False)) vs spikingjelly memopt 1-4 (its GPU search bounded),
 #                  spikformer-4-384 and stable-snn-vgg11 at b64, T=4: step peak and time (bench/memory.py)
 #  lif_speed       LIF/PLIF/DLIF fwd+bwd vs spikingjelly's Triton path and a compiled plain loop at
 #                  [4,32,24576], [8,64,65536] and T=16                         (bench/neurons.py)
