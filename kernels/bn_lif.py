@@ -348,9 +348,12 @@ def _backward_impl(grad_spikes, z, h, weight, stats, training, eps, c, v_thresho
     steps = h.shape[0]
     gy, _, _ = _lif._run_backward(grad_spikes.contiguous().view(steps, -1), None, h, None, c, v_threshold, v_reset,
                                   charge, surrogate, alpha, detach_reset, z.dtype, impl)
-    gy = gy.view(z.shape)
-    # BatchNorm's own backward: from the batch's saved mean and invstd in training, from the running
-    # mean and variance in eval
+    return _bn_backward(gy.view(z.shape), z, weight, stats, training, eps)
+
+
+def _bn_backward(gy, z, weight, stats, training, eps):
+    """BatchNorm's own backward: from the batch's saved mean and invstd in training, from the running
+    mean and variance in eval."""
     if training:
         return torch.ops.aten.native_batch_norm_backward(gy, z, weight, None, None, stats[0], stats[1], True, eps,
                                                          [True, True, True])
@@ -404,12 +407,7 @@ def _recompute_chunk(gs, z, steps, weight, bias, stats, training, eps, c, v_thre
         gy, _, _ = _lif._run_backward(gs.view(steps, -1), None, h, None, c, v_threshold, v_reset, charge, surrogate,
                                       alpha, detach_reset, z.dtype, impl)
         del h
-    gy = gy.view(z.shape)
-    if training:
-        return torch.ops.aten.native_batch_norm_backward(gy, z, weight, None, None, stats[0], stats[1], True, eps,
-                                                         [True, True, True])
-    return torch.ops.aten.native_batch_norm_backward(gy, z, weight, stats[0], stats[1], None, None, False, eps,
-                                                     [True, True, True])
+    return _bn_backward(gy.view(z.shape), z, weight, stats, training, eps)
 
 
 def _recompute_backward_impl(grad_spikes, z, steps, weight, bias, stats, training, eps, c, v_threshold, v_reset, charge,
@@ -553,7 +551,7 @@ def _(x, lin_weight, lin_bias, steps, weight, bias, running_mean, running_var, t
       v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl, keep_membrane=True):
     z = x.new_empty((x.shape[0], lin_weight.shape[0]))
     return (*_fake_forward(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c, v_threshold,
-                           v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl), z)
+                           v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl, keep_membrane), z)
 
 
 @torch.library.custom_op("efficient::linear_bn_lif_backward", mutates_args=())

@@ -16,6 +16,7 @@ from torch import nn
 
 from efficient.kernels.bn_lif import bn_lif
 from efficient.kernels.lif import BACKENDS, SURROGATES, check_input, default_alpha, lif
+from efficient.models.replay import rebuild_membrane
 
 __all__ = ["SpikingNeuron", "LIF", "PLIF", "DLIF", "bn_fire", "fusable", "norm_fire", "override_surrogate", "spike_observer",
            "separate_units"]
@@ -273,8 +274,6 @@ def bn_fire(z: torch.Tensor, shape: tuple[int, ...], neuron: "LIF", weight: torc
     inside a region memory level `recompute` reruns in backward (`efficient.models.replay.rebuild_membrane`)."""
     steps = shape[0]
     if keep_membrane is None:
-        from efficient.models.replay import rebuild_membrane
-
         keep_membrane = not rebuild_membrane()
     s = bn_lif(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, tau=neuron.tau,
                v_threshold=neuron.v_threshold, v_reset=neuron.v_reset, detach_reset=neuron.detach_reset,
@@ -288,14 +287,13 @@ def bn_fire(z: torch.Tensor, shape: tuple[int, ...], neuron: "LIF", weight: torc
 
 
 def norm_fire(bn: nn.Module, neuron: nn.Module, z: torch.Tensor, shape: tuple[int, ...],
-              linear: nn.Module | None = None, keep_membrane: bool | None = None) -> torch.Tensor:
+              linear: nn.Module | None = None) -> torch.Tensor:
     """`neuron(bn(z).reshape(shape))`: BatchNorm over `z` [T*R, C, ...], then the neuron over time
     on the time-major `shape` (concrete, no -1); one fused op where the pair allows it (`fusable`, an affine
     BatchNorm with running statistics), with BatchNorm's bookkeeping (batch count, momentum).
     With `linear` (an nn.Linear), z is its input [T*M, D_in]: `neuron(bn(linear(z)).reshape(shape))`,
-    the Linear inside the same op. `keep_membrane` False: the fused op's backward rebuilds the
-    membrane trace from z instead of keeping it (the separate calls keep theirs); None: False inside
-    a region memory level `recompute` reruns in backward (`efficient.models.replay.rebuild_membrane`)."""
+    the Linear inside the same op. Inside a region memory level `recompute` reruns in backward, the
+    fused op's backward rebuilds the membrane trace rather than keeping it (`bn_fire`)."""
     ok = (isinstance(bn, nn.modules.batchnorm._BatchNorm) and bn.affine and bn.track_running_stats
           and bn.running_mean is not None and fusable(neuron, bn, *([] if linear is None else [linear]))
           and (linear is None or type(linear) is nn.Linear))
@@ -307,7 +305,7 @@ def norm_fire(bn: nn.Module, neuron: nn.Module, z: torch.Tensor, shape: tuple[in
         factor = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
     lin = {} if linear is None else {"lin_weight": linear.weight, "lin_bias": linear.bias}
     return bn_fire(z, tuple(shape), neuron, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.training,
-                   factor, bn.eps, **lin, keep_membrane=keep_membrane)
+                   factor, bn.eps, **lin)
 
 
 @contextlib.contextmanager

@@ -34,7 +34,8 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from torch.utils.flop_counter import flop_registry
 
-from efficient.memory.spikes import region_state, in_region, is_neuron
+from efficient.memory.spikes import is_neuron
+from efficient.models.replay import in_region, region_state
 
 
 def is_unit(m: nn.Module) -> bool:

@@ -30,7 +30,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from efficient.kernels.spike_pack import pack_binary, unpack_spikes
-from efficient.models.replay import in_region, rebuild_membrane, region_state  # noqa: F401 - used here and by recompute.py
+from efficient.models.replay import in_region, rebuild_membrane
 
 
 def is_neuron(m: nn.Module) -> bool:
@@ -289,18 +289,18 @@ class _CompactMaxPool2d(torch.autograd.Function):
                                         tuple(pool[2]), tuple(pool[3]), idx.device)
         ctx.save_for_backward((idx - origin).to(small))
         ctx.pool, ctx.origin = pool, origin
-        ctx.like = (tuple(x.shape), tuple(x.stride()), x.dtype, x.device)
+        ctx.like = (tuple(x.shape), tuple(x.stride()), x.dtype, x.device, x.is_contiguous())
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (offset,) = ctx.saved_tensors
         idx = offset.to(torch.int64) + ctx.origin
-        shape, stride, dtype, device = ctx.like
+        shape, stride, dtype, device, contiguous = ctx.like
         # the kernel reads only the input's sizes and memory format: a contiguous input is stood in for
         # by one element expanded to its sizes (no bytes allocated), any other layout by an uninitialised
         # tensor with the forward input's strides (its pages are never touched on a CPU)
-        if stride == torch.empty(shape, device="meta").stride():
+        if contiguous:
             like = torch.empty((), dtype=dtype, device=device).expand(shape)
         else:
             like = torch.empty_strided(shape, stride, dtype=dtype, device=device)
