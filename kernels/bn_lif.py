@@ -47,12 +47,13 @@ from efficient.kernels.lif_common import (
     _BLOCK, _NUM_WARPS, HAS_TRITON, IMPLS, _check_compiler, _choose_impl, _register_flops, _surrogate_id,
     _triton_ready, default_alpha,
 )
+from efficient.kernels.pool_offsets import PoolArgs, max_pool_offsets, max_pool_offsets_backward
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-__all__ = ["bn_lif", "bn_lif_reference"]
+__all__ = ["bn_lif", "bn_lif_max_pool", "bn_lif_reference"]
 
 
 def _check_z(z: Tensor, steps: int, weight: Tensor, bias: Tensor, channels: Optional[int] = None) -> None:
@@ -764,3 +765,119 @@ def _store_running(dest: Sequence[Tensor], new_mean: Tensor, new_var: Tensor) ->
     src = [new_mean, new_var] if k == 1 else [*new_mean.split(widths), *new_var.split(widths)]
     with torch.no_grad():
         torch._foreach_copy_(list(dest), src)
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. with a 2-D max-pool after the LIF: a conv stage that never holds its spikes or membrane whole
+# ---------------------------------------------------------------------------------------------
+
+
+def _pooled_forward(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c, v_threshold, v_reset,
+                    charge, surrogate, alpha, detach_reset, spike_dtype, impl, pool):
+    """(pooled spikes, argmax offsets, stats) of BatchNorm -> LIF -> max-pool, a chunk of channels at a
+    time (BatchNorm's statistics, the LIF and the pool are all per channel, so a chunk is the whole
+    tensor's): each chunk's spikes are pooled and dropped before the next chunk runs."""
+    chunks = _channel_chunks(z)
+    out = offsets = None
+    stats = torch.empty((2, z.shape[1]), dtype=weight.dtype, device=z.device)
+    for c0, c1 in chunks:
+        s, _, st, _, _ = _forward_impl(z[:, c0:c1].contiguous(), steps, weight[c0:c1], bias[c0:c1], running_mean[c0:c1],
+                                       running_var[c0:c1], training, momentum, eps, c, v_threshold, v_reset, charge,
+                                       surrogate, alpha, detach_reset, spike_dtype, impl, keep_membrane=False,
+                                       inplace=True)
+        o, off = max_pool_offsets(s, pool)
+        del s
+        if out is None:
+            out = o.new_empty((o.shape[0], z.shape[1], *o.shape[2:]))
+            offsets = off.new_empty(out.shape)
+        out[:, c0:c1], offsets[:, c0:c1], stats[:, c0:c1] = o, off, st
+    return out, offsets, stats
+
+
+class _BNLIFMaxPool(torch.autograd.Function):
+    """`bn_lif_max_pool`'s autograd: keeps z, the argmax offsets and BatchNorm's statistics; backward
+    routes the pooled gradient to a chunk of channels, rebuilds that chunk's H and runs its LIF and
+    BatchNorm backward (`_recompute_chunk`), so only z and its gradient are whole."""
+
+    @staticmethod
+    def forward(ctx, z, weight, bias, running_mean, running_var, steps, training, momentum, eps, c, v_threshold,
+                v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl, pool):
+        with torch._C.DisableTorchFunction():  # as the op would: modes see the call, not its insides
+            out, offsets, stats = _pooled_forward(z, steps, weight, bias, running_mean, running_var, training, momentum,
+                                                  eps, c, v_threshold, v_reset, charge, surrogate, alpha, detach_reset,
+                                                  spike_dtype, impl, pool)
+        ctx.save_for_backward(z, weight, bias, stats, offsets)
+        ctx.steps, ctx.pool, ctx.spike_dtype = steps, pool, spike_dtype
+        ctx.params = (training, eps, c, v_threshold, v_reset, charge, surrogate, alpha, detach_reset, impl)
+        ctx.set_materialize_grads(False)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is None:
+            return (None,) * 19
+        z, weight, bias, stats, offsets = ctx.saved_tensors
+        gz = torch.empty(z.shape, dtype=z.dtype, device=z.device)
+        gw, gb = torch.empty_like(weight), torch.empty_like(weight)
+        for c0, c1 in _channel_chunks(z):
+            zc = z[:, c0:c1].contiguous()
+            gs = max_pool_offsets_backward(grad[:, c0:c1].contiguous(), offsets[:, c0:c1].contiguous(), ctx.pool,
+                                           zc.shape, dtype=ctx.spike_dtype)
+            gzc, gwc, gbc = _recompute_chunk(gs, zc, ctx.steps, weight[c0:c1], bias[c0:c1], stats[:, c0:c1].contiguous(),
+                                             *ctx.params)
+            del gs, zc
+            gz[:, c0:c1], gw[c0:c1], gb[c0:c1] = gzc, gwc, gbc
+            del gzc
+        need = ctx.needs_input_grad
+        return (gz if need[0] else None, gw if need[1] else None, gb if need[2] else None) + (None,) * 16
+
+
+def bn_lif_max_pool(
+    z: Tensor,
+    steps: int,
+    weight: Tensor,
+    bias: Tensor,
+    running_mean: Tensor,
+    running_var: Tensor,
+    pool: PoolArgs,
+    training: bool = True,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+    *,
+    tau: float = 2.0,
+    v_threshold: float = 1.0,
+    v_reset: Optional[float] = 0.0,
+    detach_reset: bool = True,
+    decay_input: bool = True,
+    surrogate: str = "sigmoid",
+    alpha: Optional[float] = None,
+    spike_dtype: Optional[torch.dtype] = None,
+    backend: str = "auto",
+    impl: Optional[str] = None,
+) -> Optional[Tensor]:
+    """`max_pool2d(bn_lif(z, ...), *pool)` for a conv stage's z [T*R, C, H, W] (`pool`: aten's kernel,
+    stride, padding, dilation, ceil_mode), computed a chunk of channels at a time in forward and in
+    backward, so neither the spikes nor the membrane trace ever exist whole: autograd keeps z, one
+    small argmax offset per output (`efficient.kernels.pool_offsets`) and BatchNorm's statistics, and
+    backward holds z, its gradient and one chunk. The values are `bn_lif`'s and the pool's (on the CPU
+    bit for bit; the gradients within the rounding of the surrogate's exp, as `keep_membrane=False`).
+    Running statistics are updated in place as `bn_lif` does; `backend` / `impl` as `bn_lif`'s.
+
+    Returns None where this path does not apply, and the caller runs `bn_lif` and its pool: the
+    "torch" backend (the reference), a call that a dispatch or function mode must see as ops (the
+    chunked path has no custom op), an input of fewer than two chunks (`RECOMPUTE_CHUNK`)."""
+    _check_z(z, steps, weight, bias)
+    if z.dim() != 4:
+        raise ValueError(f"bn_lif_max_pool: z must be a conv stage's [T*R, C, H, W], got {tuple(z.shape)}")
+    chosen, impl = _choose_impl(backend, impl, z)
+    if chosen == "torch" or len(_channel_chunks(z)) < 2 or not eager_call(z, op="bn_lif_forward"):
+        return None
+    if not tau > 0:
+        raise ValueError(f"tau must be > 0 (got {tau})")
+    _check_compiler(impl, z)
+    charge = _lif.CHARGE_DECAY_INPUT if decay_input else _lif.CHARGE_NO_DECAY
+    pool = (list(pool[0]), list(pool[1]), list(pool[2]), list(pool[3]), bool(pool[4]))
+    return _BNLIFMaxPool.apply(z, weight, bias, running_mean, running_var, int(steps), bool(training), float(momentum),
+                               float(eps), float(tau), float(v_threshold), None if v_reset is None else float(v_reset),
+                               charge, _surrogate_id(surrogate), float(default_alpha(surrogate, alpha)),
+                               bool(detach_reset), spike_dtype or z.dtype, impl, pool)

@@ -329,7 +329,9 @@ class MetaBlock(nn.Module):
     """[downsample, opening the last stage]; x += SDSA(x); [prune]; x += MLP(x). `grid` says where
     the tokens sit; `step` (a `PruneStep` or None) prunes after the attention or after the block."""
 
-    recompute_unit = True  # efficient.memory: a block keeps only its input (the residual stream) and reruns in backward
+    # efficient.memory: recomputed in backward as its parts (the downsample where there is one, the attention,
+    # the MLP), each keeping only its input, so backward holds one part's rerun at a time
+    recompute_unit = True
 
     def __init__(self, dim: int, heads: int, mlp_ratio: float, lif_cfg: dict, kernel_backend: str = "auto",
                  in_dim: int | None = None) -> None:
@@ -338,6 +340,11 @@ class MetaBlock(nn.Module):
             self.down = GridDownsample(in_dim, dim, lif_cfg)
         self.attn = MetaSDSA(dim, heads, lif_cfg, kernel_backend)
         self.mlp = SDTMLP(dim, int(dim * mlp_ratio), lif_cfg)
+
+    def recompute_parts(self) -> list[tuple[str, nn.Module]]:
+        if type(self).forward is not MetaBlock.forward:
+            return []
+        return [*([("down", self.down)] if hasattr(self, "down") else []), ("attn", self.attn), ("mlp", self.mlp)]
 
     def forward(self, x: torch.Tensor, step: PruneStep | None = None, anchor: bool = False,
                 grid: TokenGrid | None = None) -> torch.Tensor:

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import nn
 
-from efficient.kernels.bn_lif import bn_lif
+from efficient.kernels.bn_lif import bn_lif, bn_lif_max_pool
 from efficient.kernels.lif import BACKENDS, SURROGATES, check_input, default_alpha, lif
 from efficient.models.replay import rebuild_membrane
 
@@ -294,18 +294,66 @@ def norm_fire(bn: nn.Module, neuron: nn.Module, z: torch.Tensor, shape: tuple[in
     With `linear` (an nn.Linear), z is its input [T*M, D_in]: `neuron(bn(linear(z)).reshape(shape))`,
     the Linear inside the same op. Inside a region memory level `recompute` reruns in backward, the
     fused op's backward rebuilds the membrane trace rather than keeping it (`bn_fire`)."""
-    ok = (isinstance(bn, nn.modules.batchnorm._BatchNorm) and bn.affine and bn.track_running_stats
-          and bn.running_mean is not None and fusable(neuron, bn, *([] if linear is None else [linear]))
-          and (linear is None or type(linear) is nn.Linear))
-    if not ok:
+    if not _fusable_pair(bn, neuron, linear):
         return neuron(bn(z if linear is None else linear(z)).reshape(shape))
-    factor = 0.0 if bn.momentum is None else bn.momentum
-    if bn.training and bn.num_batches_tracked is not None:  # as BatchNorm.forward does
-        bn.num_batches_tracked.add_(1)
-        factor = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
+    factor = _count_batch(bn)
     lin = {} if linear is None else {"lin_weight": linear.weight, "lin_bias": linear.bias}
     return bn_fire(z, tuple(shape), neuron, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.training,
                    factor, bn.eps, **lin)
+
+
+def _fusable_pair(bn: nn.Module, neuron: nn.Module, linear: nn.Module | None = None) -> bool:
+    """An affine BatchNorm with running statistics (and a plain Linear) that may run fused with `neuron`."""
+    return (isinstance(bn, nn.modules.batchnorm._BatchNorm) and bn.affine and bn.track_running_stats
+            and bn.running_mean is not None and fusable(neuron, bn, *([] if linear is None else [linear]))
+            and (linear is None or type(linear) is nn.Linear))
+
+
+def _count_batch(bn: nn.Module) -> float:
+    """BatchNorm's bookkeeping of a training call, as its forward does: the batch counter goes up by
+    one; returns the running statistics' update factor."""
+    if bn.training and bn.num_batches_tracked is not None:
+        bn.num_batches_tracked.add_(1)
+    return _update_factor(bn, counted=True)
+
+
+def _update_factor(bn: nn.Module, counted: bool) -> float:
+    """The factor of a training call's running-statistics update: momentum, or 1 / (batches counted,
+    this one included) for a cumulative average (momentum None)."""
+    if bn.momentum is not None:
+        return bn.momentum
+    if not (bn.training and bn.num_batches_tracked is not None):
+        return 0.0
+    return 1.0 / (float(bn.num_batches_tracked) + (0 if counted else 1))
+
+
+def pooled_fire(bn: nn.Module, neuron: nn.Module, pool: nn.Module, z: torch.Tensor, steps: int) -> torch.Tensor | None:
+    """`pool(neuron(bn(z)))` of a conv stage, z [T*R, C, H, W], as one op that never holds the
+    stage's spikes or membrane trace whole (`bn_lif_max_pool`: BatchNorm, LIF and max-pool a chunk
+    of channels at a time, and so again in backward). Only inside a region memory level `recompute`
+    reruns in backward (`rebuild_membrane`), where a stem stage's rerun sets the step's peak; None
+    elsewhere, or where the three cannot run as one, and the caller runs them as usual."""
+    if not (rebuild_membrane() and torch.is_grad_enabled() and type(pool) is nn.MaxPool2d and not pool.return_indices
+            and not _hooked(pool) and z.dim() == 4 and _fusable_pair(bn, neuron)):
+        return None
+    from torch.nn.modules.utils import _pair
+
+    stride = pool.stride if pool.stride is not None else pool.kernel_size
+    args = (_pair(pool.kernel_size), _pair(stride), _pair(pool.padding), _pair(pool.dilation), bool(pool.ceil_mode))
+    shape = (steps, z.shape[0] // steps, *z.shape[1:])
+    out = bn_lif_max_pool(z, steps, bn.weight, bn.bias, bn.running_mean, bn.running_var, args, bn.training,
+                          _update_factor(bn, counted=False),
+                          bn.eps, tau=neuron.tau, v_threshold=neuron.v_threshold, v_reset=neuron.v_reset,
+                          detach_reset=neuron.detach_reset, decay_input=neuron.decay_input,
+                          surrogate=neuron.surrogate, alpha=neuron.alpha, spike_dtype=neuron.spike_dtype,
+                          backend=neuron.backend_for_shape(shape, z.device))
+    if out is None:  # not this path after all (`bn_lif_max_pool` says where): the caller's call counts the batch
+        return None
+    if bn.training and bn.num_batches_tracked is not None:
+        bn.num_batches_tracked.add_(1)
+    for hook in list(neuron._forward_hooks.values()):  # spike observers: a max-pool of spikes is spikes
+        hook(neuron, (), out)
+    return out
 
 
 @contextlib.contextmanager

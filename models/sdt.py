@@ -23,6 +23,7 @@ from torch import nn
 
 from efficient.errors import ConfigError
 from efficient.kernels.ssa import scores_ref
+from efficient.models.neurons import fusable, norm_fire
 from efficient.models.spiking_transformer import CIFAR_MEAN, CIFAR_STD, SpikingTransformer, SpikingTransformerConfig, _lif
 from efficient.models.spikformer import SPS, STATA, STATA_PAPER, LinearBNLIF
 from efficient.models.stata import PruneStep, residual_block
@@ -124,19 +125,35 @@ class SDTMLP(nn.Module):
         self.lif2, self.fc2 = _lif(lif_cfg), LinearBN(hidden, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.lif2(self.fc1(self.lif1(x))))
+        return self.fc2(self.hidden(self.lif1(x)))
+
+    def hidden(self, s: torch.Tensor) -> torch.Tensor:
+        """lif2(fc1(s)): fc1's Linear -> BatchNorm and lif2 are a Linear -> BatchNorm -> LIF unit
+        (`LinearBNLIF`'s) split across the membrane shortcut's module order, so they run as one fused
+        op where `norm_fire` allows it. Not when fc1 or lif2 is watched or wrapped on its own (a hook
+        or a recompute wrap on fc1 must see fc1 called)."""
+        fc1, lif2 = self.fc1, self.lif2
+        own = "forward" not in vars(fc1) and "forward" not in vars(lif2) and type(fc1).forward is LinearBN.forward
+        if not (own and fusable(lif2, fc1)):
+            return lif2(fc1(s))
+        T, B, N, _ = s.shape
+        return norm_fire(fc1.bn, lif2, s.flatten(0, 2), (T, B, N, fc1.bn.num_features), linear=fc1.linear)
 
 
 class SDTBlock(nn.Module):
     """x += SDSA(LIF(x)); [prune]; x += MLP(LIF(x)) -- the pruning interface of `spikformer.Block`."""
 
-    # efficient.memory: a block keeps only its input (the residual stream) and reruns in backward
+    # efficient.memory: a block is recomputed in backward as two units, its attention and its MLP, each
+    # keeping only its input (the real-valued residual stream), so backward holds one half's rerun at a time
     recompute_unit = True
 
     def __init__(self, dim: int, heads: int, mlp_ratio: float, lif_cfg: dict, reference_params: bool = False) -> None:
         super().__init__()
         self.attn = SDSA(dim, heads, lif_cfg, reference_params)
         self.mlp = SDTMLP(dim, int(dim * mlp_ratio), lif_cfg)
+
+    def recompute_parts(self) -> list[tuple[str, nn.Module]]:
+        return [("attn", self.attn), ("mlp", self.mlp)] if type(self).forward is SDTBlock.forward else []
 
     def forward(self, x: torch.Tensor, step: PruneStep | None = None, anchor: bool = False) -> torch.Tensor:
         a, s, c = self.attn(x, anchor=anchor, scores=step is not None)

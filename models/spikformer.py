@@ -23,7 +23,7 @@ from efficient.kernels.lif import COMPILE_MIN_NUMEL
 from efficient.kernels.ssa import attention_ref, spiking_attention
 from efficient.kernels.token_select import gather_tokens
 from efficient.memory.spikes import region_max_pool
-from efficient.models.neurons import bn_fire, fusable, norm_fire
+from efficient.models.neurons import bn_fire, fusable, norm_fire, pooled_fire
 from efficient.models.spiking_transformer import (  # noqa: F401 - ModelLIF, share_neuron_backend: public here too
     CIFAR_MEAN,
     check_stem_grid,
@@ -100,6 +100,8 @@ class StemStage(nn.Module):
         if pool_first:
             x = pool(bn(x))
             return lif(x.reshape(T, -1, *x.shape[1:])).flatten(0, 1)
+        if pool is not None and (pooled := pooled_fire(bn, lif, pool, x, T)) is not None:
+            return pooled  # inside a recomputed region: the stage's spikes never exist whole
         x = norm_fire(bn, lif, x, (T, x.shape[0] // T, *x.shape[1:])).flatten(0, 1)
         return x if pool is None else region_max_pool(pool, x)
 

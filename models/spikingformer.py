@@ -89,7 +89,9 @@ class SpikingformerBlock(nn.Module):
     """x += SSA(LIF(x)); [prune]; x += MLP(x) with the MLP LIF -> Linear-BN -> LIF -> Linear-BN.
     `step` (a `PruneStep` or None) prunes after the attention or after the block."""
 
-    recompute_unit = True  # efficient.memory: a block keeps only its input (the residual stream) and reruns in backward
+    # efficient.memory: recomputed in backward as two units, the attention and the MLP, each keeping only its
+    # input (the residual stream), so backward holds one half's rerun at a time
+    recompute_unit = True
 
     def __init__(self, dim: int, heads: int, mlp_ratio: float, lif_cfg: dict, reference_norms: bool = False,
                  kernel_backend: str = "auto") -> None:
@@ -98,6 +100,9 @@ class SpikingformerBlock(nn.Module):
         self.mlp = SDTMLP(dim, int(dim * mlp_ratio), lif_cfg)
         if reference_norms:  # built but never called by the reference forward; counted in its published sizes
             self.norm1, self.norm2 = nn.LayerNorm(dim).requires_grad_(False), nn.LayerNorm(dim).requires_grad_(False)
+
+    def recompute_parts(self) -> list[tuple[str, nn.Module]]:
+        return [("attn", self.attn), ("mlp", self.mlp)] if type(self).forward is SpikingformerBlock.forward else []
 
     def forward(self, x: torch.Tensor, step: PruneStep | None = None, anchor: bool = False) -> torch.Tensor:
         a, s, c = self.attn(x, anchor=anchor, scores=step is not None)

@@ -384,6 +384,29 @@ INTERPRETER = textwrap.dedent(
                 assert torch.equal(outs[0][0], other[0])
                 for x, y in zip(outs[0][1:], other[1:]):
                     torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
+    # BatchNorm -> LIF -> max-pool a chunk of channels at a time: the Triton forward and recompute kernels per chunk
+    import torch.nn.functional as F
+    from efficient.kernels.bn_lif import bn_lif_max_pool
+    bn = nn.BatchNorm2d(5)
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5); bn.bias.uniform_(-0.2, 0.2)
+    z = torch.randn(2 * 2, 5, 6, 6) * 1.3
+    K.RECOMPUTE_CHUNK = 2 * z.numel() // 5
+    outs = []
+    for pooled in (False, True):
+        b = copy.deepcopy(bn)
+        zz = z.clone().requires_grad_()
+        args = (zz, 2, b.weight, b.bias, b.running_mean, b.running_var)
+        if pooled:
+            p = bn_lif_max_pool(*args, ([3, 3], [2, 2], [1, 1], [1, 1], False), True, 0.1, 1e-5, impl="triton")
+        else:
+            p = F.max_pool2d(bn_lif(*args, True, 0.1, 1e-5, impl="triton"), 3, 2, 1)
+        (p * torch.linspace(-1, 1, p.numel()).view(p.shape)).sum().backward()
+        outs.append((p, zz.grad, b.weight.grad, b.bias.grad, b.running_mean, b.running_var))
+    K.RECOMPUTE_CHUNK = 1 << 22
+    assert int((outs[0][0] != outs[1][0]).sum()) <= 1
+    for x, y in zip(outs[0][1:], outs[1][1:]):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
     print("TRITON-OK")
     """
 )
@@ -415,3 +438,65 @@ def test_flop_counts_do_not_change_with_the_path() -> None:
             u(x).sum().backward()
         counts.append(fc.get_total_flops())
     assert counts[0] == counts[1] > 0
+
+
+POOL = ([3, 3], [2, 2], [1, 1], [1, 1], False)  # the SPS stem's MaxPool2d(3, 2, 1)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("neuron_kw", [
+    {},
+    {"v_reset": None, "decay_input": False, "surrogate": "atan", "detach_reset": False},
+], ids=["spikformer", "soft-no-decay-atan"])
+def test_the_pooled_stage_is_bn_lif_then_its_max_pool(training: bool, neuron_kw: dict, monkeypatch) -> None:
+    """`bn_lif_max_pool` (BatchNorm, LIF and max-pool a chunk of channels at a time, backward
+    likewise): the pooled spikes and running statistics of `bn_lif` then the pool, gradients within
+    the rounding of the surrogate's exp, and a lower peak of live tensor bytes than `bn_lif` without
+    its membrane followed by a pool that keeps window offsets."""
+    import torch.nn.functional as F
+
+    from efficient.kernels import bn_lif as K
+    from efficient.kernels.bn_lif import bn_lif_max_pool
+    from efficient.memory.measure import step_peak_bytes
+    from efficient.memory.spikes import _CompactMaxPool2d
+
+    bn, z0 = _pair((4 * 4, 8, 16, 16), 8, seed=8)
+    monkeypatch.setattr(K, "RECOMPUTE_CHUNK", 3 * z0.numel() // 8)  # 3 chunks, the last short
+
+    def run(how: str) -> tuple[list[torch.Tensor], int]:
+        b, z = copy.deepcopy(bn), z0.clone().requires_grad_()
+        out = []
+
+        def step() -> None:
+            args = (z, 4, b.weight, b.bias, b.running_mean, b.running_var)
+            if how == "pooled":
+                p = bn_lif_max_pool(*args, POOL, training, 0.1, 1e-5, backend="loop", **neuron_kw)
+            else:
+                s = bn_lif(*args, training, 0.1, 1e-5, backend="loop", keep_membrane=how == "keep", **neuron_kw)
+                p = F.max_pool2d(s, 3, 2, 1) if how == "keep" else _CompactMaxPool2d.apply(s, *POOL)
+            (p * torch.linspace(-1, 1, p.numel()).view(p.shape)).sum().backward()
+            out.append(p)
+
+        peak = step_peak_bytes(step)
+        return [out[0], z.grad, b.weight.grad, b.bias.grad, b.running_mean, b.running_var], peak
+
+    keep, _ = run("keep")
+    lean, peak_lean = run("lean")
+    pooled, peak_pooled = run("pooled")
+    assert pooled[0].shape == (16, 8, 8, 8) and torch.equal(keep[0], pooled[0])
+    for a, b in zip(keep[1:], pooled[1:]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert peak_pooled < peak_lean, (peak_pooled, peak_lean)
+
+
+def test_the_pooled_stage_declines_where_it_does_not_apply() -> None:
+    """None (the caller runs `bn_lif` and its pool) for the reference backend and for a unit of one
+    chunk; a named error for a z that is not a conv stage's."""
+    from efficient.kernels.bn_lif import bn_lif_max_pool
+
+    bn, z = _pair((2 * 2, 3, 8, 8), 3, seed=1)
+    args = (z, 2, bn.weight, bn.bias, bn.running_mean, bn.running_var, POOL)
+    assert bn_lif_max_pool(*args, backend="torch") is None
+    assert bn_lif_max_pool(*args, backend="loop") is None  # 768 elements: one chunk
+    with pytest.raises(ValueError, match="conv stage's \\[T\\*R, C, H, W\\]"):
+        bn_lif_max_pool(z.flatten(2), *args[1:], backend="loop")

@@ -186,8 +186,8 @@ def test_config_errors_name_the_option() -> None:
 
 
 def test_activation_memory_levels_keep_the_step() -> None:
-    """`bits` gives a training step bitwise, `recompute` (blocks and the stem rerun) within the zoo
-    reference's tolerance."""
+    """`bits` gives a training step bitwise, `recompute` (the stem and each block's attention and
+    MLP rerun) within the zoo reference's tolerance."""
     import zoo_reference as zr
     from efficient import memory
 
@@ -197,7 +197,7 @@ def test_activation_memory_levels_keep_the_step() -> None:
     recompute = zr.compute_case(case, perturb=lambda m: memory.optimize(m, "recompute"))
     assert zr.compare(none, recompute) == []
     units = [n for n, _ in memory.recompute.units(zoo.create("spikingformer-tiny"))]
-    assert "patch_embed" in units and "blocks.0" in units
+    assert units == ["patch_embed", "blocks.0.attn", "blocks.0.mlp", "blocks.1.attn", "blocks.1.mlp"]
 
 
 @pytest.mark.slow

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from efficient.kernels.pool_offsets import max_pool_offsets, max_pool_offsets_backward
 from efficient.kernels.spike_pack import pack_binary, unpack_spikes
 from efficient.models.replay import in_region, rebuild_membrane
 
@@ -274,52 +275,26 @@ def _written(name: str, args: tuple, kwargs: dict) -> list[torch.Tensor]:
 
 
 class _CompactMaxPool2d(torch.autograd.Function):
-    """2-D max-pool that keeps neither its input nor int64 argmax indices: each output's argmax is
-    kept as its offset from the window's first element (flat in the input plane), in the narrowest
-    integer type that holds the largest offset (uint8 for a 3x3 window on planes up to 127 wide:
-    8 bits per output where aten keeps 64, and its input is not kept at all). Backward adds the
-    window origins back and routes the gradient with aten's own kernel, so it is bitwise autograd's;
-    nothing reruns. With the input gone, a BatchNorm output that only a max-pool reads is not kept
-    either."""
+    """2-D max-pool that keeps neither its input nor int64 argmax indices, only each output's argmax as
+    a small offset in its window (`efficient.kernels.pool_offsets`): 8 bits per output for a 3x3
+    window where aten keeps 64, and its input not at all. Backward routes the gradient with aten's
+    own kernel, so it is bitwise autograd's; nothing reruns. With the input gone, a BatchNorm output
+    that only a max-pool reads is not kept either."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, *pool: Any) -> torch.Tensor:
-        out, idx = torch.ops.aten.max_pool2d_with_indices(x, *pool)
-        origin, small = _window_origins(tuple(out.shape[-2:]), int(x.shape[-1]), tuple(pool[0]), tuple(pool[1]),
-                                        tuple(pool[2]), tuple(pool[3]), idx.device)
-        ctx.save_for_backward((idx - origin).to(small))
-        ctx.pool, ctx.origin = pool, origin
-        ctx.like = (tuple(x.shape), tuple(x.stride()), x.dtype, x.device, x.is_contiguous())
+        out, offsets = max_pool_offsets(x, pool)
+        ctx.save_for_backward(offsets)
+        ctx.pool = pool
+        ctx.like = (tuple(x.shape), None if x.is_contiguous() else tuple(x.stride()), x.dtype)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        (offset,) = ctx.saved_tensors
-        idx = offset.to(torch.int64) + ctx.origin
-        shape, stride, dtype, device, contiguous = ctx.like
-        # the kernel reads only the input's sizes and memory format: a contiguous input is stood in for
-        # by one element expanded to its sizes (no bytes allocated), any other layout by an uninitialised
-        # tensor with the forward input's strides (its pages are never touched on a CPU)
-        if contiguous:
-            like = torch.empty((), dtype=dtype, device=device).expand(shape)
-        else:
-            like = torch.empty_strided(shape, stride, dtype=dtype, device=device)
-        gx = torch.ops.aten.max_pool2d_with_indices_backward(grad, like, *ctx.pool, idx)
+        (offsets,) = ctx.saved_tensors
+        shape, stride, dtype = ctx.like
+        gx = max_pool_offsets_backward(grad, offsets, ctx.pool, shape, stride, dtype)
         return (gx, *([None] * len(ctx.pool)))
-
-
-@functools.lru_cache(maxsize=64)
-def _window_origins(out_hw: tuple[int, int], width: int, kernel: tuple[int, ...], stride: tuple[int, ...],
-                    padding: tuple[int, ...], dilation: tuple[int, ...], device: torch.device
-                    ) -> tuple[torch.Tensor, torch.dtype]:
-    """[OH, OW] flat plane index of each window's first element, (oh*s - p) * W + (ow*s - p) (negative
-    where padding overhangs), and the integer type that holds every argmax's offset from it: the
-    largest offset is (kH - 1) dH W + (kW - 1) dW."""
-    rows = torch.arange(out_hw[0], device=device) * stride[0] - padding[0]
-    cols = torch.arange(out_hw[1], device=device) * stride[1] - padding[1]
-    span = (kernel[0] - 1) * dilation[0] * width + (kernel[1] - 1) * dilation[1]
-    small = next(t for t in (torch.uint8, torch.int16, torch.int32, torch.int64) if span <= torch.iinfo(t).max)
-    return rows[:, None] * width + cols[None, :], small
 
 
 def _pool2d_args(args: tuple, kwargs: dict) -> tuple | None:
