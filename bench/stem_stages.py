@@ -2,7 +2,8 @@
 step (forward + cross-entropy + backward) at memory level `recompute` with the SPS stem rerun as one
 unit (as before its stages were units), stage by stage with every rerun keeping its units' membrane
 traces H, and stage by stage with the fused BatchNorm + LIF units rebuilding H in backward (the
-default, `bn_lif(keep_membrane=False)`), beside levels `none` and `bits`. The peak counts what the CPU allocator hands out and takes back during the step, from
+default, `bn_lif(keep_membrane=False)`), beside levels `none` and `bits` and spikingjelly 2.0 plain and
+with memopt level 1 (`sj`, `sj-memopt`), counted the same way. The peak counts what the CPU allocator hands out and takes back during the step, from
 `torch.profiler`'s memory records, above what was allocated before it: the quantity a GPU's
 `max_memory_allocated` reports, without the host allocator's retention that a resident-set peak
 includes. Each implementation runs in a fresh process; the step time is the median of `--steps`
@@ -26,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import memory as M  # noqa: E402
 
-IMPLS = ("none", "bits", "recompute-whole-stem", "recompute-keep-membrane", "recompute")
+IMPLS = ("none", "bits", "recompute-whole-stem", "recompute-keep-membrane", "recompute", "sj", "sj-memopt")
 
 
 def child(spec: dict) -> dict:
