@@ -17,7 +17,8 @@
 #                                                                                (bench/step.py)
 #  memory          levels none/bits/recompute (and recompute with reruns keeping their membranes, as
 #                  before bn_lif(keep_membrane=False)) vs spikingjelly memopt 1-4 (its GPU search bounded),
-#                  spikformer-4-384 and stable-snn-vgg11 at b64, T=4: step peak and time (bench/memory.py)
+#                  spikformer-4-384, sdt-2-512 and stable-snn-vgg11 at b64, T=4: step peak and time
+#                  (bench/memory.py)
 #  lif_speed       LIF/PLIF/DLIF fwd+bwd vs spikingjelly's Triton path and a compiled plain loop at
 #                  [4,32,24576], [8,64,65536] and T=16                         (bench/neurons.py)
 #  bn_lif          BatchNorm + LIF as one op (Triton) vs nn.BatchNorm + the LIF kernel at the zoo units'
@@ -52,7 +53,8 @@
 # Time on an H200, from the two runs of 2026-12-04: the package set-up ~15 s (outside the budget);
 # ee_train 2 x 120 s side by side in the background (they slow to half speed beside four ImageNet
 # compiles); lif_check 35 s; steps_cifar ~125 s fp32 alone (three processes ready after 69-123 s, then
-# ~10 s of timing each), ~125 s with bf16 too (six processes ready after 15-113 s); memory ~60 s;
+# ~10 s of timing each), ~125 s with bf16 too (six processes ready after 15-113 s); memory ~60 s for two architectures (three since,
+# at most 110 s);
 # lif_speed 55 s (cut there: 9 compiled loops); bn_lif ~10 s; stata_kernels ~45 s; ee_kernels 30 s
 # (cut there); ee_decode 2 x ~40 s on the eager engine: about 500 s in all, more than the 480 s
 # whole-run budget (GPU_BUDGET_S), which skips a part rather than overrun: a rerun leaves out what
@@ -176,7 +178,7 @@ else
         --precision tf32 --steps 10 --warmup 2 --budget-s 145 --prepare-s 115 --time-s 15 "${WAIT[@]}" --json "$WORK/steps_cifar.json"
     fi
   fi
-  want memory && part memory 80 $PY bench/memory.py --device cuda --steps 8 --search-s 10 --budget-s 75 --json "$WORK/memory.json"
+  want memory && part memory 110 $PY bench/memory.py --device cuda --steps 8 --search-s 10 --budget-s 105 --json "$WORK/memory.json"
   want lif && part lif_speed 55 env SJ_LIF_CUDA_IMPLEMENTATION=triton $PY bench/neurons.py --gpu --speed-only --neurons lif plif dlif \
     --shapes 4x32x24576,8x64x65536,16x32x24576 --repeats 20 --json "$WORK/lif_speed.json"
   want lif && part bn_lif 20 $PY bench/bn_lif.py --device cuda --json "$WORK/bn_lif.json"

@@ -664,7 +664,7 @@ def _load() -> str:
 # (`torch.cuda.max_memory_allocated`; weights, and no gradients, before the step) and the median step
 # time (forward + CE + backward, no optimizer).
 
-CUDA_ARCHS = ("spikformer-4-384", "stable-snn-vgg11")
+CUDA_ARCHS = ("spikformer-4-384", "sdt-2-512", "stable-snn-vgg11")
 CUDA_T, CUDA_BATCH, DRY_BATCH = 4, 64, 2
 MEM_TOL = (1e-5, 1e-4)  # |loss difference| / |loss|, gradient-difference L2 / gradient L2 (all parameters)
 
