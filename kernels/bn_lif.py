@@ -23,6 +23,9 @@ Parts (as `efficient.kernels.lif`):
    running statistics and gradients are bit for bit those of the separate BatchNorm and `lif` calls.
    With Triton the backward is the LIF's Triton kernel and the same BatchNorm backward.
 4. `bn_lif`: the public entry, `backend=` as `lif`'s ("torch" runs the reference).
+5. `bn_lif_max_pool`: a conv stage's BatchNorm -> LIF -> 2-D max-pool a chunk of channels at a
+   time, forward and backward, so the stage's spikes and membrane trace never exist whole (memory
+   level `recompute` runs a stem stage's rerun with it).
 
 `bn_lif` updates the running statistics in place, as BatchNorm does in training (`momentum` is
 the factor BatchNorm would use; its batch counter stays with the caller); the op itself returns
