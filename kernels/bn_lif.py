@@ -50,7 +50,7 @@ from efficient.kernels.lif_common import (
     _BLOCK, _NUM_WARPS, HAS_TRITON, IMPLS, _check_compiler, _choose_impl, _register_flops, _surrogate_id,
     _triton_ready, default_alpha,
 )
-from efficient.kernels.pool_offsets import PoolArgs, max_pool_offsets, max_pool_offsets_backward
+from efficient.kernels.pool_offsets import PoolArgs, max_pool_offsets, max_pool_offsets_backward, pool_args
 
 if HAS_TRITON:
     import triton
@@ -414,21 +414,30 @@ def _recompute_chunk(gs, z, steps, weight, bias, stats, training, eps, c, v_thre
     return _bn_backward(gy.view(z.shape), z, weight, stats, training, eps)
 
 
-def _recompute_backward_impl(grad_spikes, z, steps, weight, bias, stats, training, eps, c, v_threshold, v_reset, charge,
-                             surrogate, alpha, detach_reset, impl):
-    args = (training, eps, c, v_threshold, v_reset, charge, surrogate, alpha, detach_reset, impl)
+def _chunked_recompute(grad_of, z, steps, weight, bias, stats, *args):
+    """(grad z, grad weight, grad bias), H rebuilt a chunk of channels at a time; `grad_of(c0, c1, shape)`
+    gives the spikes' gradient of channels [c0, c1) (contiguous, `shape`: the chunk's z)."""
     chunks = _channel_chunks(z)
     if len(chunks) == 1:
-        return _recompute_chunk(grad_spikes.contiguous(), z.contiguous(), steps, weight, bias, stats, *args)
+        zc = z.contiguous()
+        return _recompute_chunk(grad_of(0, z.shape[1], zc.shape), zc, steps, weight, bias, stats, *args)
     gz = torch.empty(z.shape, dtype=z.dtype, device=z.device)
     gw, gb = torch.empty_like(weight), torch.empty_like(weight)
     for c0, c1 in chunks:
-        gzc, gwc, gbc = _recompute_chunk(grad_spikes[:, c0:c1].contiguous(), z[:, c0:c1].contiguous(), steps,
-                                         weight[c0:c1], bias[c0:c1], stats[:, c0:c1].contiguous(), *args)
+        zc = z[:, c0:c1].contiguous()
+        gzc, gwc, gbc = _recompute_chunk(grad_of(c0, c1, zc.shape), zc, steps, weight[c0:c1], bias[c0:c1],
+                                         stats[:, c0:c1].contiguous(), *args)
+        del zc
         gz[:, c0:c1] = gzc
         gw[c0:c1], gb[c0:c1] = gwc, gbc
         del gzc
     return gz, gw, gb
+
+
+def _recompute_backward_impl(grad_spikes, z, steps, weight, bias, stats, training, eps, c, v_threshold, v_reset, charge,
+                             surrogate, alpha, detach_reset, impl):
+    return _chunked_recompute(lambda c0, c1, _: grad_spikes[:, c0:c1].contiguous(), z, steps, weight, bias, stats,
+                              training, eps, c, v_threshold, v_reset, charge, surrogate, alpha, detach_reset, impl)
 
 
 @torch.library.custom_op("efficient::bn_lif_backward_recompute", mutates_args=())
@@ -723,13 +732,9 @@ def bn_lif(
             raise ValueError(f"bn_lif: with lin_weight [C, D_in] the input must be [T*M, D_in], got {tuple(z.shape)} "
                              f"and lin_weight {tuple(lin_weight.shape)}")
     _check_z(z, steps, weight, bias, channels=None if lin_weight is None else lin_weight.shape[0])
-    sid = _surrogate_id(surrogate)
-    alpha = default_alpha(surrogate, alpha)
-    if not tau > 0:
-        raise ValueError(f"tau must be > 0 (got {tau})")
-    charge = _lif.CHARGE_DECAY_INPUT if decay_input else _lif.CHARGE_NO_DECAY
+    lif_args = _lif_args(tau, v_threshold, v_reset, detach_reset, decay_input, surrogate, alpha)
+    alpha, vr = lif_args[5], lif_args[2]
     spike_dtype = spike_dtype or z.dtype
-    vr = None if v_reset is None else float(v_reset)
     chosen, impl = _choose_impl(backend, impl, z)
     if lin_weight is not None and (chosen == "torch" or z.numel() == 0):
         z = F.linear(z, lin_weight, lin_bias)
@@ -742,7 +747,7 @@ def bn_lif(
         return s
     _check_compiler(impl, z)
     args = (int(steps), weight, bias, running_mean, running_var, bool(training), float(momentum), float(eps),
-            float(tau), float(v_threshold), vr, charge, sid, float(alpha), bool(detach_reset), spike_dtype, impl)
+            *lif_args, spike_dtype, impl)
     eager = eager_call(z, op="bn_lif_forward" if lin_weight is None else "linear_bn_lif_forward")
     # rebuilt in one piece, H and the loop's temporaries would take what was not kept: a unit smaller
     # than two chunks keeps H
@@ -759,6 +764,17 @@ def bn_lif(
         elif running_out is not None:  # the eager path updated running_mean / running_var in place
             _store_running(running_out, running_mean, running_var)
     return out[0]
+
+
+def _lif_args(tau, v_threshold, v_reset, detach_reset, decay_input, surrogate, alpha) -> tuple:
+    """The LIF's options as the ops take them: (c, v_threshold, v_reset, charge, surrogate id, alpha,
+    detach_reset); a bad tau or surrogate is named."""
+    if not tau > 0:
+        raise ValueError(f"tau must be > 0 (got {tau})")
+    sid = _surrogate_id(surrogate)
+    charge = _lif.CHARGE_DECAY_INPUT if decay_input else _lif.CHARGE_NO_DECAY
+    return (float(tau), float(v_threshold), None if v_reset is None else float(v_reset), charge, sid,
+            float(default_alpha(surrogate, alpha)), bool(detach_reset))
 
 
 def _store_running(dest: Sequence[Tensor], new_mean: Tensor, new_var: Tensor) -> None:
@@ -820,17 +836,12 @@ class _BNLIFMaxPool(torch.autograd.Function):
         if grad is None:
             return (None,) * 19
         z, weight, bias, stats, offsets = ctx.saved_tensors
-        gz = torch.empty(z.shape, dtype=z.dtype, device=z.device)
-        gw, gb = torch.empty_like(weight), torch.empty_like(weight)
-        for c0, c1 in _channel_chunks(z):
-            zc = z[:, c0:c1].contiguous()
-            gs = max_pool_offsets_backward(grad[:, c0:c1].contiguous(), offsets[:, c0:c1].contiguous(), ctx.pool,
-                                           zc.shape, dtype=ctx.spike_dtype)
-            gzc, gwc, gbc = _recompute_chunk(gs, zc, ctx.steps, weight[c0:c1], bias[c0:c1], stats[:, c0:c1].contiguous(),
-                                             *ctx.params)
-            del gs, zc
-            gz[:, c0:c1], gw[c0:c1], gb[c0:c1] = gzc, gwc, gbc
-            del gzc
+
+        def grad_of(c0: int, c1: int, shape) -> Tensor:  # the pooled gradient routed back to the chunk's spikes
+            return max_pool_offsets_backward(grad[:, c0:c1].contiguous(), offsets[:, c0:c1].contiguous(), ctx.pool,
+                                             shape, dtype=ctx.spike_dtype)
+
+        gz, gw, gb = _chunked_recompute(grad_of, z, ctx.steps, weight, bias, stats, *ctx.params)
         need = ctx.needs_input_grad
         return (gz if need[0] else None, gw if need[1] else None, gb if need[2] else None) + (None,) * 16
 
@@ -875,12 +886,7 @@ def bn_lif_max_pool(
     chosen, impl = _choose_impl(backend, impl, z)
     if chosen == "torch" or len(_channel_chunks(z)) < 2 or not eager_call(z, op="bn_lif_forward"):
         return None
-    if not tau > 0:
-        raise ValueError(f"tau must be > 0 (got {tau})")
+    lif_args = _lif_args(tau, v_threshold, v_reset, detach_reset, decay_input, surrogate, alpha)
     _check_compiler(impl, z)
-    charge = _lif.CHARGE_DECAY_INPUT if decay_input else _lif.CHARGE_NO_DECAY
-    pool = (list(pool[0]), list(pool[1]), list(pool[2]), list(pool[3]), bool(pool[4]))
     return _BNLIFMaxPool.apply(z, weight, bias, running_mean, running_var, int(steps), bool(training), float(momentum),
-                               float(eps), float(tau), float(v_threshold), None if v_reset is None else float(v_reset),
-                               charge, _surrogate_id(surrogate), float(default_alpha(surrogate, alpha)),
-                               bool(detach_reset), spike_dtype or z.dtype, impl, pool)
+                               float(eps), *lif_args, spike_dtype or z.dtype, impl, pool_args(*pool))

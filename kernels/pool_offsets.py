@@ -17,11 +17,19 @@ from typing import Sequence
 
 import torch
 from torch import Tensor
+from torch.nn.modules.utils import _pair
 
-__all__ = ["PoolArgs", "max_pool_offsets", "max_pool_offsets_backward", "window_origins"]
+__all__ = ["PoolArgs", "max_pool_offsets", "max_pool_offsets_backward", "pool_args", "window_origins"]
 
 # aten's max_pool2d arguments: kernel, stride, padding, dilation (each [h, w]) and ceil_mode
 PoolArgs = tuple[Sequence[int], Sequence[int], Sequence[int], Sequence[int], bool]
+
+
+def pool_args(kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False) -> PoolArgs:
+    """`F.max_pool2d`'s (or `nn.MaxPool2d`'s) arguments as aten's: [h, w] lists, stride defaulting to the kernel."""
+    kernel = list(_pair(kernel_size))
+    stride = kernel if stride is None or stride == [] else list(_pair(stride))
+    return kernel, stride, list(_pair(padding)), list(_pair(dilation)), bool(ceil_mode)
 
 
 @functools.lru_cache(maxsize=64)

@@ -16,6 +16,7 @@ from torch import nn
 
 from efficient.kernels.bn_lif import bn_lif, bn_lif_max_pool
 from efficient.kernels.lif import BACKENDS, SURROGATES, check_input, default_alpha, lif
+from efficient.kernels.pool_offsets import pool_args
 from efficient.models.replay import rebuild_membrane
 
 __all__ = ["SpikingNeuron", "LIF", "PLIF", "DLIF", "bn_fire", "fusable", "norm_fire", "override_surrogate", "spike_observer",
@@ -336,10 +337,7 @@ def pooled_fire(bn: nn.Module, neuron: nn.Module, pool: nn.Module, z: torch.Tens
     if not (rebuild_membrane() and torch.is_grad_enabled() and type(pool) is nn.MaxPool2d and not pool.return_indices
             and not _hooked(pool) and z.dim() == 4 and _fusable_pair(bn, neuron)):
         return None
-    from torch.nn.modules.utils import _pair
-
-    stride = pool.stride if pool.stride is not None else pool.kernel_size
-    args = (_pair(pool.kernel_size), _pair(stride), _pair(pool.padding), _pair(pool.dilation), bool(pool.ceil_mode))
+    args = pool_args(pool.kernel_size, pool.stride, pool.padding, pool.dilation, pool.ceil_mode)
     shape = (steps, z.shape[0] // steps, *z.shape[1:])
     out = bn_lif_max_pool(z, steps, bn.weight, bn.bias, bn.running_mean, bn.running_var, args, bn.training,
                           _update_factor(bn, counted=False),

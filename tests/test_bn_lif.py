@@ -308,13 +308,17 @@ INTERPRETER = textwrap.dedent(
     from torch import nn
     from efficient.kernels.bn_lif import bn_lif
     torch.manual_seed(0)
-    for shape, T in (((4 * 3 * 5, 6), 4), ((2 * 2, 3, 4, 4), 2)):
-        C = shape[1]
-        bn = (nn.BatchNorm1d if len(shape) == 2 else nn.BatchNorm2d)(C)
+
+    def batch_norm_and_input(shape):
+        bn = (nn.BatchNorm1d if len(shape) == 2 else nn.BatchNorm2d)(shape[1])
         with torch.no_grad():
             bn.weight.uniform_(0.5, 1.5); bn.bias.uniform_(-0.2, 0.2)
             bn.running_mean.uniform_(-0.5, 0.5); bn.running_var.uniform_(0.5, 2.0)
-        z = (torch.randn(shape) * 1.3).requires_grad_()
+        return bn, (torch.randn(shape) * 1.3).requires_grad_()
+
+    for shape, T in (((4 * 3 * 5, 6), 4), ((2 * 2, 3, 4, 4), 2)):
+        C = shape[1]
+        bn, z = batch_norm_and_input(shape)
         for training in (True, False):
             outs = {}
             for impl in ("loop", "triton"):
@@ -364,11 +368,7 @@ INTERPRETER = textwrap.dedent(
     # and a chunk of channels at a time (each chunk reads its own channels' statistics)
     for shape, T in (((4 * 3 * 5, 6), 4), ((2 * 2, 5, 4, 4), 2)):
         C = shape[1]
-        bn = (nn.BatchNorm1d if len(shape) == 2 else nn.BatchNorm2d)(C)
-        with torch.no_grad():
-            bn.weight.uniform_(0.5, 1.5); bn.bias.uniform_(-0.2, 0.2)
-            bn.running_mean.uniform_(-0.5, 0.5); bn.running_var.uniform_(0.5, 2.0)
-        z = (torch.randn(shape) * 1.3).requires_grad_()
+        bn, z = batch_norm_and_input(shape)
         for training in (True, False):
             outs = []
             for keep, chunk in ((True, 1 << 22), (False, 1 << 22), (False, 2 * z.numel() // C)):
@@ -387,10 +387,8 @@ INTERPRETER = textwrap.dedent(
     # BatchNorm -> LIF -> max-pool a chunk of channels at a time: the Triton forward and recompute kernels per chunk
     import torch.nn.functional as F
     from efficient.kernels.bn_lif import bn_lif_max_pool
-    bn = nn.BatchNorm2d(5)
-    with torch.no_grad():
-        bn.weight.uniform_(0.5, 1.5); bn.bias.uniform_(-0.2, 0.2)
-    z = torch.randn(2 * 2, 5, 6, 6) * 1.3
+    bn, z = batch_norm_and_input((2 * 2, 5, 6, 6))
+    z = z.detach()
     K.RECOMPUTE_CHUNK = 2 * z.numel() // 5
     outs = []
     for pooled in (False, True):

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from efficient.kernels.pool_offsets import max_pool_offsets, max_pool_offsets_backward
+from efficient.kernels.pool_offsets import max_pool_offsets, max_pool_offsets_backward, pool_args
 from efficient.kernels.spike_pack import pack_binary, unpack_spikes
 from efficient.models.replay import in_region, rebuild_membrane
 
@@ -300,17 +300,11 @@ class _CompactMaxPool2d(torch.autograd.Function):
 def _pool2d_args(args: tuple, kwargs: dict) -> tuple | None:
     """`F.max_pool2d`'s arguments as aten's (kernel, stride, padding, dilation, ceil_mode), or None
     when indices are asked for (the caller keeps them anyway)."""
-    from torch.nn.modules.utils import _pair
-
     names = ("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
     given = {**dict(zip(names, args[1:])), **kwargs}
-    if given.get("return_indices"):
+    if given.pop("return_indices", False):
         return None
-    kernel = _pair(given["kernel_size"])
-    stride = given.get("stride")
-    stride = kernel if stride is None or stride == [] else _pair(stride)
-    return (list(kernel), list(stride), list(_pair(given.get("padding", 0))), list(_pair(given.get("dilation", 1))),
-            bool(given.get("ceil_mode", False)))
+    return pool_args(**given)
 
 
 class SpikePropagation(TorchFunctionMode):
@@ -534,8 +528,8 @@ def region_max_pool(pool: nn.Module, x: torch.Tensor) -> torch.Tensor:
     holds no copy of its spikes for the pool. The bits level gives every other max-pool the same."""
     if (isinstance(pool, nn.MaxPool2d) and not pool.return_indices and rebuild_membrane() and torch.is_grad_enabled()
             and x.requires_grad and x.is_floating_point()):
-        args = _pool2d_args((x, pool.kernel_size, pool.stride, pool.padding, pool.dilation, pool.ceil_mode), {})
-        return _CompactMaxPool2d.apply(x, *args)
+        return _CompactMaxPool2d.apply(x, *pool_args(pool.kernel_size, pool.stride, pool.padding, pool.dilation,
+                                                     pool.ceil_mode))
     return pool(x)
 
 
