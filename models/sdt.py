@@ -23,6 +23,8 @@ from torch import nn
 
 from efficient.errors import ConfigError
 from efficient.kernels.ssa import scores_ref
+from efficient.memory.conv_backward import region_conv2d
+from efficient.memory.spikes import is_neuron
 from efficient.models.neurons import fusable, norm_fire
 from efficient.models.spiking_transformer import CIFAR_MEAN, CIFAR_STD, SpikingTransformer, SpikingTransformerConfig, _lif
 from efficient.models.spikformer import SPS, STATA, STATA_PAPER, LinearBNLIF
@@ -49,9 +51,9 @@ class MSSPSTail(nn.Module):
 
     def forward(self, x: torch.Tensor, T: int) -> torch.Tensor:
         st = self._stem
-        feat = st.pools[3](st.bns[3](st.convs[3](x)))  # real-valued
+        feat = st.pools[3](st.bns[3](region_conv2d(st.convs[3], x, spikes=is_neuron(st.lifs[2]))))  # real-valued
         s = st.lifs[3](feat.reshape(T, -1, *feat.shape[1:])).flatten(0, 1)
-        return st.rpe_bn(st.rpe_conv(s)) + feat
+        return st.rpe_bn(region_conv2d(st.rpe_conv, s, spikes=is_neuron(st.lifs[3]))) + feat
 
 
 class MSSPS(SPS):

@@ -22,7 +22,8 @@ from efficient.errors import ConfigError
 from efficient.kernels.lif import COMPILE_MIN_NUMEL
 from efficient.kernels.ssa import attention_ref, spiking_attention
 from efficient.kernels.token_select import gather_tokens
-from efficient.memory.spikes import region_max_pool
+from efficient.memory.conv_backward import region_conv2d
+from efficient.memory.spikes import is_neuron, region_max_pool
 from efficient.models.neurons import bn_fire, fusable, norm_fire, pooled_fire
 from efficient.models.spiking_transformer import (  # noqa: F401 - ModelLIF, share_neuron_backend: public here too
     CIFAR_MEAN,
@@ -96,7 +97,7 @@ class StemStage(nn.Module):
 
     def forward(self, x: torch.Tensor, T: int) -> torch.Tensor:
         conv, bn, lif, pool, pool_first = self.modules_now()
-        x = conv(x)
+        x = region_conv2d(conv, x, spikes=self.i > 0 and is_neuron(self._stem.lifs[min(self.i, 4) - 1]))
         if pool_first:
             x = pool(bn(x))
             return lif(x.reshape(T, -1, *x.shape[1:])).flatten(0, 1)
