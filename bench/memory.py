@@ -97,13 +97,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 LEVELS = ("none", "bits", "recompute")
-IMPLS = ("none", "bits", "recompute", "recompute-budget", "recompute-whole-stem", "recompute-keep-membrane", "sj",
-         "sj-memopt")
+IMPLS = ("none", "bits", "recompute", "recompute-budget", "recompute-whole-stem", "recompute-keep-membrane",
+         "recompute-whole-conv", "sj", "sj-memopt")
 RECOMPUTE_BUDGET = 0.2  # recompute-budget: at most this fraction of none's saved bytes (planned on the step's own batch)
 LABEL = {"none": "ours none", "bits": "ours bits", "recompute": "ours recompute", "sj": "spikingjelly",
          "recompute-budget": f"ours recompute, budget {RECOMPUTE_BUDGET:.0%}", "sj-memopt": "spikingjelly memopt L1",
          "recompute-whole-stem": "ours recompute, stem as one unit",
-         "recompute-keep-membrane": "ours recompute, reruns keep H"}
+         "recompute-keep-membrane": "ours recompute, reruns keep H",
+         "recompute-whole-conv": "ours recompute, stem convolutions' backward whole"}
 MiB, GiB = 2**20, 2**30
 RESULT = "RESULT "  # a child's last line: RESULT <json>
 
@@ -331,7 +332,8 @@ def build(arch: str, impl: str, T: int, img: int | None = None, example: Any = N
     import torch
 
     torch.manual_seed(0)
-    if impl in LEVELS or impl in ("recompute-budget", "recompute-whole-stem", "recompute-keep-membrane"):
+    if impl in LEVELS or impl in ("recompute-budget", "recompute-whole-stem", "recompute-keep-membrane",
+                                  "recompute-whole-conv"):
         import efficient
         from efficient import memory
 
@@ -340,6 +342,11 @@ def build(arch: str, impl: str, T: int, img: int | None = None, example: Any = N
             for mod in m.modules():
                 if hasattr(mod, "recompute_parts"):
                     mod.recompute_parts = list
+            impl = "recompute"
+        if impl == "recompute-whole-conv":  # as before `region_conv2d`: a watched conv is called as it is
+            for mod in m.modules():
+                if type(mod) is torch.nn.Conv2d:
+                    mod.register_forward_hook(lambda *_: None)
             impl = "recompute"
         if impl == "recompute-keep-membrane":  # reruns keep H and pool inputs, as before bn_lif(keep_membrane=False)
             plan = memory.optimize(m, "recompute")
