@@ -16,7 +16,8 @@
 #                  share shows how launch-bound a step is); STATA's ideal speed-up from profiler MACs
 #                                                                                (bench/step.py)
 #  memory          levels none/bits/recompute (and recompute with reruns keeping their membranes, as
-#                  before bn_lif(keep_membrane=False)) vs spikingjelly memopt 1-4 (its GPU search bounded),
+#                  before bn_lif(keep_membrane=False), and with the stem convolutions' backward over the
+#                  whole batch, as before region_conv2d) vs spikingjelly memopt 1-4 (its GPU search bounded),
 #                  spikformer-4-384, sdt-2-512 and stable-snn-vgg11 at b64, T=4: step peak and time
 #                  (bench/memory.py)
 #  lif_speed       LIF/PLIF/DLIF fwd+bwd vs spikingjelly's Triton path and a compiled plain loop at

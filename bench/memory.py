@@ -325,6 +325,14 @@ def _keep_membranes(model, plan) -> None:
         wrap(unit, unit.__dict__.get("_efficient_kept"), lean=False)
 
 
+def _whole_convs(model) -> list:
+    """The recompute level as before `region_conv2d`: a convolution with a hook is called as it is,
+    its backward over the whole batch. Returns the hooks' handles."""
+    import torch
+
+    return [m.register_forward_hook(lambda *_: None) for m in model.modules() if type(m) is torch.nn.Conv2d]
+
+
 def build(arch: str, impl: str, T: int, img: int | None = None, example: Any = None,
           budget: float = RECOMPUTE_BUDGET) -> tuple[Any, Any, dict]:
     """The model of `impl` at T (training mode), its memory plan (ours) and what was done to it.
@@ -343,10 +351,8 @@ def build(arch: str, impl: str, T: int, img: int | None = None, example: Any = N
                 if hasattr(mod, "recompute_parts"):
                     mod.recompute_parts = list
             impl = "recompute"
-        if impl == "recompute-whole-conv":  # as before `region_conv2d`: a watched conv is called as it is
-            for mod in m.modules():
-                if type(mod) is torch.nn.Conv2d:
-                    mod.register_forward_hook(lambda *_: None)
+        if impl == "recompute-whole-conv":
+            _whole_convs(m)
             impl = "recompute"
         if impl == "recompute-keep-membrane":  # reruns keep H and pool inputs, as before bn_lif(keep_membrane=False)
             plan = memory.optimize(m, "recompute")
@@ -747,10 +753,13 @@ def run_cuda_ours(spec: dict) -> dict:
     m = efficient.load(ARCHS[arch].ours, timesteps=spec["T"], **({"img_size": spec["img"]} if spec.get("img") else {}))
     m = m.train().to(dev)
     rows, ref = {}, None
-    for level in (*LEVELS, "recompute-keep-membrane"):
-        plan = memory.optimize(m, "recompute" if level == "recompute-keep-membrane" else level)
+    hooks: list = []
+    for level in (*LEVELS, "recompute-keep-membrane", "recompute-whole-conv"):
+        plan = memory.optimize(m, level if level in LEVELS else "recompute")
         if level == "recompute-keep-membrane":  # the level as before its reruns rebuilt membranes
             _keep_membranes(m, plan)
+        if level == "recompute-whole-conv":
+            hooks = _whole_convs(m)
         train_step(m, x, y)  # warm-up
         torch.manual_seed(0)  # the checked step draws the same dropout masks at every level
         loss = train_step(m, x, y)
@@ -766,6 +775,8 @@ def run_cuda_ours(spec: dict) -> dict:
         if row["check"] != "MISMATCH":
             row.update(_dev_measure(m, x, y, dev, spec["steps"]))
         rows[level] = row
+    for h in hooks:
+        h.remove()
     memory.optimize(m, "none")
     return {"rows": rows, "params": sum(p.numel() for p in m.parameters())}
 
