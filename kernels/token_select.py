@@ -266,6 +266,11 @@ def _scatter_op(g: Tensor, idx: Tensor, n: int, backend: str) -> Tensor:
 def _scatter_impl(g: Tensor, idx: Tensor, n: int, backend: str) -> Tensor:
     # gather's backward: idx was checked by the forward (the kernel skips out-of-range rows anyway)
     if backend == "triton":
+        if g.dtype == torch.bfloat16 and _backend.interpreter_on():
+            # Triton's CPU interpreter has no bf16 atomics: the kernel runs on fp32 and rounds once
+            # (exact where the indices are distinct, as STATA's kept tokens are; a repeated index's
+            # sum is rounded once instead of per add)
+            return _gather_triton(g.float(), idx, n, scatter=True).to(g.dtype)
         return _gather_triton(g, idx, n, scatter=True)
     return scatter_tokens_ref(g, idx, n)
 

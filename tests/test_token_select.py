@@ -195,6 +195,31 @@ def test_triton_gather_backward_accumulates_repeated_indices_in_interpreter():
     assert r.returncode == 0 and "TRITON-OK" in r.stdout, r.stderr[-3000:]
 
 
+BF16_GRADS = textwrap.dedent(
+    """
+    import torch
+    from efficient.kernels import token_select as ts
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 10, 4, generator=g).bfloat16().requires_grad_()
+    idx = torch.stack([torch.randperm(10, generator=g)[:6] for _ in range(3)])  # distinct, as STATA keeps
+    w = torch.randn(2, 3, 6, 4, generator=g).bfloat16()
+    got, = torch.autograd.grad((ts.gather_tokens(x, idx, backend="triton") * w).sum(), x)
+    ref, = torch.autograd.grad((ts.gather_tokens(x, idx, backend="torch") * w).sum(), x)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, ref)
+    print("TRITON-OK")
+    """
+)
+
+
+def test_triton_gather_backward_in_bf16_in_interpreter():
+    """bf16 gradients (autocast steps) through the Triton scatter, whose atomics the interpreter
+    runs in fp32: the reference's values exactly, for distinct indices."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", BF16_GRADS], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "TRITON-OK" in r.stdout, r.stderr[-3000:]
+
+
 def test_gather_rejects_out_of_range_indices():
     x = torch.randn(2, 1, 5, 3)
     for bad in (5, -1):
