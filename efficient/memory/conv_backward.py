@@ -100,7 +100,7 @@ def region_conv2d(conv: nn.Module, x: torch.Tensor, spikes: bool = False) -> tor
     slice when its output has at most `bn_lif.RECOMPUTE_CHUNK` elements). `spikes`: the caller
     knows x is a neuron's output (0 and 1 only), so the rerun keeps it as bits. Under autocast it
     runs in the autocast dtype, as `conv(x)` would."""
-    if not (rebuild_membrane() and torch.is_grad_enabled() and x.dim() == 4 and _plain(conv)):
+    if not (rebuild_membrane() and torch.is_grad_enabled() and x.dim() == 4 and x.shape[0] > 0 and _plain(conv)):
         return conv(x)
     w, b = conv.weight, conv.bias
     dev = x.device.type
