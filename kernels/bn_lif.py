@@ -378,11 +378,16 @@ def _(grad_spikes, z, h, weight, stats, training, eps, c, v_threshold, v_reset, 
 RECOMPUTE_CHUNK = 1 << 22  # elements of z per chunk of channels (at least one channel)
 
 
+def chunk_spans(n: int, per_item: int, limit: int) -> list[tuple[int, int]]:
+    """[start, stop) spans of n items, `per_item` elements each, of at most `limit` elements per
+    span (at least one item)."""
+    width = max(1, min(n, limit // max(per_item, 1)))
+    return [(i, min(n, i + width)) for i in range(0, n, width)]
+
+
 def _channel_chunks(z: Tensor) -> list[tuple[int, int]]:
     C = z.shape[1]
-    per_channel = max(1, z.numel() // max(C, 1))
-    width = max(1, min(C, RECOMPUTE_CHUNK // per_channel))
-    return [(c0, min(C, c0 + width)) for c0 in range(0, C, width)]
+    return chunk_spans(C, z.numel() // max(C, 1), RECOMPUTE_CHUNK)
 
 
 def _recompute_chunk(gs, z, steps, weight, bias, stats, training, eps, c, v_threshold, v_reset, charge, surrogate,

@@ -97,7 +97,7 @@ class StemStage(nn.Module):
 
     def forward(self, x: torch.Tensor, T: int) -> torch.Tensor:
         conv, bn, lif, pool, pool_first = self.modules_now()
-        x = region_conv2d(conv, x, spikes=self.i > 0 and is_neuron(self._stem.lifs[min(self.i, 4) - 1]))
+        x = region_conv2d(conv, x, spikes=self.i > 0 and is_neuron(self._stem.lifs[self.i - 1]))
         if pool_first:
             x = pool(bn(x))
             return lif(x.reshape(T, -1, *x.shape[1:])).flatten(0, 1)

@@ -25,11 +25,9 @@ from efficient.models.replay import rebuild_membrane
 def batch_slices(grad: torch.Tensor, limit: int | None = None) -> list[slice]:
     """Slices of dim 0 such that each slice of `grad` has at most `limit` elements (at least one
     sample); by default the rebuilt BatchNorm + LIF backward's chunk (`bn_lif.RECOMPUTE_CHUNK`)."""
-    limit = bn_lif.RECOMPUTE_CHUNK if limit is None else limit
     n = grad.shape[0]
-    per_sample = max(1, grad.numel() // max(n, 1))
-    width = max(1, min(n, limit // per_sample))
-    return [slice(i, min(n, i + width)) for i in range(0, n, width)]
+    spans = bn_lif.chunk_spans(n, grad.numel() // max(n, 1), bn_lif.RECOMPUTE_CHUNK if limit is None else limit)
+    return [slice(a, b) for a, b in spans]
 
 
 class _BatchSlicedConv2d(torch.autograd.Function):
@@ -65,10 +63,7 @@ class _BatchSlicedConv2d(torch.autograd.Function):
             gx = torch.empty_like(kept[0]) if mask[0] else None
         gw = gb = None
         for i, s in enumerate(ctx.slices):
-            if ctx.bits:
-                xs = unpack_spikes(kept[i], (s.stop - s.start, *shape[1:]), dtype)
-            else:
-                xs = kept[0][s]
+            xs = unpack_spikes(kept[i], (s.stop - s.start, *shape[1:]), dtype) if ctx.bits else kept[0][s]
             a, b, c = torch.ops.aten.convolution_backward(
                 grad[s], xs, weight, ctx.bias_shape if mask[2] else None, stride, padding, dilation, False,
                 [0] * len(stride), groups, mask)
