@@ -7,9 +7,12 @@ with memopt level 1 (`sj`, `sj-memopt`), counted the same way. The peak counts w
 `torch.profiler`'s memory records, above what was allocated before it: the quantity a GPU's
 `max_memory_allocated` reports, without the host allocator's retention that a resident-set peak
 includes. Each implementation runs in a fresh process; the step time is the median of `--steps`
-unprofiled steps.
+unprofiled steps. With `--compile` the model runs under `torch.compile` (what `train.compile:
+default` does; a level is applied before compiling, and its recomputed regions become the
+compiler's checkpoint regions): the same peak, of the compiled step.
 
     python bench/stem_stages.py --archs spikformer-4-384 --batch 64 --steps 2
+    python bench/stem_stages.py --archs spikformer-4-384 --impls none recompute --compile
 """
 
 from __future__ import annotations
@@ -36,6 +39,12 @@ def child(spec: dict) -> dict:
     torch.set_num_threads(spec["threads"])
     x, y = M._inputs(spec["arch"], spec["batch"])
     model, plan, _ = M.build(spec["arch"], spec["impl"], spec["T"], None, example=x)
+    compile_s = None
+    if spec.get("compile"):
+        model = torch.compile(model)
+        t0 = time.perf_counter()
+        M.train_step(model, x, y)  # compiles forward and backward
+        compile_s = time.perf_counter() - t0
     M.train_step(model, x, y)  # warm-up
     for p in model.parameters():
         p.grad = None
@@ -47,7 +56,7 @@ def child(spec: dict) -> dict:
         t0 = time.perf_counter()
         M.train_step(model, x, y)
         times.append(time.perf_counter() - t0)
-    return {"peak_bytes": peak, "step_s": statistics.median(times), "times_s": times,
+    return {"peak_bytes": peak, "step_s": statistics.median(times), "times_s": times, "compile_s": compile_s,
             "units": list(plan.units) if plan is not None else []}
 
 
@@ -62,17 +71,21 @@ def main() -> int:
     ap.add_argument("--T", type=int, default=4)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1))
+    ap.add_argument("--compile", action="store_true", help="the step under torch.compile (default mode)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.compile and {"sj", "sj-memopt"} & set(args.impls):
+        ap.error("--compile measures our levels: leave out sj and sj-memopt")
     print(f"# bench/stem_stages.py -- {datetime.date.today()}, {platform.machine()} {os.cpu_count()} cores, "
-          f"batch {args.batch}, T {args.T}, load {os.getloadavg()[0]:.2f} before")
+          f"batch {args.batch}, T {args.T}{', compiled' if args.compile else ''}, load {os.getloadavg()[0]:.2f} before")
     print("\n| architecture | impl | step peak of live tensors MiB | vs none | step s | time vs none |")
     print("|---|---|---|---|---|---|")
     out = []
     for arch in args.archs:
         rows: dict[str, dict] = {}
         for impl in args.impls:
-            spec = {"arch": arch, "impl": impl, "T": args.T, "batch": args.batch, "steps": args.steps, "threads": args.threads}
+            spec = {"arch": arch, "impl": impl, "T": args.T, "batch": args.batch, "steps": args.steps, "threads": args.threads,
+                    "compile": args.compile}
             res = M._child("stem", spec, timeout=3600, script=__file__)
             rows[impl] = res
             out.append({**spec, **res})

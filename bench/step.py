@@ -429,14 +429,20 @@ class DeviceStep:
             from stata import macs
 
             self.reset = None
+            name, _, self.level = spec["model"].partition("@")  # "model@level": at that memory level
             # built as stata.py builds it: at the final keep ratio (no warm-up told)
-            self.model = create(spec["model"], **(dry["kw"] if dry else {}))
+            self.model = create(name, **(dry["kw"] if dry else {}))
             _stage("model built")
             m, b = macs(self.model.train(), x[:1])  # counted on the CPU before the move
             _stage("MACs counted")
             self.info.update(macs=m, block_macs=b)
         self.model = self.model.train().to(self.dev)
         _stage(f"model on {self.dev}")
+        if not self.peer and self.level:  # before any mode compiles: its regions become the compiler's
+            from efficient import memory
+
+            memory.optimize(self.model, self.level)
+            self.info["memory"] = self.level
         self.info["params_m"] = sum(p.numel() for p in self.model.parameters()) / 1e6
         self.x, self.y = x.to(self.dev), y.to(self.dev)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -780,6 +786,22 @@ def device_targets(results: list[dict[str, Any]]) -> bool:
                      bb[1] <= bf[1])
             else:
                 line(f"bf16 not slower than fp32 ({size} {model})", None)
+    # the memory levels in each mode against level none in the same mode (the memory part times the
+    # eager step; here the compiled and CUDA-graph ones, where a launch-bound step's reruns cost least)
+    for (size, model, amp), r in by.items():
+        base, _, level = model.partition("@")
+        none = by.get((size, base, amp))
+        if not level or none is None or not isinstance(r.get("modes"), dict) or not isinstance(none.get("modes"), dict):
+            continue
+        for mode, m in r["modes"].items():
+            n = none["modes"].get(mode, {})
+            if not all(k in d and d[k] is not None for d in (m, n) for k in ("peak_bytes", "step_ms")):
+                line(f"{level} ({size} {amp} {mode}) peak <= 20% of none's at <= 1.25x its time", None)
+                continue
+            pk, tm = m["peak_bytes"] / n["peak_bytes"], m["step_ms"] / n["step_ms"]
+            line(f"{level} ({size} {amp} {mode}) peak <= 20% of none's at <= 1.25x its time: "
+                 f"{m['peak_bytes'] / 2**20:,.0f} / {n['peak_bytes'] / 2**20:,.0f} MiB = {pk:.1%}, "
+                 f"{m['step_ms']:.2f} / {n['step_ms']:.2f} ms = {tm:.2f}x", pk <= 0.2 and tm <= 1.25)
     return ok
 
 
@@ -811,6 +833,10 @@ def device_main(args: argparse.Namespace) -> int:
                  "modes": [md for md in (PEER_MODES if m == "spikingjelly" else OUR_MODES)
                            if not (args.dry_run and md == "cudagraph") and (md == "eager" or md in args.modes)]}
                 for amp in args.amp for m in models]
+        # the size's dense model again at each other memory level (`train.memory`), every mode
+        jobs += [{**jobs[0], "model": f"{s['models'][0]}@{level}", "amp": amp,
+                  "modes": [md for md in OUR_MODES if md == "eager" or md in args.modes]}
+                 for level in args.memory_levels for amp in args.amp]
         # --max-procs splits a size's processes into waves (the ImageNet steps hold tens of GiB each)
         per = args.max_procs or len(jobs)
         for w in range(0, len(jobs), per):
@@ -901,6 +927,9 @@ def main(argv: list[str] | None = None) -> int:
     dv.add_argument("--precision", choices=["tf32", "strict", "torch"], default="tf32",
                     help="fp32 matmuls and convolutions on CUDA, every model alike: tf32 (what the trainer's "
                          "train.tf32 sets), strict, or torch's defaults (TF32 convolutions, strict matmuls)")
+    dv.add_argument("--memory-levels", nargs="*", default=[], choices=["bits", "recompute"],
+                    help="also the dense model at these memory levels (each its own process, every mode): "
+                         "peak and time beside level none's")
     dv.add_argument("--steps", type=int, default=15, help="timed steps per mode (after --warmup)")
     dv.add_argument("--warmup", type=int, default=2, help="untimed steps per mode before timing (compiled already)")
     dv.add_argument("--budget-s", type=float, default=600.0, help="the whole device part; what does not fit is skipped")
