@@ -1,0 +1,95 @@
+"""Memory level `recompute` under `torch.compile`: the partitioner keeps each region's output (an
+opaque copy, `recompute.region_output`) so every region reruns from its own input, and the compiled
+step trains as the eager one does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+from efficient import memory
+from efficient.zoo import create
+
+
+def _tiny_spikformer() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return create("spikformer-4-384", embed_dim=32, num_heads=2, depth=1).train()
+
+
+def _backward_inputs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[tuple[str, torch.Size]]:
+    """(name, shape) of what the compiled backward takes from the forward, as inductor's partitioner
+    splits the step (the graphs run uncompiled)."""
+    saved: list[tuple[str, torch.Size]] = []
+
+    def keep(gm: torch.fx.GraphModule, _inputs) -> torch.fx.GraphModule:
+        return gm
+
+    def backward(gm: torch.fx.GraphModule, _inputs) -> torch.fx.GraphModule:
+        saved.extend((n.name, n.meta["val"].shape) for n in gm.graph.nodes
+                     if n.op == "placeholder" and not n.name.startswith("tangents") and isinstance(n.meta.get("val"), torch.Tensor))
+        return gm
+
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=keep, bw_compiler=backward, partition_fn=min_cut_rematerialization_partition)
+    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+        F.cross_entropy(torch.compile(model, backend=backend, fullgraph=True)(x), y)
+    torch._dynamo.reset()
+    return saved
+
+
+def test_compiled_regions_rerun_from_their_own_inputs() -> None:
+    """Every stem stage's output is kept for backward (one per stage, at the stage's output shape),
+    so no stage is recomputed from the image; level none keeps no such copies."""
+    model = _tiny_spikformer()
+    x, y = torch.rand(2, 3, 32, 32), torch.tensor([1, 7])
+    stage_shapes = []
+    hooks = [conv.register_forward_hook(lambda m, i, o: stage_shapes.append(o.shape)) for conv in model.patch_embed.convs]
+    with torch.no_grad():
+        model(x)
+    for h in hooks:
+        h.remove()
+    plan = memory.optimize(model, "recompute")
+    assert any("patch_embed.stage" in u for u in plan.units), plan.units
+    kept = [shape for name, shape in _backward_inputs(model, x, y) if name.startswith("region_output")]
+    # stages 0 and 1 keep their spikes at the conv's resolution; the last two max-pool them first
+    assert len(kept) >= len(stage_shapes), kept
+    assert stage_shapes[0] in kept and stage_shapes[1] in kept, (stage_shapes, kept)
+    memory.optimize(model, "none")
+    assert not [n for n, _ in _backward_inputs(model, x, y) if n.startswith("region_output")]
+
+
+def test_region_output_is_a_copy_with_the_gradient_passed_through() -> None:
+    from efficient.memory.recompute import region_output
+
+    x = torch.randn(3, 4, requires_grad=True)
+    out = region_output(x)
+    assert torch.equal(out, x) and out.data_ptr() != x.data_ptr()
+    g = torch.randn(3, 4)
+    out.backward(g)
+    assert torch.equal(x.grad, g)
+    torch.library.opcheck(torch.ops.efficient.region_output.default, (torch.randn(2, 5, requires_grad=True),))
+
+
+@pytest.mark.slow
+def test_a_compiled_recompute_step_equals_the_eager_none_step() -> None:
+    """Inductor's step at level recompute: the loss and every gradient of the eager step at level
+    none, within rounding (inductor fuses and reorders sums)."""
+    model = _tiny_spikformer()
+    x, y = torch.rand(2, 3, 32, 32), torch.tensor([1, 7])
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    ref = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    memory.optimize(model, "recompute")
+    torch._dynamo.reset()
+    compiled = torch.compile(model)
+    got = F.cross_entropy(compiled(x), y)
+    got.backward()
+    torch._dynamo.reset()
+    assert float(got.detach()) == pytest.approx(float(loss.detach()), rel=1e-5)
+    for k, g in ref.items():
+        p = dict(model.named_parameters())[k]
+        assert torch.allclose(p.grad, g, rtol=1e-3, atol=1e-5), k
