@@ -1,5 +1,5 @@
-"""Memory level `recompute` under `torch.compile`: the partitioner keeps each region's output (an
-opaque copy, `recompute.region_output`) so every region reruns from its own input, and the compiled
+"""Memory level `recompute` under `torch.compile`: the partitioner keeps each region's input (an
+opaque copy, `recompute.region_input`) so every region reruns from its own input, and the compiled
 step trains as the eager one does."""
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ def _backward_inputs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -
 
 
 def test_compiled_regions_rerun_from_their_own_inputs() -> None:
-    """Every stem stage's output is kept for backward (one per stage, at the stage's output shape),
-    so no stage is recomputed from the image; level none keeps no such copies."""
+    """Every stem stage after the first keeps its input (the stage before's spikes) for backward, so
+    no stage is recomputed from the image; level none keeps no such copies."""
     model = _tiny_spikformer()
     x, y = torch.rand(2, 3, 32, 32), torch.tensor([1, 7])
     stage_shapes = []
@@ -53,24 +53,24 @@ def test_compiled_regions_rerun_from_their_own_inputs() -> None:
         h.remove()
     plan = memory.optimize(model, "recompute")
     assert any("patch_embed.stage" in u for u in plan.units), plan.units
-    kept = [shape for name, shape in _backward_inputs(model, x, y) if name.startswith("region_output")]
+    kept = [shape for name, shape in _backward_inputs(model, x, y) if name.startswith("region_input")]
     # stages 0 and 1 keep their spikes at the conv's resolution; the last two max-pool them first
     assert len(kept) >= len(stage_shapes), kept
     assert stage_shapes[0] in kept and stage_shapes[1] in kept, (stage_shapes, kept)
     memory.optimize(model, "none")
-    assert not [n for n, _ in _backward_inputs(model, x, y) if n.startswith("region_output")]
+    assert not [n for n, _ in _backward_inputs(model, x, y) if n.startswith("region_input")]
 
 
-def test_region_output_is_a_copy_with_the_gradient_passed_through() -> None:
-    from efficient.memory.recompute import region_output
+def test_region_input_is_a_copy_with_the_gradient_passed_through() -> None:
+    from efficient.memory.recompute import region_input
 
     x = torch.randn(3, 4, requires_grad=True)
-    out = region_output(x)
+    out = region_input(x)
     assert torch.equal(out, x) and out.data_ptr() != x.data_ptr()
     g = torch.randn(3, 4)
     out.backward(g)
     assert torch.equal(x.grad, g)
-    torch.library.opcheck(torch.ops.efficient.region_output.default, (torch.randn(2, 5, requires_grad=True),))
+    torch.library.opcheck(torch.ops.efficient.region_input.default, (torch.randn(2, 5, requires_grad=True),))
 
 
 @pytest.mark.slow

@@ -20,12 +20,13 @@ They pass through the saved-tensor hooks around the region, so they are counted 
 spikes, packed like any other saved tensor.
 
 Under `torch.compile` the same regions become the compiler's checkpoint regions (recomputed in the
-compiled backward; buffer updates happen once, in the forward graph). Each region's output then
-passes through an opaque copy (`region_output`): inductor's partitioner may recompute any plain op,
-and where a region ends in a view (a reshape of a stem stage's spikes) it recomputed the boundary
-too, so the compiled backward reran a whole chain of regions from the first one's input at once
-(Spikformer's stem from the image: 39 % of level none's peak at CIFAR b64, against 17 % eager). A
-copy it may not recompute is saved, and each region reruns from its own input, as in eager.
+compiled backward; buffer updates happen once, in the forward graph). Each region's input then
+passes through an opaque copy (`region_input`): inductor's partitioner may recompute any plain op,
+and where a region's input is a view of the region before it (a reshape of a stem stage's spikes)
+it recomputed that input too, so the compiled backward reran a whole chain of regions from the
+first one's input at once (Spikformer's stem from the image: 39 % of level none's peak at CIFAR
+b64, against 17 % eager). A copy it may not recompute is saved, and each region reruns from its
+own input, as in eager.
 """
 
 from __future__ import annotations
@@ -44,14 +45,14 @@ from efficient.memory.spikes import is_neuron
 from efficient.models.replay import in_region, region_state
 
 
-@torch.library.custom_op("efficient::region_output", mutates_args=())
-def region_output(x: torch.Tensor) -> torch.Tensor:
-    """A copy of a compiled region's output that the partitioner keeps rather than recomputes (an op
-    outside its list of recomputable ones): the next region's rerun starts from it."""
+@torch.library.custom_op("efficient::region_input", mutates_args=())
+def region_input(x: torch.Tensor) -> torch.Tensor:
+    """A copy of a region's input that inductor's partitioner keeps rather than recomputes (an op
+    outside its list of recomputable ones): the region's rerun starts from it."""
     return x.clone()
 
 
-@region_output.register_fake
+@region_input.register_fake
 def _(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
 
@@ -60,7 +61,13 @@ def _pass_through(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
     return grad
 
 
-region_output.register_autograd(_pass_through)
+region_input.register_autograd(_pass_through)
+
+
+def _kept_input(t: torch.Tensor) -> torch.Tensor:
+    """A compiled region's input as the tensor its rerun starts from: an activation (one autograd
+    tracks) passes through `region_input`; the step's own inputs are kept as they are."""
+    return region_input(t) if t.is_floating_point() and t.requires_grad else t
 
 
 def is_unit(m: nn.Module) -> bool:
@@ -216,8 +223,8 @@ def recomputed_forward(module: nn.Module, forward: Callable[..., Any], *args: An
         if kept_ops is not None and kept_ops.keep:  # dynamo cannot trace a policy closure as context_fn
             raise RuntimeError("a memory budget's kept outputs cannot be compiled yet: optimize with level recompute "
                                "and no budget before torch.compile, or run eager")
-        out = checkpoint(forward, *args, use_reentrant=False, **kwargs)
-        return tree_map_only(torch.Tensor, lambda t: region_output(t) if t.is_floating_point() else t, out)
+        args, kwargs = tree_map_only(torch.Tensor, _kept_input, (args, kwargs))
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
     if in_region():
         return forward(*args, **kwargs)
     return checkpoint(functools.partial(_inside, forward, lean=module.__dict__.get("_efficient_lean", True)), *args,
