@@ -11,8 +11,8 @@
 #  steps_cifar     training steps (forward + CE + backward + AdamW) of spikformer-4-384 and
 #                  spikformer-stata at CIFAR b64, fp32 on TF32 (every model alike): eager and
 #                  reduce-overhead (CUDA graphs) vs spikingjelly 2.0's Spikformer eager and
-#                  StaticCudaGraph; spikformer-4-384 at memory level recompute in the same modes
-#                  (its regions compiled and replayed); peak memory; kernels per step, their summed time, the host's
+#                  StaticCudaGraph; then, in a wave of its own, spikformer-4-384 at memory level
+#                  recompute in the same modes (its regions compiled and replayed); peak memory; kernels per step, their summed time, the host's
 #                  launch calls and the costliest kernels (one profiled step: the device's busy
 #                  share shows how launch-bound a step is); STATA's ideal speed-up from profiler MACs
 #                                                                                (bench/step.py)
@@ -31,7 +31,7 @@
 #  ee_decode_s0/_s1  decoding speed per exit strategy of each trained seed   (bench/early_exit.py)
 #  steps_imagenet  (only when named: ~6 minutes of its own, GPU_BUDGET_S=400) spikformer-8-512 and -stata
 #                  at ImageNet b32, an fp32 wave then a bf16 wave
-#  with bf16 named, steps_cifar runs the CIFAR steps in bf16 autocast beside fp32 (8 processes, ~240 s)
+#  with bf16 named, steps_cifar runs the CIFAR steps in bf16 autocast beside fp32 (6 + 2 processes, ~240 s)
 # Parts are selected by group: lif, stata (the CIFAR steps and STATA kernels), memory, ee (default:
 # all); imagenet and bf16 only when named. GPU_SKIP="part ..." leaves named parts out (a rerun of what
 # the last run measured with code unchanged since).
@@ -55,9 +55,9 @@
 # Time on an H200, from the two runs of 2026-12-04: the package set-up ~15 s (outside the budget);
 # ee_train 2 x 120 s side by side in the background (they slow to half speed beside four ImageNet
 # compiles); lif_check 35 s; steps_cifar ~125 s fp32 alone (three processes ready after 69-123 s, then
-# ~10 s of timing each), ~125 s with bf16 too (six processes ready after 15-113 s; eight since the
-# recompute level's processes joined, at most 250 s); memory ~60 s for two architectures (three since,
-# at most 110 s);
+# ~10 s of timing each), ~125 s with bf16 too (six processes ready after 15-113 s), then since a
+# second wave for the recompute level's processes (one per amp; at most 240 s / 300 s in all);
+# memory ~60 s for two architectures (three since, at most 110 s);
 # lif_speed 55 s (cut there: 9 compiled loops); bn_lif ~10 s; stata_kernels ~45 s; ee_kernels 30 s
 # (cut there); ee_decode 2 x ~40 s on the eager engine: about 500 s in all, more than the 480 s
 # whole-run budget (GPU_BUDGET_S), which skips a part rather than overrun: a rerun leaves out what
@@ -174,11 +174,11 @@ else
   # the CIFAR steps: fp32, and bf16 beside it when bf16 is named (the bf16 target compares the two in one run)
   if want stata || wanted bf16; then
     if wanted bf16; then
-      part steps_cifar 250 $PY bench/step.py --device cuda --sizes cifar --amp fp32 bf16 --modes reduce-overhead cudagraph \
-        --memory-levels recompute --precision tf32 --steps 10 --warmup 2 --budget-s 245 --prepare-s 160 --time-s 15 "${WAIT[@]}" --json "$WORK/steps_cifar.json"
+      part steps_cifar 300 $PY bench/step.py --device cuda --sizes cifar --amp fp32 bf16 --modes reduce-overhead cudagraph \
+        --memory-levels recompute --precision tf32 --steps 10 --warmup 2 --budget-s 295 --prepare-s 150 --time-s 15 "${WAIT[@]}" --json "$WORK/steps_cifar.json"
     else
-      part steps_cifar 170 $PY bench/step.py --device cuda --sizes cifar --amp fp32 --modes reduce-overhead cudagraph \
-        --memory-levels recompute --precision tf32 --steps 10 --warmup 2 --budget-s 165 --prepare-s 125 --time-s 15 "${WAIT[@]}" --json "$WORK/steps_cifar.json"
+      part steps_cifar 240 $PY bench/step.py --device cuda --sizes cifar --amp fp32 --modes reduce-overhead cudagraph \
+        --memory-levels recompute --precision tf32 --steps 10 --warmup 2 --budget-s 235 --prepare-s 120 --time-s 15 "${WAIT[@]}" --json "$WORK/steps_cifar.json"
     fi
   fi
   want memory && part memory 110 $PY bench/memory.py --device cuda --steps 8 --search-s 10 --budget-s 105 --json "$WORK/memory.json"

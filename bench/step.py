@@ -833,18 +833,21 @@ def device_main(args: argparse.Namespace) -> int:
                  "modes": [md for md in (PEER_MODES if m == "spikingjelly" else OUR_MODES)
                            if not (args.dry_run and md == "cudagraph") and (md == "eager" or md in args.modes)]}
                 for amp in args.amp for m in models]
-        # the size's dense model again at each other memory level (`train.memory`), every mode
-        jobs += [{**jobs[0], "model": f"{s['models'][0]}@{level}", "amp": amp,
-                  "modes": [md for md in OUR_MODES if md == "eager" or md in args.modes]}
-                 for level in args.memory_levels for amp in args.amp]
         # --max-procs splits a size's processes into waves (the ImageNet steps hold tens of GiB each)
         per = args.max_procs or len(jobs)
-        for w in range(0, len(jobs), per):
-            wave = jobs[w:w + per]
+        waves = [jobs[w:w + per] for w in range(0, len(jobs), per)]
+        # then the size's dense model again at each other memory level (`train.memory`), every mode: a wave
+        # of its own, so its compiles never slow the main processes' way to ready
+        if args.memory_levels:
+            waves.append([{**jobs[0], "model": f"{s['models'][0]}@{level}", "amp": amp,
+                           "modes": [md for md in OUR_MODES if md == "eager" or md in args.modes]}
+                          for level in args.memory_levels for amp in args.amp])
+        for i, wave in enumerate(waves):
             if time.perf_counter() > deadline - 30:
-                print(f"# {size}: {len(jobs) - w} processes skipped, the part's budget is spent")
+                left = [j for later in waves[i:] for j in later]
+                print(f"# {size}: {len(left)} processes skipped, the part's budget is spent")
                 failed = True
-                results += [{**j, "error": "skipped: the part's budget is spent"} for j in jobs[w:]]
+                results += [{**j, "error": "skipped: the part's budget is spent"} for j in left]
                 break
             print(f"# {size}: {len(wave)} processes compile and check at once, then time one after the other", flush=True)
             results += _run_wave(wave, args, deadline)
