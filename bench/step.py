@@ -410,7 +410,8 @@ class DeviceStep:
         x = torch.rand(B, 3, img, img, generator=g)
         y = torch.randint(0, size["classes"], (B,), generator=g)
         torch.manual_seed(0)
-        self.peer = spec["model"] == "spikingjelly"
+        name, _, level = spec["model"].partition("@")  # "model@level": ours at that memory level
+        self.peer = name == "spikingjelly"
         self.info: dict[str, Any] = {"batch": B, "img": img}
         if self.peer:
             from spikingjelly.activation_based import functional
@@ -429,7 +430,6 @@ class DeviceStep:
             from stata import macs
 
             self.reset = None
-            name, _, self.level = spec["model"].partition("@")  # "model@level": at that memory level
             # built as stata.py builds it: at the final keep ratio (no warm-up told)
             self.model = create(name, **(dry["kw"] if dry else {}))
             _stage("model built")
@@ -438,11 +438,11 @@ class DeviceStep:
             self.info.update(macs=m, block_macs=b)
         self.model = self.model.train().to(self.dev)
         _stage(f"model on {self.dev}")
-        if not self.peer and self.level:  # before any mode compiles: its regions become the compiler's
+        if level:  # before any mode compiles: its regions become the compiler's
             from efficient import memory
 
-            memory.optimize(self.model, self.level)
-            self.info["memory"] = self.level
+            memory.optimize(self.model, level)
+            self.info["memory"] = level
         self.info["params_m"] = sum(p.numel() for p in self.model.parameters()) / 1e6
         self.x, self.y = x.to(self.dev), y.to(self.dev)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
