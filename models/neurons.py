@@ -251,11 +251,13 @@ def fusable(neuron: nn.Module, *modules: nn.Module) -> bool:
     (a hook, such as the profiler's, must see them called; a `spike_observer` on the neuron, such as
     the memory levels' spike tracker, is called with the fused op's spikes instead), not
     inside `separate_units()`, not under torch.compile (inductor fuses the BatchNorm it sees with
-    what surrounds it; an opaque op would hide it) and not under autocast (its per-op dtype policy
-    applies to each call)."""
+    what surrounds it; an opaque op would hide it) except inside a unit memory level `recompute`
+    reruns (`rebuild_membrane(neuron)`: there the fused op's chunked backward bounds the rerun's
+    peak, where inductor's would hold the whole trace), and not under autocast (its per-op dtype
+    policy applies to each call)."""
     from torch.nn.modules import module as _module
 
-    return (_FUSE_UNITS[-1] and not torch.compiler.is_compiling()
+    return (_FUSE_UNITS[-1] and (not torch.compiler.is_compiling() or rebuild_membrane(neuron))
             and not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"))
             and isinstance(neuron, LIF) and type(neuron).forward is LIF.forward and not neuron.store_membrane
             and not any(_hooked(m) for m in (neuron, *modules))
@@ -275,7 +277,7 @@ def bn_fire(z: torch.Tensor, shape: tuple[int, ...], neuron: "LIF", weight: torc
     inside a region memory level `recompute` reruns in backward (`efficient.models.replay.rebuild_membrane`)."""
     steps = shape[0]
     if keep_membrane is None:
-        keep_membrane = not rebuild_membrane()
+        keep_membrane = not rebuild_membrane(neuron)
     s = bn_lif(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, tau=neuron.tau,
                v_threshold=neuron.v_threshold, v_reset=neuron.v_reset, detach_reset=neuron.detach_reset,
                decay_input=neuron.decay_input, surrogate=neuron.surrogate, alpha=neuron.alpha,

@@ -11,6 +11,7 @@ import threading
 from typing import Iterator
 
 import torch
+from torch import nn
 
 _state = threading.local()
 
@@ -36,10 +37,20 @@ def in_region() -> bool:
     return getattr(region_state, "depth", 0) > 0
 
 
-def rebuild_membrane() -> bool:
+REGION_MARK = "_efficient_region_lean"  # set by `recompute.wrap` on every module of a recomputed unit
+
+
+def rebuild_membrane(module: nn.Module | None = None) -> bool:
     """Whether a fused BatchNorm + LIF unit called now should leave its membrane trace to its backward
     to rebuild (`bn_lif(keep_membrane=False)`): inside a recomputed region, whose rerun runs in
     backward, where what it keeps lives only until its own backward and the largest rerun sets the
-    step's peak. Compiled steps leave recomputation to the compiler. A unit wrapped with
-    `lean=False` (`recompute.wrap`) keeps what it keeps outside a region (for comparison in bench/)."""
-    return not torch.compiler.is_compiling() and in_region() and getattr(region_state, "lean", True)
+    step's peak. A unit wrapped with `lean=False` (`recompute.wrap`) keeps what it keeps outside a
+    region (for comparison in bench/).
+
+    Under torch.compile the region is known from `module` (the neuron), which `recompute.wrap`
+    marked when the level was applied (a constant to the compiler, where a thread-local set while
+    tracing would break the graph): True for a marked module in training. Without `module`, False
+    under compile: the chunked pool and convolution paths stay eager-only."""
+    if torch.compiler.is_compiling():
+        return module is not None and module.training and bool(getattr(module, REGION_MARK, False))
+    return in_region() and getattr(region_state, "lean", True)

@@ -45,9 +45,10 @@ class MSSPSTail(nn.Module):
         super().__init__()
         object.__setattr__(self, "_stem", stem)  # a back reference, not a child
 
-    def recompute_buffers(self) -> list[torch.Tensor]:
+    def recompute_modules(self) -> list[nn.Module]:
+        """The modules the tail calls (efficient.memory, as `StemStage.recompute_modules`)."""
         st = self._stem
-        return [b for m in (st.convs[3], st.bns[3], st.pools[3], st.lifs[3], st.rpe_conv, st.rpe_bn) for b in m.buffers()]
+        return [st.convs[3], st.bns[3], st.pools[3], st.lifs[3], st.rpe_conv, st.rpe_bn]
 
     def forward(self, x: torch.Tensor, T: int) -> torch.Tensor:
         st = self._stem

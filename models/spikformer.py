@@ -91,9 +91,10 @@ class StemStage(nn.Module):
             return st.convs[i], st.bns[i], st.lifs[i], st.pools[i], st.pool_first
         return st.rpe_conv, st.rpe_bn, st.rpe_lif, None, False
 
-    def recompute_buffers(self) -> list[torch.Tensor]:
-        """The buffers a rerun must see as the forward saw them (efficient.memory): the stage's."""
-        return [b for m in self.modules_now()[:4] if m is not None for b in m.buffers()]
+    def recompute_modules(self) -> list[nn.Module]:
+        """The modules the stage calls (efficient.memory: whose buffers a rerun must see as the
+        forward saw them, and which a compiled step knows to be inside a recomputed region)."""
+        return [m for m in self.modules_now()[:4] if m is not None]
 
     def forward(self, x: torch.Tensor, T: int) -> torch.Tensor:
         conv, bn, lif, pool, pool_first = self.modules_now()

@@ -73,10 +73,57 @@ def test_region_input_is_a_copy_with_the_gradient_passed_through() -> None:
     torch.library.opcheck(torch.ops.efficient.region_input.default, (torch.randn(2, 5, requires_grad=True),))
 
 
+def _ops_of_compiled_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[list, list]:
+    """The custom ops (with their arguments) of the compiled forward and backward graphs of one step."""
+    graphs: dict[str, list] = {"fw": [], "bw": []}
+
+    def grab(key: str):
+        def compiler(gm: torch.fx.GraphModule, _inputs) -> torch.fx.GraphModule:
+            graphs[key].extend((n.target, n.args) for n in gm.graph.nodes
+                               if n.op == "call_function" and "efficient" in str(n.target))
+            return gm
+        return compiler
+
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=grab("fw"), bw_compiler=grab("bw"), partition_fn=min_cut_rematerialization_partition)
+    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+        F.cross_entropy(torch.compile(model, backend=backend, fullgraph=True)(x), y)  # backward compiled here
+    torch._dynamo.reset()
+    return graphs["fw"], graphs["bw"]
+
+
+def test_compiled_regions_run_the_fused_unit_that_rebuilds_its_trace(monkeypatch) -> None:
+    """Inside a compiled region a BatchNorm + LIF pair runs as the fused op whose backward rebuilds
+    the membrane trace a chunk at a time (as the eager rerun does), so the rerun never holds the whole
+    trace; outside a region (level none) the compiler sees the BatchNorm and the LIF apart."""
+    from efficient.kernels import bn_lif
+
+    monkeypatch.setattr(bn_lif, "RECOMPUTE_CHUNK", 256)  # the tiny units count as large ones
+    model = _tiny_spikformer()
+    x, y = torch.rand(2, 3, 32, 32), torch.tensor([1, 7])
+    fw, bw = _ops_of_compiled_step(model, x, y)
+    assert not [t for t, _ in fw if "bn_lif" in str(t)], fw
+    memory.optimize(model, "recompute")
+    fw, bw = _ops_of_compiled_step(model, x, y)
+    fused = [args for t, args in fw + bw if t is torch.ops.efficient.bn_lif_forward.default]
+    assert fused and all(args[-1] is False for args in fused), [a[-1] for a in fused]  # keep_membrane False
+    assert any(t is torch.ops.efficient.bn_lif_backward_recompute.default for t, _ in bw), bw
+    assert not [t for t, _ in bw if t is torch.ops.efficient.bn_lif_backward.default]
+    memory.optimize(model, "none")  # the regions' marks go with the level
+    fw, _ = _ops_of_compiled_step(model, x, y)
+    assert not [t for t, _ in fw if "bn_lif" in str(t)], fw
+
+
 @pytest.mark.slow
-def test_a_compiled_recompute_step_equals_the_eager_none_step() -> None:
+@pytest.mark.parametrize("chunk", [None, 256])
+def test_a_compiled_recompute_step_equals_the_eager_none_step(chunk, monkeypatch) -> None:
     """Inductor's step at level recompute: the loss and every gradient of the eager step at level
-    none, within rounding (inductor fuses and reorders sums)."""
+    none, within rounding (inductor fuses and reorders sums); also with chunks small enough that the
+    regions' fused units rebuild their traces in backward."""
+    if chunk is not None:
+        from efficient.kernels import bn_lif
+
+        monkeypatch.setattr(bn_lif, "RECOMPUTE_CHUNK", chunk)
     model = _tiny_spikformer()
     x, y = torch.rand(2, 3, 32, 32), torch.tensor([1, 7])
     loss = F.cross_entropy(model(x), y)

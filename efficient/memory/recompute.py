@@ -26,7 +26,10 @@ and where a region's input is a view of the region before it (a reshape of a ste
 it recomputed that input too, so the compiled backward reran a whole chain of regions from the
 first one's input at once (Spikformer's stem from the image: 39 % of level none's peak at CIFAR
 b64, against 17 % eager). A copy it may not recompute is saved, and each region reruns from its
-own input, as in eager.
+own input, as in eager. Inside a compiled region a BatchNorm + LIF pair also runs as the fused op
+whose backward rebuilds the membrane trace a chunk of channels at a time, as the eager rerun does
+(`wrap` marks the modules a unit calls, which the compiler reads as constants: a flag set while
+tracing would break the graph); inductor's own BatchNorm and LIF would hold the whole trace.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from torch.utils._pytree import tree_map_only
 from torch.utils.flop_counter import flop_registry
 
 from efficient.memory.spikes import is_neuron
-from efficient.models.replay import in_region, region_state
+from efficient.models.replay import REGION_MARK, in_region, region_state
 
 
 @torch.library.custom_op("efficient::region_input", mutates_args=())
@@ -68,6 +71,19 @@ def _kept_input(t: torch.Tensor) -> torch.Tensor:
     """A compiled region's input as the tensor its rerun starts from: an activation (one autograd
     tracks) passes through `region_input`; the step's own inputs are kept as they are."""
     return region_input(t) if t.is_floating_point() and t.requires_grad else t
+
+
+def region_modules(unit: nn.Module) -> list[nn.Module]:
+    """Every module a unit's forward calls, each once: its own modules, or for a part that owns
+    none (a stem stage calling its stem's modules), those it names (`recompute_modules()`)."""
+    named = getattr(unit, "recompute_modules", None)
+    if named is None:
+        return list(unit.modules())
+    seen: dict[int, nn.Module] = {}
+    for top in named():
+        for m in top.modules():
+            seen.setdefault(id(m), m)
+    return list(seen.values())
 
 
 def is_unit(m: nn.Module) -> bool:
@@ -115,9 +131,8 @@ class _BufferReplay:
         self.before: list[torch.Tensor] = []
 
     def buffers(self) -> list[torch.Tensor]:
-        """The unit's buffers, or those it names (`recompute_buffers`: a part that owns no modules)."""
-        named = getattr(self.module, "recompute_buffers", None)
-        return list(named()) if named is not None else list(self.module.buffers())
+        """The buffers of the modules the unit calls (`region_modules`)."""
+        return [b for m in region_modules(self.module) for b in m.buffers(recurse=False)]
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
@@ -249,6 +264,8 @@ def wrap(module: nn.Module, kept: KeptOps | None = None, lean: bool = True) -> N
     module.forward = functools.partial(_call, module)  # type: ignore[method-assign]
     module.__dict__["_efficient_kept"] = kept
     module.__dict__["_efficient_lean"] = lean
+    for m in region_modules(module):  # what a compiled step reads to know it is inside a region (`rebuild_membrane`)
+        m.__dict__[REGION_MARK] = lean
 
 
 def unwrap(module: nn.Module) -> None:
@@ -256,3 +273,5 @@ def unwrap(module: nn.Module) -> None:
         del module.__dict__["forward"]
     module.__dict__.pop("_efficient_kept", None)
     module.__dict__.pop("_efficient_lean", None)
+    for m in region_modules(module):
+        m.__dict__.pop(REGION_MARK, None)
