@@ -50,9 +50,13 @@ class MSSPSTail(nn.Module):
         st = self._stem
         return [st.convs[3], st.bns[3], st.pools[3], st.lifs[3], st.rpe_conv, st.rpe_bn]
 
+    def recompute_spike_input(self) -> bool:
+        """Whether the tail's input is the stage before's spikes (efficient.memory keeps it as bits)."""
+        return is_neuron(self._stem.lifs[2])
+
     def forward(self, x: torch.Tensor, T: int) -> torch.Tensor:
         st = self._stem
-        feat = st.pools[3](st.bns[3](region_conv2d(st.convs[3], x, spikes=is_neuron(st.lifs[2]))))  # real-valued
+        feat = st.pools[3](st.bns[3](region_conv2d(st.convs[3], x, spikes=self.recompute_spike_input())))  # real-valued
         s = st.lifs[3](feat.reshape(T, -1, *feat.shape[1:])).flatten(0, 1)
         return st.rpe_bn(region_conv2d(st.rpe_conv, s, spikes=is_neuron(st.lifs[3]))) + feat
 

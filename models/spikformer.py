@@ -96,9 +96,13 @@ class StemStage(nn.Module):
         forward saw them, and which a compiled step knows to be inside a recomputed region)."""
         return [m for m in self.modules_now()[:4] if m is not None]
 
+    def recompute_spike_input(self) -> bool:
+        """Whether the stage's input is the stage before's spikes (efficient.memory keeps it as bits)."""
+        return self.i > 0 and is_neuron(self._stem.lifs[self.i - 1])
+
     def forward(self, x: torch.Tensor, T: int) -> torch.Tensor:
         conv, bn, lif, pool, pool_first = self.modules_now()
-        x = region_conv2d(conv, x, spikes=self.i > 0 and is_neuron(self._stem.lifs[self.i - 1]))
+        x = region_conv2d(conv, x, spikes=self.recompute_spike_input())
         if pool_first:
             x = pool(bn(x))
             return lif(x.reshape(T, -1, *x.shape[1:])).flatten(0, 1)

@@ -1,6 +1,6 @@
 """Memory level `recompute` under `torch.compile`: the partitioner keeps each region's input (an
-opaque copy, `recompute.region_input`) so every region reruns from its own input, and the compiled
-step trains as the eager one does."""
+opaque copy, `recompute.region_input`, or its bits where it is spikes) so every region reruns from
+its own input, and the compiled step trains as the eager one does."""
 
 from __future__ import annotations
 
@@ -41,8 +41,11 @@ def _backward_inputs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -
 
 
 def test_compiled_regions_rerun_from_their_own_inputs() -> None:
-    """Every stem stage after the first keeps its input (the stage before's spikes) for backward, so
-    no stage is recomputed from the image; level none keeps no such copies."""
+    """Every stem stage after the first keeps its input (the stage before's spikes) for backward, as
+    bits, so no stage is recomputed from the image and no stage input is kept in fp32; the blocks keep
+    theirs as copies (`region_input`). Level none keeps neither."""
+    from efficient.kernels.spike_pack import packed_nbytes
+
     model = _tiny_spikformer()
     x, y = torch.rand(2, 3, 32, 32), torch.tensor([1, 7])
     stage_shapes = []
@@ -53,12 +56,16 @@ def test_compiled_regions_rerun_from_their_own_inputs() -> None:
         h.remove()
     plan = memory.optimize(model, "recompute")
     assert any("patch_embed.stage" in u for u in plan.units), plan.units
-    kept = [shape for name, shape in _backward_inputs(model, x, y) if name.startswith("region_input")]
-    # stages 0 and 1 keep their spikes at the conv's resolution; the last two max-pool them first
-    assert len(kept) >= len(stage_shapes), kept
-    assert stage_shapes[0] in kept and stage_shapes[1] in kept, (stage_shapes, kept)
+    saved = _backward_inputs(model, x, y)
+    bits = [shape.numel() for name, shape in saved if name.startswith("pack_spikes")]
+    # stages 0 and 1 spike at the conv's resolution (their spikes are the next stages' inputs); the
+    # last two max-pool them first, so stages 1 to 4 keep 4 inputs as bits
+    assert len(bits) == 4, saved
+    assert packed_nbytes(stage_shapes[0].numel()) in bits and packed_nbytes(stage_shapes[1].numel()) in bits, bits
+    assert not [name for name, shape in saved if shape in stage_shapes[:2]], saved
+    assert [name for name, _ in saved if name.startswith("region_input")], saved  # the block's input
     memory.optimize(model, "none")
-    assert not [n for n, _ in _backward_inputs(model, x, y) if n.startswith("region_input")]
+    assert not [n for n, _ in _backward_inputs(model, x, y) if n.startswith(("region_input", "pack_spikes"))]
 
 
 def test_region_input_is_a_copy_with_the_gradient_passed_through() -> None:
@@ -115,16 +122,18 @@ def test_compiled_regions_run_the_fused_unit_that_rebuilds_its_trace(monkeypatch
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("chunk", [None, 256])
-def test_a_compiled_recompute_step_equals_the_eager_none_step(chunk, monkeypatch) -> None:
+@pytest.mark.parametrize("arch,chunk", [("spikformer-4-384", None), ("spikformer-4-384", 256), ("sdt-2-512", 256)])
+def test_a_compiled_recompute_step_equals_the_eager_none_step(arch, chunk, monkeypatch) -> None:
     """Inductor's step at level recompute: the loss and every gradient of the eager step at level
     none, within rounding (inductor fuses and reorders sums); also with chunks small enough that the
-    regions' fused units rebuild their traces in backward."""
+    regions' fused units rebuild their traces in backward, and on SDT (its stem's tail and its
+    blocks' halves are regions too)."""
     if chunk is not None:
         from efficient.kernels import bn_lif
 
         monkeypatch.setattr(bn_lif, "RECOMPUTE_CHUNK", chunk)
-    model = _tiny_spikformer()
+    torch.manual_seed(0)
+    model = create(arch, embed_dim=32, num_heads=2, depth=1).train()
     x, y = torch.rand(2, 3, 32, 32), torch.tensor([1, 7])
     loss = F.cross_entropy(model(x), y)
     loss.backward()

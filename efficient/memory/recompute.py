@@ -26,7 +26,9 @@ and where a region's input is a view of the region before it (a reshape of a ste
 it recomputed that input too, so the compiled backward reran a whole chain of regions from the
 first one's input at once (Spikformer's stem from the image: 39 % of level none's peak at CIFAR
 b64, against 17 % eager). A copy it may not recompute is saved, and each region reruns from its
-own input, as in eager. Inside a compiled region a BatchNorm + LIF pair also runs as the fused op
+own input, as in eager; a region whose input is spikes (a stem stage after the first) keeps it as
+bits, packed by an opaque op before the region and unpacked as the region's first op (rerun with it).
+Inside a compiled region a BatchNorm + LIF pair also runs as the fused op
 whose backward rebuilds the membrane trace a chunk of channels at a time, as the eager rerun does
 (`wrap` marks the modules a unit calls, which the compiler reads as constants: a flag set while
 tracing would break the graph); inductor's own BatchNorm and LIF would hold the whole trace.
@@ -44,6 +46,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from torch.utils._pytree import tree_map_only
 from torch.utils.flop_counter import flop_registry
 
+from efficient.kernels.spike_pack import pack_spikes
 from efficient.memory.spikes import is_neuron
 from efficient.models.replay import REGION_MARK, in_region, region_state
 
@@ -67,10 +70,41 @@ def _pass_through(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
 region_input.register_autograd(_pass_through)
 
 
+class _FromBits(torch.autograd.Function):
+    """A compiled region's spike input rebuilt from its bits, as the region's first op: plain
+    shifts of `bits` only (x gives the shape and dtype, never its values), so the partitioner reruns
+    them in backward from the bits it keeps; x's gradient is the rebuilt input's. Exact for 0/1
+    values only, which the unit vouches for (`recompute_spike_input`)."""
+
+    @staticmethod
+    def forward(ctx: Any, bits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+        flat = ((bits.reshape(-1, 1) >> shifts) & 1).reshape(-1)[: x.numel()]
+        return flat.to(x.dtype).reshape(x.shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        return None, grad
+
+
+def _from_bits(forward: Callable[..., Any], bits: torch.Tensor, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    return forward(_FromBits.apply(bits, x), *args, **kwargs)
+
+
+def _tracked(t: torch.Tensor) -> bool:
+    return t.is_floating_point() and t.requires_grad
+
+
 def _kept_input(t: torch.Tensor) -> torch.Tensor:
     """A compiled region's input as the tensor its rerun starts from: an activation (one autograd
     tracks) passes through `region_input`; the step's own inputs are kept as they are."""
-    return region_input(t) if t.is_floating_point() and t.requires_grad else t
+    return region_input(t) if _tracked(t) else t
+
+
+def _spike_input(module: nn.Module) -> bool:
+    """Whether a unit's first argument is a neuron's spikes (0/1), as the unit says."""
+    says = getattr(module, "recompute_spike_input", None)
+    return bool(says is not None and says())
 
 
 def region_modules(unit: nn.Module) -> list[nn.Module]:
@@ -238,6 +272,11 @@ def recomputed_forward(module: nn.Module, forward: Callable[..., Any], *args: An
         if kept_ops is not None and kept_ops.keep:  # dynamo cannot trace a policy closure as context_fn
             raise RuntimeError("a memory budget's kept outputs cannot be compiled yet: optimize with level recompute "
                                "and no budget before torch.compile, or run eager")
+        if args and isinstance(args[0], torch.Tensor) and _tracked(args[0]) and _spike_input(module):
+            # spikes: their bits are packed outside the region (an opaque op: kept) and unpacked inside it
+            rest, kwargs = tree_map_only(torch.Tensor, _kept_input, (args[1:], kwargs))
+            return checkpoint(functools.partial(_from_bits, forward), pack_spikes(args[0]), args[0], *rest,
+                              use_reentrant=False, **kwargs)
         args, kwargs = tree_map_only(torch.Tensor, _kept_input, (args, kwargs))
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
     if in_region():
