@@ -50,7 +50,7 @@ from efficient.kernels.lif_common import (
     _BLOCK, _NUM_WARPS, HAS_TRITON, IMPLS, _check_compiler, _choose_impl, _register_flops, _surrogate_id,
     _triton_ready, default_alpha,
 )
-from efficient.kernels.pool_offsets import PoolArgs, max_pool_offsets, max_pool_offsets_backward, pool_args
+from efficient.kernels.pool_offsets import PoolArgs, max_pool_offsets, max_pool_offsets_backward, offset_dtype, pool_args
 
 if HAS_TRITON:
     import triton
@@ -841,14 +841,97 @@ class _BNLIFMaxPool(torch.autograd.Function):
         if grad is None:
             return (None,) * 19
         z, weight, bias, stats, offsets = ctx.saved_tensors
-
-        def grad_of(c0: int, c1: int, shape) -> Tensor:  # the pooled gradient routed back to the chunk's spikes
-            return max_pool_offsets_backward(grad[:, c0:c1].contiguous(), offsets[:, c0:c1].contiguous(), ctx.pool,
-                                             shape, dtype=ctx.spike_dtype)
-
-        gz, gw, gb = _chunked_recompute(grad_of, z, ctx.steps, weight, bias, stats, *ctx.params)
+        gz, gw, gb = _pooled_backward(grad, z, weight, bias, stats, offsets, ctx.steps, ctx.pool, ctx.spike_dtype,
+                                      *ctx.params)
         need = ctx.needs_input_grad
         return (gz if need[0] else None, gw if need[1] else None, gb if need[2] else None) + (None,) * 16
+
+
+def _pooled_backward(grad, z, weight, bias, stats, offsets, steps, pool, spike_dtype, *params):
+    """(grad z, grad weight, grad bias) of `bn_lif_max_pool`: the pooled gradient routed back to a chunk
+    of channels' spikes, that chunk's H rebuilt, its LIF and BatchNorm backward run (`_chunked_recompute`)."""
+
+    def grad_of(c0: int, c1: int, shape) -> Tensor:
+        return max_pool_offsets_backward(grad[:, c0:c1].contiguous(), offsets[:, c0:c1].contiguous(), pool, shape,
+                                         dtype=spike_dtype)
+
+    return _chunked_recompute(grad_of, z, steps, weight, bias, stats, *params)
+
+
+# the same pair as custom ops, for compiled steps (a compiled region of memory level `recompute` runs
+# it where the eager rerun does): functional, the new running statistics are outputs as `bn_lif_forward`'s
+
+@torch.library.custom_op("efficient::bn_lif_max_pool_forward", mutates_args=())
+def bn_lif_max_pool_forward_op(
+    z: Tensor, steps: int, weight: Tensor, bias: Tensor, running_mean: Tensor, running_var: Tensor, training: bool,
+    momentum: float, eps: float, c: float, v_threshold: float, v_reset: Optional[float], charge: int, surrogate: int,
+    alpha: float, detach_reset: bool, spike_dtype: torch.dtype, impl: str, kernel: Sequence[int], stride: Sequence[int],
+    padding: Sequence[int], dilation: Sequence[int], ceil_mode: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(pooled spikes, argmax offsets, BatchNorm's statistics, new running mean, new running variance)."""
+    if training:  # the chunks update these copies in place
+        new_mean, new_var = running_mean.clone(), running_var.clone()
+        out, offsets, stats = _pooled_forward(z, steps, weight, bias, new_mean, new_var, training, momentum, eps, c,
+                                              v_threshold, v_reset, charge, surrogate, alpha, detach_reset, spike_dtype,
+                                              impl, (kernel, stride, padding, dilation, ceil_mode))
+        return out, offsets, stats, new_mean, new_var
+    out, offsets, stats = _pooled_forward(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c,
+                                          v_threshold, v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl,
+                                          (kernel, stride, padding, dilation, ceil_mode))
+    return (out, offsets, stats, *_no_running(running_mean))
+
+
+@bn_lif_max_pool_forward_op.register_fake
+def _(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c, v_threshold, v_reset, charge,
+      surrogate, alpha, detach_reset, spike_dtype, impl, kernel, stride, padding, dilation, ceil_mode):
+    _check_z(z, steps, weight, bias)
+    out = torch.ops.aten.max_pool2d_with_indices(z.new_empty(z.shape, dtype=spike_dtype), kernel, stride, padding,
+                                                 dilation, ceil_mode)[0]
+    offsets = out.new_empty(out.shape, dtype=offset_dtype(z.shape[-1], kernel, dilation))
+    running = ((running_mean.new_empty(running_mean.shape), running_var.new_empty(running_var.shape)) if training
+               else (running_mean.new_empty(0), running_mean.new_empty(0)))
+    return out, offsets, weight.new_empty((2, z.shape[1])), *running
+
+
+@torch.library.custom_op("efficient::bn_lif_max_pool_backward", mutates_args=())
+def bn_lif_max_pool_backward_op(
+    grad: Tensor, z: Tensor, weight: Tensor, bias: Tensor, stats: Tensor, offsets: Tensor, steps: int, training: bool,
+    eps: float, c: float, v_threshold: float, v_reset: Optional[float], charge: int, surrogate: int, alpha: float,
+    detach_reset: bool, spike_dtype: torch.dtype, impl: str, kernel: Sequence[int], stride: Sequence[int],
+    padding: Sequence[int], dilation: Sequence[int], ceil_mode: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad z, grad weight, grad bias) of `bn_lif_max_pool_forward`, H rebuilt a chunk of channels at a time."""
+    return _pooled_backward(grad, z, weight, bias, stats, offsets, steps, (kernel, stride, padding, dilation, ceil_mode),
+                            spike_dtype, training, eps, c, v_threshold, v_reset, charge, surrogate, alpha, detach_reset,
+                            impl)
+
+
+@bn_lif_max_pool_backward_op.register_fake
+def _(grad, z, weight, bias, stats, offsets, steps, training, eps, c, v_threshold, v_reset, charge, surrogate, alpha,
+      detach_reset, spike_dtype, impl, kernel, stride, padding, dilation, ceil_mode):
+    return z.new_empty(z.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape)
+
+
+def _pooled_setup_context(ctx, inputs, output) -> None:
+    z, steps, weight, bias, _rm, _rv, training, _momentum, eps, c, v_th, v_reset, charge, surrogate, alpha, detach, sd, \
+        impl, *pool = inputs
+    _, offsets, stats, _, _ = output
+    ctx.save_for_backward(z, weight, bias, stats, offsets)
+    ctx.rest = (steps, training, eps, c, v_th, v_reset, charge, surrogate, alpha, detach, sd, impl, *pool)
+    ctx.set_materialize_grads(False)
+
+
+def _pooled_op_backward(ctx, grad, *_grads_of_the_rest):
+    need = ctx.needs_input_grad
+    if grad is None:
+        return (None,) * len(need)
+    gz, gw, gb = torch.ops.efficient.bn_lif_max_pool_backward(grad, *ctx.saved_tensors, *ctx.rest)
+    return (gz if need[0] else None, None, gw if need[2] else None, gb if need[3] else None) + (None,) * (len(need) - 4)
+
+
+bn_lif_max_pool_forward_op.register_autograd(_pooled_op_backward, setup_context=_pooled_setup_context)
+_register_flops(torch.ops.efficient.bn_lif_max_pool_forward, 6)  # as `bn_lif_forward` (the pool's compares aside)
+_register_flops(torch.ops.efficient.bn_lif_max_pool_backward, 19)  # as `bn_lif_backward_recompute`
 
 
 def bn_lif_max_pool(
@@ -882,16 +965,29 @@ def bn_lif_max_pool(
     bit for bit; the gradients within the rounding of the surrogate's exp, as `keep_membrane=False`).
     Running statistics are updated in place as `bn_lif` does; `backend` / `impl` as `bn_lif`'s.
 
+    Under torch.compile it runs as the op pair `efficient::bn_lif_max_pool_forward` / `_backward`
+    (the same code; the new running statistics come back as outputs and are stored as `bn_lif` does).
+
     Returns None where this path does not apply, and the caller runs `bn_lif` and its pool: the
-    "torch" backend (the reference), a call that a dispatch or function mode must see as ops (the
-    chunked path has no custom op), an input of fewer than two chunks (`RECOMPUTE_CHUNK`)."""
+    "torch" backend (the reference), an eager call that a dispatch or function mode must see as ops
+    (the eager chunked path has no custom op), an input of fewer than two chunks (`RECOMPUTE_CHUNK`)."""
     _check_z(z, steps, weight, bias)
     if z.dim() != 4:
         raise ValueError(f"bn_lif_max_pool: z must be a conv stage's [T*R, C, H, W], got {tuple(z.shape)}")
     chosen, impl = _choose_impl(backend, impl, z)
-    if chosen == "torch" or len(_channel_chunks(z)) < 2 or not eager_call(z, op="bn_lif_forward"):
+    if chosen == "torch" or len(_channel_chunks(z)) < 2:
+        return None
+    compiling = torch.compiler.is_compiling()
+    if not compiling and not eager_call(z, op="bn_lif_forward"):
         return None
     lif_args = _lif_args(tau, v_threshold, v_reset, detach_reset, decay_input, surrogate, alpha)
     _check_compiler(impl, z)
+    if compiling:  # the op pair: the compiler sees one op each way
+        out, _, _, new_mean, new_var = torch.ops.efficient.bn_lif_max_pool_forward(
+            z, int(steps), weight, bias, running_mean, running_var, bool(training), float(momentum), float(eps),
+            *lif_args, spike_dtype or z.dtype, impl, *pool_args(*pool))
+        if training:
+            _store_running([running_mean, running_var], new_mean, new_var)
+        return out
     return _BNLIFMaxPool.apply(z, weight, bias, running_mean, running_var, int(steps), bool(training), float(momentum),
                                float(eps), *lif_args, spike_dtype or z.dtype, impl, pool_args(*pool))

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.nn.modules.utils import _pair
 
-__all__ = ["PoolArgs", "max_pool_offsets", "max_pool_offsets_backward", "pool_args", "window_origins"]
+__all__ = ["PoolArgs", "max_pool_offsets", "max_pool_offsets_backward", "offset_dtype", "pool_args", "window_origins"]
 
 # aten's max_pool2d arguments: kernel, stride, padding, dilation (each [h, w]) and ceil_mode
 PoolArgs = tuple[Sequence[int], Sequence[int], Sequence[int], Sequence[int], bool]
@@ -40,9 +40,14 @@ def window_origins(out_hw: tuple[int, int], width: int, kernel: tuple[int, ...],
     where padding overhangs), and the integer type that holds every argmax's offset from it."""
     rows = torch.arange(out_hw[0], device=device) * stride[0] - padding[0]
     cols = torch.arange(out_hw[1], device=device) * stride[1] - padding[1]
+    return rows[:, None] * width + cols[None, :], offset_dtype(width, kernel, dilation)
+
+
+def offset_dtype(width: int, kernel: Sequence[int], dilation: Sequence[int]) -> torch.dtype:
+    """The narrowest integer type that holds every argmax's offset from its window's first element,
+    (kH - 1) dH W + (kW - 1) dW, on planes `width` wide."""
     span = (kernel[0] - 1) * dilation[0] * width + (kernel[1] - 1) * dilation[1]
-    small = next(t for t in (torch.uint8, torch.int16, torch.int32, torch.int64) if span <= torch.iinfo(t).max)
-    return rows[:, None] * width + cols[None, :], small
+    return next(t for t in (torch.uint8, torch.int16, torch.int32, torch.int64) if span <= torch.iinfo(t).max)
 
 
 def _origins(out: Tensor, x_width: int, pool: PoolArgs) -> tuple[Tensor, torch.dtype]:

@@ -336,7 +336,7 @@ def pooled_fire(bn: nn.Module, neuron: nn.Module, pool: nn.Module, z: torch.Tens
     of channels at a time, and so again in backward). Only inside a region memory level `recompute`
     reruns in backward (`rebuild_membrane`), where a stem stage's rerun sets the step's peak; None
     elsewhere, or where the three cannot run as one, and the caller runs them as usual."""
-    if not (rebuild_membrane() and torch.is_grad_enabled() and type(pool) is nn.MaxPool2d and not pool.return_indices
+    if not (rebuild_membrane(neuron) and torch.is_grad_enabled() and type(pool) is nn.MaxPool2d and not pool.return_indices
             and not _hooked(pool) and z.dim() == 4 and _fusable_pair(bn, neuron)):
         return None
     args = pool_args(pool.kernel_size, pool.stride, pool.padding, pool.dilation, pool.ceil_mode)

@@ -50,7 +50,7 @@ def rebuild_membrane(module: nn.Module | None = None) -> bool:
     Under torch.compile the region is known from `module` (the neuron), which `recompute.wrap`
     marked when the level was applied (a constant to the compiler, where a thread-local set while
     tracing would break the graph): True for a marked module in training. Without `module`, False
-    under compile: the chunked pool and convolution paths stay eager-only."""
+    under compile: the batch-sliced convolution backward and the bits level's max-pool stay eager-only."""
     if torch.compiler.is_compiling():
         return module is not None and module.training and bool(getattr(module, REGION_MARK, False))
     return in_region() and getattr(region_state, "lean", True)

@@ -487,6 +487,46 @@ def test_the_pooled_stage_is_bn_lif_then_its_max_pool(training: bool, neuron_kw:
     assert peak_pooled < peak_lean, (peak_pooled, peak_lean)
 
 
+def test_the_pooled_stage_compiled_runs_as_its_op_pair_with_the_eager_values(monkeypatch) -> None:
+    """Under torch.compile `bn_lif_max_pool` runs as `efficient::bn_lif_max_pool_forward` / `_backward`
+    (the eager path's autograd.Function is not traced): the pooled spikes, running statistics and
+    batch-count bookkeeping of the eager call, gradients within rounding, the op in the graph."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from efficient.kernels import bn_lif as K
+    from efficient.kernels.bn_lif import bn_lif_max_pool
+
+    bn, z0 = _pair((4 * 4, 8, 16, 16), 8, seed=9)
+    monkeypatch.setattr(K, "RECOMPUTE_CHUNK", 3 * z0.numel() // 8)  # 3 chunks, the last short
+    seen: list = []
+
+    def grab(gm: torch.fx.GraphModule, _inputs):
+        seen.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    def run(compiled: bool) -> list[torch.Tensor]:
+        b, z = copy.deepcopy(bn), z0.clone().requires_grad_()
+
+        def f(z: torch.Tensor) -> torch.Tensor:
+            return bn_lif_max_pool(z, 4, b.weight, b.bias, b.running_mean, b.running_var, POOL, True, 0.1, 1e-5,
+                                   backend="loop")
+
+        if compiled:
+            torch._dynamo.reset()
+            f = torch.compile(f, fullgraph=True, backend=aot_autograd(fw_compiler=grab, bw_compiler=grab))
+        p = f(z)
+        (p * torch.linspace(-1, 1, p.numel()).view(p.shape)).sum().backward()
+        torch._dynamo.reset()
+        return [p, z.grad, b.weight.grad, b.bias.grad, b.running_mean, b.running_var]
+
+    eager, compiled = run(False), run(True)
+    assert torch.ops.efficient.bn_lif_max_pool_forward.default in seen
+    assert torch.ops.efficient.bn_lif_max_pool_backward.default in seen
+    assert torch.equal(eager[0], compiled[0])
+    for a, b in zip(eager[1:], compiled[1:]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_the_pooled_stage_declines_where_it_does_not_apply() -> None:
     """None (the caller runs `bn_lif` and its pool) for the reference backend and for a unit of one
     chunk; a named error for a z that is not a conv stage's."""

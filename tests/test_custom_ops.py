@@ -18,8 +18,10 @@ import efficient.kernels.ssa  # noqa: F401
 from efficient.kernels import bn_lif  # noqa: F401 - registers efficient::bn_lif_*
 from efficient.kernels import lif as K
 from efficient.kernels import token_select as ts
+from efficient.kernels.pool_offsets import max_pool_offsets
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+POOL = ([3, 3], [2, 2], [1, 1], [1, 1], False)  # the SPS stem's MaxPool2d(3, 2, 1) as aten's arguments
 
 
 def _spikes(*shape, dtype, seed, grad=True):
@@ -102,6 +104,16 @@ def op_cases(dtype):
           _randn(6, 4, dtype=dtype, seed=31), _randn(2, 12, dtype=torch.float32, seed=32), _randn(4, dtype=dtype, seed=33),
           torch.stack([torch.zeros(4), torch.ones(4)]).to(dtype), True, 1e-5, 2.0, 1.0, 0.0, K.CHARGE_DECAY_INPUT, 0, 4.0,
           True, "loop")),
+        # BatchNorm + LIF + the SPS stem's max-pool (3, 2, 1), a chunk of channels at a time: z [T*B, C, 4, 4], T=2
+        ("bn_lif_max_pool_forward", torch.ops.efficient.bn_lif_max_pool_forward,
+         (_randn(4, 3, 4, 4, dtype=dtype, seed=38, grad=True), 2, _randn(3, dtype=dtype, seed=39, grad=True),
+          _randn(3, dtype=dtype, seed=40, grad=True), torch.zeros(3, dtype=dtype), torch.ones(3, dtype=dtype), True, 0.1,
+          1e-5, 2.0, 1.0, 0.0, K.CHARGE_DECAY_INPUT, 0, 4.0, True, dtype, "loop", *POOL)),
+        ("bn_lif_max_pool_backward", torch.ops.efficient.bn_lif_max_pool_backward,
+         (_randn(4, 3, 2, 2, dtype=dtype, seed=41), _randn(4, 3, 4, 4, dtype=dtype, seed=42), _randn(3, dtype=dtype, seed=43),
+          _randn(3, dtype=dtype, seed=44), torch.stack([torch.zeros(3), torch.ones(3)]).to(dtype),
+          max_pool_offsets(_spikes(4, 3, 4, 4, dtype=torch.float32, seed=45, grad=False), POOL)[1], 2, True, 1e-5, 2.0, 1.0,
+          0.0, K.CHARGE_DECAY_INPUT, 0, 4.0, True, dtype, "loop", *POOL)),
         ("pack_spikes", torch.ops.efficient.pack_spikes, (_spikes(3, 7, dtype=dtype, seed=12, grad=False), "torch")),
         ("unpack_spikes", torch.ops.efficient.unpack_spikes,
          (torch.tensor([5, 255, 0], dtype=torch.uint8), [3, 7], dtype, "torch")),

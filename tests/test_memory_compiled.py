@@ -101,8 +101,9 @@ def _ops_of_compiled_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tens
 
 def test_compiled_regions_run_the_fused_unit_that_rebuilds_its_trace(monkeypatch) -> None:
     """Inside a compiled region a BatchNorm + LIF pair runs as the fused op whose backward rebuilds
-    the membrane trace a chunk at a time (as the eager rerun does), so the rerun never holds the whole
-    trace; outside a region (level none) the compiler sees the BatchNorm and the LIF apart."""
+    the membrane trace a chunk at a time, and a stem stage's BatchNorm + LIF + max-pool as the
+    chunked op pair (as the eager rerun does), so the rerun never holds the whole trace; outside a
+    region (level none) the compiler sees the BatchNorm and the LIF apart."""
     from efficient.kernels import bn_lif
 
     monkeypatch.setattr(bn_lif, "RECOMPUTE_CHUNK", 256)  # the tiny units count as large ones
@@ -116,6 +117,9 @@ def test_compiled_regions_run_the_fused_unit_that_rebuilds_its_trace(monkeypatch
     assert fused and all(args[-1] is False for args in fused), [a[-1] for a in fused]  # keep_membrane False
     assert any(t is torch.ops.efficient.bn_lif_backward_recompute.default for t, _ in bw), bw
     assert not [t for t, _ in bw if t is torch.ops.efficient.bn_lif_backward.default]
+    # the stem stages that max-pool their spikes run BatchNorm, LIF and pool as one chunked op pair
+    assert any(t is torch.ops.efficient.bn_lif_max_pool_forward.default for t, _ in fw), fw
+    assert any(t is torch.ops.efficient.bn_lif_max_pool_backward.default for t, _ in bw), bw
     memory.optimize(model, "none")  # the regions' marks go with the level
     fw, _ = _ops_of_compiled_step(model, x, y)
     assert not [t for t, _ in fw if "bn_lif" in str(t)], fw
