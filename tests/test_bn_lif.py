@@ -491,6 +491,7 @@ def test_the_pooled_stage_compiled_runs_as_its_op_pair_with_the_eager_values(mon
     """Under torch.compile `bn_lif_max_pool` runs as `efficient::bn_lif_max_pool_forward` / `_backward`
     (the eager path's autograd.Function is not traced): the pooled spikes, running statistics and
     batch-count bookkeeping of the eager call, gradients within rounding, the op in the graph."""
+    from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
     from efficient.kernels import bn_lif as K
@@ -502,7 +503,7 @@ def test_the_pooled_stage_compiled_runs_as_its_op_pair_with_the_eager_values(mon
 
     def grab(gm: torch.fx.GraphModule, _inputs):
         seen.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
-        return gm
+        return make_boxed_func(gm)
 
     def run(compiled: bool) -> list[torch.Tensor]:
         b, z = copy.deepcopy(bn), z0.clone().requires_grad_()
