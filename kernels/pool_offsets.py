@@ -32,15 +32,30 @@ def pool_args(kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False) 
     return kernel, stride, list(_pair(padding)), list(_pair(dilation)), bool(ceil_mode)
 
 
-@functools.lru_cache(maxsize=64)
 def window_origins(out_hw: tuple[int, int], width: int, kernel: tuple[int, ...], stride: tuple[int, ...],
                    padding: tuple[int, ...], dilation: tuple[int, ...], device: torch.device
                    ) -> tuple[Tensor, torch.dtype]:
     """[OH, OW] flat plane index of each window's first element, (oh*s - p) * W + (ow*s - p) (negative
-    where padding overhangs), and the integer type that holds every argmax's offset from it."""
+    where padding overhangs), and the integer type that holds every argmax's offset from it.
+
+    Kept for reuse on the CPU only: on a GPU the call may run inside a CUDA graph's capture or
+    warm-up (a compiled `reduce-overhead` step), whose memory pool the graphs reuse, so a tensor
+    kept past the call could be overwritten; there it is made afresh (a few tiny kernels)."""
+    if torch.device(device).type == "cpu":
+        return _cpu_origins(out_hw, width, stride, padding), offset_dtype(width, kernel, dilation)
+    return _make_origins(out_hw, width, stride, padding, device), offset_dtype(width, kernel, dilation)
+
+
+def _make_origins(out_hw: tuple[int, int], width: int, stride: tuple[int, ...], padding: tuple[int, ...],
+                  device: torch.device) -> Tensor:
     rows = torch.arange(out_hw[0], device=device) * stride[0] - padding[0]
     cols = torch.arange(out_hw[1], device=device) * stride[1] - padding[1]
-    return rows[:, None] * width + cols[None, :], offset_dtype(width, kernel, dilation)
+    return rows[:, None] * width + cols[None, :]
+
+
+@functools.lru_cache(maxsize=64)
+def _cpu_origins(out_hw: tuple[int, int], width: int, stride: tuple[int, ...], padding: tuple[int, ...]) -> Tensor:
+    return _make_origins(out_hw, width, stride, padding, torch.device("cpu"))
 
 
 def offset_dtype(width: int, kernel: Sequence[int], dilation: Sequence[int]) -> torch.dtype:
