@@ -869,16 +869,12 @@ def bn_lif_max_pool_forward_op(
     padding: Sequence[int], dilation: Sequence[int], ceil_mode: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(pooled spikes, argmax offsets, BatchNorm's statistics, new running mean, new running variance)."""
-    if training:  # the chunks update these copies in place
-        new_mean, new_var = running_mean.clone(), running_var.clone()
-        out, offsets, stats = _pooled_forward(z, steps, weight, bias, new_mean, new_var, training, momentum, eps, c,
-                                              v_threshold, v_reset, charge, surrogate, alpha, detach_reset, spike_dtype,
-                                              impl, (kernel, stride, padding, dilation, ceil_mode))
-        return out, offsets, stats, new_mean, new_var
-    out, offsets, stats = _pooled_forward(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c,
-                                          v_threshold, v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl,
+    # in training the chunks update copies of the running statistics in place, which are returned
+    running = (running_mean.clone(), running_var.clone()) if training else (running_mean, running_var)
+    out, offsets, stats = _pooled_forward(z, steps, weight, bias, *running, training, momentum, eps, c, v_threshold,
+                                          v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl,
                                           (kernel, stride, padding, dilation, ceil_mode))
-    return (out, offsets, stats, *_no_running(running_mean))
+    return out, offsets, stats, *(running if training else _no_running(running_mean))
 
 
 @bn_lif_max_pool_forward_op.register_fake

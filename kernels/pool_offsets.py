@@ -41,9 +41,9 @@ def window_origins(out_hw: tuple[int, int], width: int, kernel: tuple[int, ...],
     Kept for reuse on the CPU only: on a GPU the call may run inside a CUDA graph's capture or
     warm-up (a compiled `reduce-overhead` step), whose memory pool the graphs reuse, so a tensor
     kept past the call could be overwritten; there it is made afresh (a few tiny kernels)."""
-    if torch.device(device).type == "cpu":
-        return _cpu_origins(out_hw, width, stride, padding), offset_dtype(width, kernel, dilation)
-    return _make_origins(out_hw, width, stride, padding, device), offset_dtype(width, kernel, dilation)
+    cpu = torch.device(device).type == "cpu"
+    origins = _cpu_origins(out_hw, width, stride, padding) if cpu else _make_origins(out_hw, width, stride, padding, device)
+    return origins, offset_dtype(width, kernel, dilation)
 
 
 def _make_origins(out_hw: tuple[int, int], width: int, stride: tuple[int, ...], padding: tuple[int, ...],

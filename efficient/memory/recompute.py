@@ -47,7 +47,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from torch.utils._pytree import tree_map_only
 from torch.utils.flop_counter import flop_registry
 
-from efficient.kernels.spike_pack import pack_spikes
+from efficient.kernels.spike_pack import pack_spikes, unpack_spikes_ref
 from efficient.memory.spikes import is_neuron
 from efficient.models.replay import REGION_MARK, in_region, region_state
 
@@ -79,9 +79,7 @@ class _FromBits(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, bits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
-        flat = ((bits.reshape(-1, 1) >> shifts) & 1).reshape(-1)[: x.numel()]
-        return flat.to(x.dtype).reshape(x.shape)
+        return unpack_spikes_ref(bits, x.shape, x.dtype)  # shifts and masks: plain ops the compiler fuses
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
