@@ -242,13 +242,20 @@ def _triton_forward(z, steps, weight, bias, running_mean, running_var, training,
 # ---------------------------------------------------------------------------------------------
 
 
+# Inductor may hand these ops a convolution's output in its own layout (channels-last on CPU). They
+# take any strides: each copies what it reads contiguous itself (the whole z, or a chunk of channels
+# at a time), so results do not depend on the layout and outputs are contiguous, where inductor would
+# otherwise copy z whole for every op that reads it and keep those copies alive in a region's rerun.
+_ANY_LAYOUT = (torch.Tag.flexible_layout,)
+
+
 def _check_op(z: Tensor, steps: int, weight: Tensor, bias: Tensor, impl: str) -> None:
     _check_z(z, steps, weight, bias)
     if impl not in IMPLS:
         raise ValueError(f"efficient::bn_lif_forward: unknown impl {impl!r}; choose one of {IMPLS}")
 
 
-@torch.library.custom_op("efficient::bn_lif_forward", mutates_args=())
+@torch.library.custom_op("efficient::bn_lif_forward", mutates_args=(), tags=_ANY_LAYOUT)
 def bn_lif_forward_op(
     z: Tensor,
     steps: int,
@@ -278,8 +285,9 @@ def bn_lif_forward_op(
     eval); the op is functional (autograd needs that), so `bn_lif` copies them into the buffers.
     surrogate/alpha/detach_reset serve the backward; `keep_membrane` False: autograd keeps z but not
     H, and the backward recomputes H from z (`bn_lif_backward_recompute`)."""
+    z = z.contiguous()  # BatchNorm's sums in one order, whatever layout inductor gave z (`_ANY_LAYOUT`)
     return _forward_impl(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c, v_threshold,
-                         v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl)
+                         v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl, keep_membrane=keep_membrane)
 
 
 def _forward_impl(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c, v_threshold, v_reset,
@@ -292,6 +300,7 @@ def _forward_impl(z, steps, weight, bias, running_mean, running_var, training, m
         return _triton_forward(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c,
                                v_threshold, v_reset, charge, spike_dtype, inplace, keep_membrane)
     # aten's own BatchNorm (what nn.BatchNorm calls), then the LIF's loop: bit for bit the separate calls
+    z = z.contiguous()  # BatchNorm's sums in one order whatever layout inductor gave z
     if training:  # updated in place by native_batch_norm: the buffers, or the op's new statistics
         new_mean, new_var = (running_mean, running_var) if inplace else (running_mean.clone(), running_var.clone())
         y, mean, invstd = torch.native_batch_norm(z, weight, bias, new_mean, new_var, True, momentum, eps)
@@ -445,7 +454,7 @@ def _recompute_backward_impl(grad_spikes, z, steps, weight, bias, stats, trainin
                               training, eps, c, v_threshold, v_reset, charge, surrogate, alpha, detach_reset, impl)
 
 
-@torch.library.custom_op("efficient::bn_lif_backward_recompute", mutates_args=())
+@torch.library.custom_op("efficient::bn_lif_backward_recompute", mutates_args=(), tags=_ANY_LAYOUT)
 def bn_lif_backward_recompute_op(
     grad_spikes: Tensor,
     z: Tensor,
@@ -861,7 +870,7 @@ def _pooled_backward(grad, z, weight, bias, stats, offsets, steps, pool, spike_d
 # the same pair as custom ops, for compiled steps (a compiled region of memory level `recompute` runs
 # it where the eager rerun does): functional, the new running statistics are outputs as `bn_lif_forward`'s
 
-@torch.library.custom_op("efficient::bn_lif_max_pool_forward", mutates_args=())
+@torch.library.custom_op("efficient::bn_lif_max_pool_forward", mutates_args=(), tags=_ANY_LAYOUT)
 def bn_lif_max_pool_forward_op(
     z: Tensor, steps: int, weight: Tensor, bias: Tensor, running_mean: Tensor, running_var: Tensor, training: bool,
     momentum: float, eps: float, c: float, v_threshold: float, v_reset: Optional[float], charge: int, surrogate: int,
@@ -889,7 +898,7 @@ def _(z, steps, weight, bias, running_mean, running_var, training, momentum, eps
     return out, offsets, weight.new_empty((2, z.shape[1])), *running
 
 
-@torch.library.custom_op("efficient::bn_lif_max_pool_backward", mutates_args=())
+@torch.library.custom_op("efficient::bn_lif_max_pool_backward", mutates_args=(), tags=_ANY_LAYOUT)
 def bn_lif_max_pool_backward_op(
     grad: Tensor, z: Tensor, weight: Tensor, bias: Tensor, stats: Tensor, offsets: Tensor, steps: int, training: bool,
     eps: float, c: float, v_threshold: float, v_reset: Optional[float], charge: int, surrogate: int, alpha: float,

@@ -54,9 +54,11 @@ class MSSPSTail(nn.Module):
         """Whether the tail's input is the stage before's spikes (efficient.memory keeps it as bits)."""
         return is_neuron(self._stem.lifs[2])
 
-    def forward(self, x: torch.Tensor, T: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, T: int, spike_bits: torch.Tensor | None = None) -> torch.Tensor:
+        """`spike_bits`: x's bits, which a compiled recomputed region keeps (efficient.memory)."""
         st = self._stem
-        feat = st.pools[3](st.bns[3](region_conv2d(st.convs[3], x, spikes=self.recompute_spike_input())))  # real-valued
+        conv_in = region_conv2d(st.convs[3], x, spikes=self.recompute_spike_input(), bits=spike_bits)
+        feat = st.pools[3](st.bns[3](conv_in))  # real-valued
         s = st.lifs[3](feat.reshape(T, -1, *feat.shape[1:])).flatten(0, 1)
         return st.rpe_bn(region_conv2d(st.rpe_conv, s, spikes=is_neuron(st.lifs[3]))) + feat
 

@@ -100,9 +100,10 @@ class StemStage(nn.Module):
         """Whether the stage's input is the stage before's spikes (efficient.memory keeps it as bits)."""
         return self.i > 0 and is_neuron(self._stem.lifs[self.i - 1])
 
-    def forward(self, x: torch.Tensor, T: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, T: int, spike_bits: torch.Tensor | None = None) -> torch.Tensor:
+        """`spike_bits`: x's bits, which a compiled recomputed region keeps (efficient.memory)."""
         conv, bn, lif, pool, pool_first = self.modules_now()
-        x = region_conv2d(conv, x, spikes=self.recompute_spike_input())
+        x = region_conv2d(conv, x, spikes=self.recompute_spike_input(), bits=spike_bits)
         if pool_first:
             x = pool(bn(x))
             return lif(x.reshape(T, -1, *x.shape[1:])).flatten(0, 1)

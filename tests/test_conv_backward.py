@@ -12,7 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from efficient.kernels import bn_lif
 from efficient.memory import recompute as rc
-from efficient.memory.conv_backward import _BatchSlicedConv2d, batch_slices, region_conv2d
+from efficient.kernels.spike_pack import pack_spikes
+from efficient.memory.conv_backward import _BatchSlicedConv2d, batch_slices, conv2d_backward_from_bits, region_conv2d
 
 
 class _BackwardCalls(TorchDispatchMode):
@@ -127,3 +128,37 @@ def test_autocast_runs_the_convolution_in_its_dtype(monkeypatch: pytest.MonkeyPa
             out.float().sum().backward()
     assert calls.batches == [1] * 4
     assert stage.conv.weight.grad.dtype == torch.float32 and x.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("shape,stride,bias,mask", [
+    ((7, 4, 6, 6), 1, True, (True, True, True)),     # 144 spikes per sample: slices start on a byte
+    ((7, 3, 5, 5), 2, False, (True, True, False)),   # 75 per sample: unpacked whole once, sliced after
+    ((5, 4, 6, 6), 1, True, (False, True, True)),    # the stem's first stage: no input gradient
+])
+def test_the_compiled_regions_backward_from_bits_equals_the_convolution(shape, stride, bias, mask,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`efficient::conv2d_backward_from_bits` (a compiled region's convolution of spikes): from the
+    input's bits alone, the convolution's gradients, one slice of the batch at a time; an unwanted
+    gradient is an empty tensor."""
+    torch.manual_seed(0)
+    x = torch.rand(*shape).lt(0.3).float()
+    conv = nn.Conv2d(shape[1], 5, 3, stride, 1, bias=bias)
+    ref_x = x.clone().requires_grad_(True)
+    out = conv(ref_x)
+    g = torch.randn_like(out)
+    gx, gw, *gb = torch.autograd.grad(out, [ref_x, conv.weight] + ([conv.bias] if bias else []), g)
+    monkeypatch.setattr(bn_lif, "RECOMPUTE_CHUNK", 2 * out[0].numel())  # two samples per slice
+    args = (g, pack_spikes(x), list(shape), torch.float32, conv.weight.detach(), bias, [stride] * 2, [1, 1], [1, 1], 1,
+            list(mask))
+    calls = _BackwardCalls()
+    with calls:  # the op's implementation, whose aten calls a dispatch mode sees
+        got = conv2d_backward_from_bits._init_fn(*args)
+    for a, b in zip(got, torch.ops.efficient.conv2d_backward_from_bits(*args)):
+        assert torch.equal(a, b)
+    assert calls.batches == [2] * (shape[0] // 2) + [1] * (shape[0] % 2)
+    for want, ref, value in zip(mask, [gx, gw, gb[0] if bias else None], got):
+        if want:
+            torch.testing.assert_close(value, ref, rtol=1e-5, atol=1e-5)
+            assert value.is_contiguous()
+        else:
+            assert value.numel() == 0

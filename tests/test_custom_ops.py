@@ -19,6 +19,8 @@ from efficient.kernels import bn_lif  # noqa: F401 - registers efficient::bn_lif
 from efficient.kernels import lif as K
 from efficient.kernels import token_select as ts
 from efficient.kernels.pool_offsets import max_pool_offsets
+from efficient.kernels.spike_pack import pack_spikes
+from efficient.memory import conv_backward  # noqa: F401 - registers efficient::conv2d_backward_from_bits
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 POOL = ([3, 3], [2, 2], [1, 1], [1, 1], False)  # the SPS stem's MaxPool2d(3, 2, 1) as aten's arguments
@@ -79,6 +81,11 @@ def op_cases(dtype):
          (_randn(4, 3, 2, 2, dtype=dtype, seed=13, grad=True), 2, _randn(3, dtype=dtype, seed=14, grad=True),
           _randn(3, dtype=dtype, seed=15, grad=True), torch.zeros(3, dtype=dtype), torch.ones(3, dtype=dtype), True, 0.1, 1e-5, 2.0, 1.0, 0.0,
           K.CHARGE_DECAY_INPUT, 0, 4.0, True, dtype, "loop")),
+        # inside a recomputed region: H is not kept (an empty output), the backward rebuilds it
+        ("bn_lif_forward-lean", torch.ops.efficient.bn_lif_forward,
+         (_randn(4, 3, 2, 2, dtype=dtype, seed=13, grad=True), 2, _randn(3, dtype=dtype, seed=14, grad=True),
+          _randn(3, dtype=dtype, seed=15, grad=True), torch.zeros(3, dtype=dtype), torch.ones(3, dtype=dtype), True, 0.1, 1e-5, 2.0, 1.0, 0.0,
+          K.CHARGE_DECAY_INPUT, 0, 4.0, True, dtype, "loop", False)),
         ("bn_lif_forward-eval", torch.ops.efficient.bn_lif_forward,
          (_randn(4, 3, dtype=dtype, seed=16, grad=True), 2, _randn(3, dtype=dtype, seed=17, grad=True),
           _randn(3, dtype=dtype, seed=18, grad=True), torch.zeros(3, dtype=dtype), torch.ones(3, dtype=dtype), False, 0.1,
@@ -114,6 +121,15 @@ def op_cases(dtype):
           _randn(3, dtype=dtype, seed=44), torch.stack([torch.zeros(3), torch.ones(3)]).to(dtype),
           max_pool_offsets(_spikes(4, 3, 4, 4, dtype=torch.float32, seed=45, grad=False), POOL)[1], 2, True, 1e-5, 2.0, 1.0,
           0.0, K.CHARGE_DECAY_INPUT, 0, 4.0, True, dtype, "loop", *POOL)),
+        # a compiled region's stem convolution of spikes: x [3, 2, 4, 4] kept as bits, weight [5, 2, 3, 3]
+        ("conv2d_backward_from_bits", torch.ops.efficient.conv2d_backward_from_bits,
+         (_randn(3, 5, 4, 4, dtype=dtype, seed=46), pack_spikes(_spikes(3, 2, 4, 4, dtype=dtype, seed=47, grad=False)),
+          [3, 2, 4, 4], dtype, _randn(5, 2, 3, 3, dtype=dtype, seed=48), True, [1, 1], [1, 1], [1, 1], 1,
+          [True, True, True])),
+        ("conv2d_backward_from_bits-weight-only", torch.ops.efficient.conv2d_backward_from_bits,
+         (_randn(3, 5, 2, 2, dtype=dtype, seed=49), pack_spikes(_spikes(3, 2, 3, 3, dtype=dtype, seed=50, grad=False)),
+          [3, 2, 3, 3], dtype, _randn(5, 2, 3, 3, dtype=dtype, seed=51), False, [2, 2], [1, 1], [1, 1], 1,
+          [False, True, False])),
         ("pack_spikes", torch.ops.efficient.pack_spikes, (_spikes(3, 7, dtype=dtype, seed=12, grad=False), "torch")),
         ("unpack_spikes", torch.ops.efficient.unpack_spikes,
          (torch.tensor([5, 255, 0], dtype=torch.uint8), [3, 7], dtype, "torch")),
@@ -142,7 +158,8 @@ def test_every_registered_op_has_a_case():
 
 
 # variants checked in fp32 only: in half precision one variant per op is checked
-FP32_ONLY = ("ssa-scores", "linear_ce-conf", "lif_forward-plif", "lif_forward-v0", "leaky", "bn_lif_forward-eval")
+FP32_ONLY = ("ssa-scores", "linear_ce-conf", "lif_forward-plif", "lif_forward-v0", "leaky", "bn_lif_forward-eval",
+             "bn_lif_forward-lean", "conv2d_backward_from_bits-weight-only")
 OPCHECK_CASES = [
     pytest.param(i, dtype, id=f"{name}-{dtype_id}")
     for dtype, dtype_id in zip(DTYPES, ["fp32", "fp16", "bf16"])
@@ -171,6 +188,28 @@ def test_fake_outputs_match_real_outputs(dtype):
             fargs = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
             fake = op(*fargs)
         assert _meta(fake) == _meta(real), name
+
+
+LAYOUT_FREE = ("bn_lif_forward", "bn_lif_backward_recompute", "bn_lif_max_pool_forward", "bn_lif_max_pool_backward")
+
+
+@pytest.mark.parametrize("name", LAYOUT_FREE)
+def test_ops_inductor_may_give_any_layout_compute_the_same_and_return_contiguous(name):
+    """The BatchNorm + LIF ops a compiled region runs on a convolution's output take it in any layout
+    (tagged `flexible_layout`, so inductor hands them a channels-last output as it is): the values are
+    those of a contiguous input bit for bit and the outputs contiguous, as the fake implementations say."""
+    (_, op, args), = [c for c in op_cases(torch.float32) if c[0] == name]
+    assert torch.Tag.flexible_layout in op.default.tags
+    ref = op(*args)
+    cl = [a.detach().to(memory_format=torch.channels_last) if isinstance(a, torch.Tensor) and a.dim() == 4 else a
+          for a in args]
+    assert any(isinstance(a, torch.Tensor) and a.dim() == 4 and not a.is_contiguous() for a in cl)
+    got = op(*cl)
+    with FakeTensorMode() as mode:
+        fake = op(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in cl])
+    for r, g, f in zip(ref, got, fake):
+        assert torch.equal(r, g), name
+        assert g.is_contiguous() and g.stride() == f.stride(), name
 
 
 def test_ssa_triton_outputs_match_fake_dtypes_without_scores():

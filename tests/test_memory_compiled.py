@@ -120,9 +120,14 @@ def test_compiled_regions_run_the_fused_unit_that_rebuilds_its_trace(monkeypatch
     # the stem stages that max-pool their spikes run BatchNorm, LIF and pool as one chunked op pair
     assert any(t is torch.ops.efficient.bn_lif_max_pool_forward.default for t, _ in fw), fw
     assert any(t is torch.ops.efficient.bn_lif_max_pool_backward.default for t, _ in bw), bw
+    # the stages whose input is spikes (all but the first) run their convolution's backward from the
+    # bits the region keeps, a slice of the batch at a time, not from the rerun's fp32 input
+    from_bits = [t for t, _ in bw if t is torch.ops.efficient.conv2d_backward_from_bits.default]
+    assert len(from_bits) == 4, bw
     memory.optimize(model, "none")  # the regions' marks go with the level
-    fw, _ = _ops_of_compiled_step(model, x, y)
+    fw, bw = _ops_of_compiled_step(model, x, y)
     assert not [t for t, _ in fw if "bn_lif" in str(t)], fw
+    assert not [t for t, _ in bw if "conv2d_backward_from_bits" in str(t)], bw
 
 
 @pytest.mark.slow

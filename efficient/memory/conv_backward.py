@@ -9,13 +9,21 @@ a slice of samples at a time gives the same input gradient, the weight gradient 
 slices' (equal up to summation order), and bounds the workspace by one slice's. An input that is
 spikes is kept as bits, packed a slice at a time, and unpacked a slice at a time in backward: the
 rerun's input is never whole while the stage's backward runs.
+
+Under `torch.compile` the same backward is the opaque op `efficient::conv2d_backward_from_bits`: a
+compiled region whose input is spikes keeps their bits (`efficient.memory.recompute`), and its
+convolution's backward reads those, unpacking a slice at a time, where aten's backward would need
+the rerun's fp32 input whole, beside the widest stage's gradients.
 """
 
 from __future__ import annotations
 
+import math
+from typing import Callable, Sequence
+
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from efficient.kernels import bn_lif
 from efficient.kernels.spike_pack import pack_binary, unpack_spikes
@@ -53,29 +61,96 @@ class _BatchSlicedConv2d(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         weight, *kept = ctx.saved_tensors
-        stride, padding, dilation, groups = ctx.conv
         mask = [bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]),
                 bool(ctx.needs_input_grad[2]) and ctx.bias_shape is not None]
         if ctx.bits:
             shape, dtype = ctx.x_meta
-            gx = grad.new_empty(shape, dtype=dtype) if mask[0] else None
+            x_of = lambda i, s: unpack_spikes(kept[i], (s.stop - s.start, *shape[1:]), dtype)  # noqa: E731
         else:
-            gx = torch.empty_like(kept[0]) if mask[0] else None
-        gw = gb = None
-        for i, s in enumerate(ctx.slices):
-            xs = unpack_spikes(kept[i], (s.stop - s.start, *shape[1:]), dtype) if ctx.bits else kept[0][s]
-            a, b, c = torch.ops.aten.convolution_backward(
-                grad[s], xs, weight, ctx.bias_shape if mask[2] else None, stride, padding, dilation, False,
-                [0] * len(stride), groups, mask)
-            del xs
-            if mask[0]:
-                gx[s] = a
-            del a
-            if mask[1]:
-                gw = b if gw is None else gw.add_(b)
-            if mask[2]:
-                gb = c if gb is None else gb.add_(c)
+            shape, dtype = kept[0].shape, kept[0].dtype
+            x_of = lambda i, s: kept[0][s]  # noqa: E731
+        gx, gw, gb = _sliced_backward(grad, x_of, shape, dtype, weight, ctx.bias_shape, ctx.conv, mask, ctx.slices)
         return gx, gw, gb, None, None, None, None, None
+
+
+def _sliced_backward(grad: Tensor, x_of: Callable[[int, slice], Tensor], shape: Sequence[int], dtype: torch.dtype,
+                     weight: Tensor, bias_shape: list[int] | None, conv: tuple, mask: list[bool],
+                     slices: list[slice]) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """(input, weight, bias) gradients of a convolution, aten's backward run on one slice of the
+    batch at a time (`x_of(i, slice)`: the input's slice i); None where `mask` says not wanted."""
+    stride, padding, dilation, groups = conv
+    gx = grad.new_empty(shape, dtype=dtype) if mask[0] else None
+    gw = gb = None
+    for i, s in enumerate(slices):
+        xs = x_of(i, s)
+        a, b, c = torch.ops.aten.convolution_backward(
+            grad[s], xs, weight, bias_shape if mask[2] else None, stride, padding, dilation, False,
+            [0] * len(stride), groups, mask)
+        del xs
+        if mask[0]:
+            gx[s] = a
+        del a
+        if mask[1]:
+            gw = b if gw is None else gw.add_(b)
+        if mask[2]:
+            gb = c if gb is None else gb.add_(c)
+    return gx, gw, gb
+
+
+# --- the same backward for compiled regions: one opaque op over the input's bits
+
+@torch.library.custom_op("efficient::conv2d_backward_from_bits", mutates_args=())
+def conv2d_backward_from_bits(
+    grad: Tensor, bits: Tensor, x_shape: Sequence[int], x_dtype: torch.dtype, weight: Tensor, bias: bool,
+    stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], groups: int, mask: Sequence[bool],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad input, grad weight, grad bias) of a convolution whose input `x_shape` was packed whole
+    by `pack_spikes` (`bits`), one slice of the batch at a time (`batch_slices`); an unwanted
+    gradient (`mask`) is an empty tensor."""
+    shape, mask = list(x_shape), [bool(m) for m in mask]
+    per = math.prod(shape[1:])
+    if per % 8:  # a sample's bits do not start on a byte: unpack the whole input once
+        whole = unpack_spikes(bits, shape, x_dtype)
+        x_of = lambda i, s: whole[s]  # noqa: E731
+    else:
+        x_of = lambda i, s: unpack_spikes(bits[s.start * per // 8:s.stop * per // 8],  # noqa: E731
+                                          (s.stop - s.start, *shape[1:]), x_dtype)
+    bias_shape = [weight.shape[0]] if bias else None
+    mask[2] = mask[2] and bias
+    gx, gw, gb = _sliced_backward(grad, x_of, shape, x_dtype, weight, bias_shape,
+                                  (list(stride), list(padding), list(dilation), groups), mask, batch_slices(grad))
+    empty = weight.new_empty(0)
+    return (empty if gx is None else gx, empty.clone() if gw is None else gw.contiguous(),
+            empty.clone() if gb is None else gb)
+
+
+@conv2d_backward_from_bits.register_fake
+def _(grad, bits, x_shape, x_dtype, weight, bias, stride, padding, dilation, groups, mask):
+    return (grad.new_empty(list(x_shape), dtype=x_dtype) if mask[0] else weight.new_empty(0),
+            weight.new_empty(weight.shape) if mask[1] else weight.new_empty(0),
+            weight.new_empty(weight.shape[0]) if mask[2] and bias else weight.new_empty(0))
+
+
+class _BitsKeptConv2d(torch.autograd.Function):
+    """F.conv2d of a compiled region's spike input `x`, whose bits (`bits`, what the region keeps
+    of its input) serve its backward, `conv2d_backward_from_bits`: x itself is not kept."""
+
+    @staticmethod
+    def forward(ctx, x, bits, weight, bias, stride, padding, dilation, groups):
+        out = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+        ctx.save_for_backward(bits, weight)
+        ctx.meta = (list(x.shape), x.dtype, bias is not None, stride, padding, dilation, groups)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        bits, weight = ctx.saved_tensors
+        shape, dtype, bias, stride, padding, dilation, groups = ctx.meta
+        need = [bool(ctx.needs_input_grad[i]) for i in (0, 2, 3)]
+        gx, gw, gb = torch.ops.efficient.conv2d_backward_from_bits(grad, bits, shape, dtype, weight, bias, stride,
+                                                                    padding, dilation, groups, need)
+        return (gx if need[0] else None, None, gw if need[1] else None, gb if need[2] and bias else None,
+                None, None, None, None)
 
 
 def _plain(conv: nn.Module) -> bool:
@@ -89,13 +164,17 @@ def _plain(conv: nn.Module) -> bool:
                      or M._global_backward_hooks or M._global_backward_pre_hooks))
 
 
-def region_conv2d(conv: nn.Module, x: torch.Tensor, spikes: bool = False) -> torch.Tensor:
+def region_conv2d(conv: nn.Module, x: torch.Tensor, spikes: bool = False, bits: torch.Tensor | None = None) -> torch.Tensor:
     """`conv(x)` for a stem stage's convolution; inside a recomputed region, whose rerun runs in
     backward, the convolution whose backward takes the batch a slice at a time (`batch_slices`; one
     slice when its output has at most `bn_lif.RECOMPUTE_CHUNK` elements). `spikes`: the caller
     knows x is a neuron's output (0 and 1 only), so the rerun keeps it as bits. Under autocast it
-    runs in the autocast dtype, as `conv(x)` would."""
-    if not (rebuild_membrane() and torch.is_grad_enabled() and x.dim() == 4 and x.shape[0] > 0 and _plain(conv)):
+    runs in the autocast dtype, as `conv(x)` would. Under torch.compile only a region's spike input
+    takes this path: `bits` are x's bits (`pack_spikes`) the region keeps, which the backward reads."""
+    compiling = torch.compiler.is_compiling()
+    region = rebuild_membrane(conv) if compiling else rebuild_membrane()
+    if not (region and (bits is not None or not compiling) and torch.is_grad_enabled() and x.dim() == 4
+            and x.shape[0] > 0 and _plain(conv)):
         return conv(x)
     w, b = conv.weight, conv.bias
     dev = x.device.type
@@ -103,4 +182,6 @@ def region_conv2d(conv: nn.Module, x: torch.Tensor, spikes: bool = False) -> tor
         dtype = torch.get_autocast_dtype(dev)
         x, w, b = x.to(dtype), w.to(dtype), None if b is None else b.to(dtype)
     with torch.autocast(dev, enabled=False):
+        if compiling:
+            return _BitsKeptConv2d.apply(x, bits, w, b, conv.stride, conv.padding, conv.dilation, conv.groups)
         return _BatchSlicedConv2d.apply(x, w, b, conv.stride, conv.padding, conv.dilation, conv.groups, spikes)

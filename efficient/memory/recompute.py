@@ -87,7 +87,8 @@ class _FromBits(torch.autograd.Function):
 
 
 def _from_bits(forward: Callable[..., Any], bits: torch.Tensor, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-    return forward(_FromBits.apply(bits, x), *args, **kwargs)
+    # the unit gets the bits too: its convolution's backward reads them rather than the rebuilt input
+    return forward(_FromBits.apply(bits, x), *args, spike_bits=bits, **kwargs)
 
 
 def _tracked(t: torch.Tensor) -> bool:
@@ -101,7 +102,8 @@ def _kept_input(t: torch.Tensor) -> torch.Tensor:
 
 
 def _spike_input(module: nn.Module) -> bool:
-    """Whether a unit's first argument is a neuron's spikes (0/1), as the unit says."""
+    """Whether a unit's first argument is a neuron's spikes (0/1), as the unit says. Such a unit's
+    forward takes `spike_bits`: in a compiled region, the input's bits the region keeps."""
     says = getattr(module, "recompute_spike_input", None)
     return bool(says is not None and says())
 
