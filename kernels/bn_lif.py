@@ -249,6 +249,12 @@ def _triton_forward(z, steps, weight, bias, running_mean, running_var, training,
 _ANY_LAYOUT = (torch.Tag.flexible_layout,)
 
 
+def _dense(*ts: Tensor) -> tuple[Tensor, ...]:
+    """The small per-channel arguments of an `_ANY_LAYOUT` op as contiguous tensors (the Triton
+    kernels index them as such; the big ones are copied whole or by chunks where they are read)."""
+    return tuple(t.contiguous() for t in ts)
+
+
 def _check_op(z: Tensor, steps: int, weight: Tensor, bias: Tensor, impl: str) -> None:
     _check_z(z, steps, weight, bias)
     if impl not in IMPLS:
@@ -286,6 +292,7 @@ def bn_lif_forward_op(
     surrogate/alpha/detach_reset serve the backward; `keep_membrane` False: autograd keeps z but not
     H, and the backward recomputes H from z (`bn_lif_backward_recompute`)."""
     z = z.contiguous()  # BatchNorm's sums in one order, whatever layout inductor gave z (`_ANY_LAYOUT`)
+    weight, bias, running_mean, running_var = _dense(weight, bias, running_mean, running_var)
     return _forward_impl(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c, v_threshold,
                          v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl, keep_membrane=keep_membrane)
 
@@ -475,6 +482,7 @@ def bn_lif_backward_recompute_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(grad z, grad weight, grad bias) as `bn_lif_backward`, without H: BatchNorm's output and H are
     rebuilt from z (H bit for bit the forward's), a chunk of channels at a time."""
+    weight, bias, stats = _dense(weight, bias, stats)
     return _recompute_backward_impl(grad_spikes, z, steps, weight, bias, stats, training, eps, c, v_threshold, v_reset,
                                     charge, surrogate, alpha, detach_reset, impl)
 
@@ -878,6 +886,7 @@ def bn_lif_max_pool_forward_op(
     padding: Sequence[int], dilation: Sequence[int], ceil_mode: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(pooled spikes, argmax offsets, BatchNorm's statistics, new running mean, new running variance)."""
+    weight, bias, running_mean, running_var = _dense(weight, bias, running_mean, running_var)
     # in training the chunks update copies of the running statistics in place, which are returned
     running = (running_mean.clone(), running_var.clone()) if training else (running_mean, running_var)
     out, offsets, stats = _pooled_forward(z, steps, weight, bias, *running, training, momentum, eps, c, v_threshold,
@@ -906,6 +915,7 @@ def bn_lif_max_pool_backward_op(
     padding: Sequence[int], dilation: Sequence[int], ceil_mode: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(grad z, grad weight, grad bias) of `bn_lif_max_pool_forward`, H rebuilt a chunk of channels at a time."""
+    weight, bias, stats = _dense(weight, bias, stats)
     return _pooled_backward(grad, z, weight, bias, stats, offsets, steps, (kernel, stride, padding, dilation, ceil_mode),
                             spike_dtype, training, eps, c, v_threshold, v_reset, charge, surrogate, alpha, detach_reset,
                             impl)

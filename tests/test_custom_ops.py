@@ -196,20 +196,64 @@ LAYOUT_FREE = ("bn_lif_forward", "bn_lif_backward_recompute", "bn_lif_max_pool_f
 @pytest.mark.parametrize("name", LAYOUT_FREE)
 def test_ops_inductor_may_give_any_layout_compute_the_same_and_return_contiguous(name):
     """The BatchNorm + LIF ops a compiled region runs on a convolution's output take it in any layout
-    (tagged `flexible_layout`, so inductor hands them a channels-last output as it is): the values are
-    those of a contiguous input bit for bit and the outputs contiguous, as the fake implementations say."""
+    (tagged `flexible_layout`, so inductor hands them a channels-last output as it is, and any strides
+    for the per-channel arguments): the values are those of contiguous inputs bit for bit and the
+    outputs contiguous, as the fake implementations say."""
     (_, op, args), = [c for c in op_cases(torch.float32) if c[0] == name]
     assert torch.Tag.flexible_layout in op.default.tags
     ref = op(*args)
-    cl = [a.detach().to(memory_format=torch.channels_last) if isinstance(a, torch.Tensor) and a.dim() == 4 else a
-          for a in args]
-    assert any(isinstance(a, torch.Tensor) and a.dim() == 4 and not a.is_contiguous() for a in cl)
+
+    def strided(a):  # 4-D: channels-last; per-channel vectors and [2, C] statistics: every other element
+        if not isinstance(a, torch.Tensor) or a.dtype == torch.uint8:
+            return a
+        a = a.detach()
+        if a.dim() == 4:
+            return a.to(memory_format=torch.channels_last)
+        wide = torch.zeros(*a.shape[:-1], 2 * a.shape[-1], dtype=a.dtype)
+        wide[..., ::2] = a
+        return wide[..., ::2]
+
+    cl = [strided(a) for a in args]
+    assert all(not a.is_contiguous() for a in cl if isinstance(a, torch.Tensor) and a.dim() and a.dtype != torch.uint8)
     got = op(*cl)
     with FakeTensorMode() as mode:
         fake = op(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in cl])
     for r, g, f in zip(ref, got, fake):
         assert torch.equal(r, g), name
         assert g.is_contiguous() and g.stride() == f.stride(), name
+
+
+def test_the_triton_path_of_the_layout_free_ops_reads_strided_arguments_right():
+    """The Triton kernels index their per-channel arguments as contiguous: the layout-free ops make
+    them so first (here a channels-last z and gradient, and weight, bias and statistics taken every
+    other element give the contiguous call's outputs bit for bit, in the interpreter)."""
+    pytest.importorskip("triton")
+    from _interpreter import run_interpreted
+
+    script = r"""
+import json, torch
+import efficient.kernels.bn_lif  # noqa: F401
+torch.manual_seed(0)
+z, g = torch.randn(4, 3, 2, 2), torch.randn(4, 3, 2, 2)
+w, b = torch.randn(3), torch.randn(3)
+stats = torch.stack([torch.randn(3), torch.rand(3) + 0.5])
+def strided(a):
+    wide = torch.zeros(*a.shape[:-1], 2 * a.shape[-1]); wide[..., ::2] = a; return wide[..., ::2]
+cl = lambda t: t.to(memory_format=torch.channels_last)
+neuron = (2.0, 1.0, 0.0, 0, 0, 4.0, True)
+ops = torch.ops.efficient
+same = []
+for keep in (True, False):
+    ref = ops.bn_lif_forward(z, 2, w, b, torch.zeros(3), torch.ones(3), True, 0.1, 1e-5, *neuron, torch.float32, "triton", keep)
+    got = ops.bn_lif_forward(cl(z), 2, strided(w), strided(b), strided(torch.zeros(3)), strided(torch.ones(3)), True, 0.1,
+                             1e-5, *neuron, torch.float32, "triton", keep)
+    same.append(all(torch.equal(x, y) for x, y in zip(ref, got)))
+ref = ops.bn_lif_backward_recompute(g, z, 2, w, b, stats, True, 1e-5, *neuron, "triton")
+got = ops.bn_lif_backward_recompute(cl(g), cl(z), 2, strided(w), strided(b), strided(stats), True, 1e-5, *neuron, "triton")
+same.append(all(torch.equal(x, y) for x, y in zip(ref, got)))
+print(json.dumps(same))
+"""
+    assert run_interpreted(script, []) == [True, True, True]
 
 
 def test_ssa_triton_outputs_match_fake_dtypes_without_scores():
