@@ -26,12 +26,15 @@ Parts (as `efficient.kernels.lif`):
 5. `bn_lif_max_pool`: a conv stage's BatchNorm -> LIF -> 2-D max-pool a chunk of channels at a
    time, forward and backward, so the stage's spikes and membrane trace never exist whole (memory
    level `recompute` runs a stem stage's rerun with it).
+6. `bn_gain_lif`: BatchNorm -> a learnable per-step gain -> LIF with leak (the stable-SNN's DLIF) a
+   chunk of channels at a time each way, from the LIF's own implementations (memory level
+   `recompute` reruns the stable-SNN VGG's and WRN's units with it).
 
 `bn_lif` updates the running statistics in place, as BatchNorm does in training (`momentum` is
 the factor BatchNorm would use; its batch counter stays with the caller); the op itself returns
 them, as autograd needs a functional op, and its eager path (no dispatch) writes them in place. In eval mode it normalises
-with the running statistics. Only LIF's constant-tau charges are fused (PLIF's learnable rate and
-DLIF's gain stay with the separate calls).
+with the running statistics. Only LIF's constant-tau charges are fused in one op (PLIF's learnable
+rate stays with the separate calls; DLIF's gain is `bn_gain_lif`'s, by chunks).
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-__all__ = ["bn_lif", "bn_lif_max_pool", "bn_lif_reference"]
+__all__ = ["bn_gain_lif", "bn_lif", "bn_lif_max_pool", "bn_lif_reference"]
 
 
 def _check_z(z: Tensor, steps: int, weight: Tensor, bias: Tensor, channels: Optional[int] = None) -> None:
@@ -1006,3 +1009,108 @@ def bn_lif_max_pool(
         return out
     return _BNLIFMaxPool.apply(z, weight, bias, running_mean, running_var, int(steps), bool(training), float(momentum),
                                float(eps), *lif_args, spike_dtype or z.dtype, impl, pool_args(*pool))
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. with a learnable per-step gain between BatchNorm and the neuron (the stable-SNN's DLIF), by chunks
+# ---------------------------------------------------------------------------------------------
+
+
+class _BNGainLIF(torch.autograd.Function):
+    """BatchNorm -> x * gain[t] -> LIF over a conv unit's z [T*R, C, ...], a chunk of channels at a
+    time each way (BatchNorm's statistics, the gain and the neuron are per channel or per element):
+    autograd keeps z and BatchNorm's statistics, and backward rebuilds one chunk's BatchNorm output,
+    current and membrane trace at a time. The LIF runs its own implementations (`impl`), so it is the
+    neuron's own call on each chunk."""
+
+    @staticmethod
+    def forward(ctx, z, gain, weight, bias, running_mean, running_var, steps, momentum, eps, lif_args, impl,
+                spike_dtype):
+        c, v_th, v_reset, charge = lif_args[:4]
+        out = torch.empty(z.shape, dtype=spike_dtype, device=z.device)
+        stats = torch.empty((2, z.shape[1]), dtype=weight.dtype, device=z.device)
+        g = gain.to(z.dtype).view(steps, 1)
+        with torch._C.DisableTorchFunction():  # modes see the call, not its insides (as the ops)
+            for c0, c1 in _channel_chunks(z):
+                zc = z[:, c0:c1].contiguous()
+                # running statistics updated in place on the buffers' slices, as BatchNorm does
+                y, mean, invstd = torch.native_batch_norm(zc, weight[c0:c1], bias[c0:c1], running_mean[c0:c1],
+                                                          running_var[c0:c1], True, momentum, eps)
+                stats[0, c0:c1], stats[1, c0:c1] = mean, invstd
+                s, _ = _lif._run_forward(y.view(steps, -1) * g, None, c, v_th, v_reset, charge, spike_dtype, impl,
+                                         membrane=False)
+                del y
+                out[:, c0:c1] = s.view(zc.shape)
+        ctx.save_for_backward(z, gain, weight, bias, stats)
+        ctx.steps, ctx.eps, ctx.lif_args, ctx.impl = steps, eps, lif_args, impl
+        ctx.set_materialize_grads(False)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is None:
+            return (None,) * 12
+        z, gain, weight, bias, stats = ctx.saved_tensors
+        steps, eps, impl = ctx.steps, ctx.eps, ctx.impl
+        c, v_th, v_reset, charge, surrogate, alpha, detach = ctx.lif_args
+        g = gain.to(z.dtype).view(steps, 1)
+        gz = torch.empty(z.shape, dtype=z.dtype, device=z.device)
+        gw, gb = torch.empty_like(weight), torch.empty_like(weight)
+        ggain = torch.zeros(steps, dtype=torch.float32, device=z.device)
+        for c0, c1 in _channel_chunks(z):
+            zc = z[:, c0:c1].contiguous()
+            # aten's BatchNorm again: the chunk's batch statistics channel by channel, as forward's
+            y = torch.native_batch_norm(zc, weight[c0:c1], bias[c0:c1], None, None, True, 0.0, eps)[0].view(steps, -1)
+            _, h = _lif._run_forward(y * g, None, c, v_th, v_reset, charge, z.dtype, impl)
+            gcur, _, _ = _lif._run_backward(grad[:, c0:c1].contiguous().view(steps, -1), None, h, None, c, v_th,
+                                            v_reset, charge, surrogate, alpha, detach, z.dtype, impl)
+            del h
+            ggain += (gcur * y).sum(1, dtype=torch.float32)  # d current / d gain[t] = y[t]
+            gzc, gwc, gbc = _bn_backward((gcur * g).view(zc.shape), zc, weight[c0:c1], stats[:, c0:c1], True, eps)
+            del y, gcur
+            gz[:, c0:c1], gw[c0:c1], gb[c0:c1] = gzc, gwc, gbc
+            del gzc
+        need = ctx.needs_input_grad
+        return (gz if need[0] else None, ggain.to(gain.dtype) if need[1] else None, gw if need[2] else None,
+                gb if need[3] else None) + (None,) * 8
+
+
+def bn_gain_lif(
+    z: Tensor,
+    steps: int,
+    gain: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    running_mean: Tensor,
+    running_var: Tensor,
+    momentum: float,
+    eps: float,
+    *,
+    leak: float,
+    v_threshold: float = 1.0,
+    surrogate: str = "triangle",
+    alpha: Optional[float] = None,
+    spike_dtype: Optional[torch.dtype] = None,
+    backend: str = "auto",
+) -> Optional[Tensor]:
+    """Training spikes of BatchNorm(z) * gain[t] -> LIF with leak (the stable-SNN's DLIF: hard reset to 0,
+    not detached) over a conv unit's z [T*R, C, ...], computed a chunk of channels at a time in forward
+    and in backward (`_BNGainLIF`), so neither the BatchNorm output, the current nor the membrane
+    trace ever exists whole; for units memory level `recompute` reruns in backward. On the CPU the
+    spikes and running statistics are the separate calls' bit for bit; z's and the parameters'
+    gradients are within rounding (the gain's sums its chunks' partial sums). Running statistics are
+    updated in place. Returns None where this path does not apply and the caller runs the separate
+    calls: the "torch" backend (the reference), an eager call that a dispatch or function mode must
+    see as ops, under torch.compile."""
+    _check_z(z, steps, weight, bias)
+    if gain.shape != (steps,):
+        raise ValueError(f"bn_gain_lif: gain must have one value per step ({steps}), got {tuple(gain.shape)}")
+    chosen, impl = _choose_impl(backend, None, z)
+    if chosen == "torch" or torch.compiler.is_compiling() or not eager_call(z, op="bn_lif_forward"):
+        return None
+    _check_compiler(impl, z)
+    sid = _surrogate_id(surrogate)
+    lif_args = (float(leak), float(v_threshold), 0.0, _lif.CHARGE_LEAK, sid, float(default_alpha(surrogate, alpha)),
+                False)
+    return _BNGainLIF.apply(z, gain, weight, bias, running_mean, running_var, int(steps), float(momentum), float(eps),
+                            lif_args, impl, spike_dtype or z.dtype)

@@ -14,13 +14,13 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import nn
 
-from efficient.kernels.bn_lif import bn_lif, bn_lif_max_pool
+from efficient.kernels.bn_lif import bn_gain_lif, bn_lif, bn_lif_max_pool
 from efficient.kernels.lif import BACKENDS, SURROGATES, check_input, default_alpha, lif
 from efficient.kernels.pool_offsets import pool_args
 from efficient.models.replay import rebuild_membrane
 
-__all__ = ["SpikingNeuron", "LIF", "PLIF", "DLIF", "bn_fire", "fusable", "norm_fire", "override_surrogate", "spike_observer",
-           "separate_units"]
+__all__ = ["SpikingNeuron", "LIF", "PLIF", "DLIF", "bn_fire", "fusable", "gain_fire", "norm_fire", "override_surrogate",
+           "spike_observer", "separate_units"]
 
 
 def _check_choice(name: str, value: str, choices) -> None:
@@ -303,6 +303,40 @@ def norm_fire(bn: nn.Module, neuron: nn.Module, z: torch.Tensor, shape: tuple[in
     lin = {} if linear is None else {"lin_weight": linear.weight, "lin_bias": linear.bias}
     return bn_fire(z, tuple(shape), neuron, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.training,
                    factor, bn.eps, **lin)
+
+
+def gain_fire(bn: nn.Module, neuron: nn.Module, z: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """`neuron(bn(z).reshape(shape))` for a DLIF after an affine BatchNorm with running statistics, over
+    z [T*R, C, ...] (`shape`: the time-major shape the neuron would take, concrete), inside a unit memory
+    level `recompute` reruns in backward (eager training): one call by chunks of channels
+    (`bn_gain_lif`) whose backward rebuilds the BatchNorm output, current and membrane trace a chunk at
+    a time, where the separate calls keep them whole for the rerun's backward. With BatchNorm's
+    bookkeeping; spike observers see the spikes returned. None where it does not apply (outside a
+    region, a watched module, autocast, a DLIF that stores its membrane, the reference backend): the
+    caller runs the two modules."""
+    from torch.nn.modules import module as _module
+
+    steps = shape[0]
+    if not (type(neuron) is DLIF and not neuron.store_membrane and bn.training and torch.is_grad_enabled()
+            and rebuild_membrane() and not torch.compiler.is_compiling() and _FUSE_UNITS[-1]
+            and isinstance(bn, nn.modules.batchnorm._BatchNorm) and bn.affine and bn.track_running_stats
+            and bn.running_mean is not None and neuron.gain.shape == (steps,)
+            and not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"))
+            and not any(_hooked(m) for m in (neuron, bn))
+            and not (_module._global_forward_hooks or _module._global_forward_pre_hooks
+                     or _module._global_backward_hooks or _module._global_backward_pre_hooks)):
+        return None
+    s = bn_gain_lif(z, steps, neuron.gain, bn.weight, bn.bias, bn.running_mean, bn.running_var,
+                    _update_factor(bn, counted=False), bn.eps, leak=neuron.leak, v_threshold=neuron.v_threshold,
+                    surrogate=neuron.surrogate, alpha=neuron.alpha, backend=neuron.backend_for_shape(shape, z.device))
+    if s is None:
+        return None
+    if bn.num_batches_tracked is not None:  # BatchNorm's batch count, as its forward keeps it
+        bn.num_batches_tracked.add_(1)
+    s = s.view(shape)
+    for hook in list(neuron._forward_hooks.values()):  # spike observers only (`_hooked` let no other through)
+        hook(neuron, (), s)
+    return s
 
 
 def _fusable_pair(bn: nn.Module, neuron: nn.Module, linear: nn.Module | None = None) -> bool:

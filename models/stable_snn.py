@@ -81,7 +81,10 @@ class ConvUnit(nn.Module):
         self.neuron = neuron
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.neuron(_per_sample(lambda z: self.bn(self.conv(z)), x))
+        z = self.conv(x.flatten(0, 1))
+        shape = (*x.shape[:2], *z.shape[1:])
+        s = neurons.gain_fire(self.bn, self.neuron, z, shape)  # in a recomputed region: by chunks of channels
+        return self.neuron(self.bn(z).view(shape)) if s is None else s
 
 
 class ConvexCombination(nn.Module):

@@ -1,0 +1,104 @@
+"""BatchNorm -> per-step gain -> LIF by chunks of channels (`efficient.kernels.bn_lif.bn_gain_lif`), with
+which memory level `recompute` reruns the stable-SNN's conv units: the DLIF's spikes, running statistics
+and gradients, and the units of a recomputed region take this path, and only they."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from efficient import memory
+from efficient.kernels import bn_lif
+from efficient.models import neurons
+from efficient.models.neurons import DLIF
+from efficient.zoo import create
+
+
+def _unit(C: int, T: int, leak: float, thr: float) -> tuple[torch.nn.BatchNorm2d, DLIF]:
+    bn = torch.nn.BatchNorm2d(C)
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.uniform_(-0.2, 0.4)
+        bn.running_mean.uniform_(-0.1, 0.1)
+    neuron = DLIF(T, leak=leak, v_threshold=thr)
+    with torch.no_grad():
+        neuron.gain.copy_(torch.linspace(0.7, 1.4, T))
+    return bn, neuron
+
+
+@pytest.mark.parametrize("chunk", [1 << 30, 4 * 3 * 3 * 2, 1], ids=["whole", "two-channels", "one-channel"])
+@pytest.mark.parametrize("leak,thr", [(0.99, 1.0), (0.5, 0.3)])
+def test_it_equals_batchnorm_then_dlif(chunk: int, leak: float, thr: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spikes and running statistics are the separate calls' bit for bit; the gradients of z, BatchNorm's
+    parameters and the gain are theirs within rounding (the gain's sums chunks' partial sums)."""
+    monkeypatch.setattr(bn_lif, "RECOMPUTE_CHUNK", chunk)
+    torch.manual_seed(0)
+    T, B, C = 3, 4, 5
+    bn, neuron = _unit(C, T, leak, thr)
+    bn2, neuron2 = copy.deepcopy(bn), copy.deepcopy(neuron)
+    z = torch.randn(T * B, C, 3, 3, requires_grad=True)
+    ref = neuron(bn(z).unflatten(0, (T, B))).flatten(0, 1)
+    assert 0 < float(ref.detach().mean()) < 1
+    g = torch.randn_like(ref)
+    wanted = [z, neuron.gain, bn.weight, bn.bias]
+    ref_grads = torch.autograd.grad(ref, wanted, g)
+    z2 = z.detach().clone().requires_grad_(True)
+    out = bn_lif.bn_gain_lif(z2, T, neuron2.gain, bn2.weight, bn2.bias, bn2.running_mean, bn2.running_var, bn2.momentum,
+                             bn2.eps, leak=leak, v_threshold=thr, surrogate=neuron2.surrogate, alpha=neuron2.alpha)
+    assert torch.equal(out, ref)
+    assert torch.equal(bn2.running_mean, bn.running_mean) and torch.equal(bn2.running_var, bn.running_var)
+    grads = torch.autograd.grad(out, [z2, neuron2.gain, bn2.weight, bn2.bias], g)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_gain_of_the_wrong_length_is_named() -> None:
+    bn, neuron = _unit(2, 3, 0.9, 1.0)
+    with pytest.raises(ValueError, match="gain must have one value per step"):
+        bn_lif.bn_gain_lif(torch.randn(6, 2, 2, 2), 3, torch.ones(4), bn.weight, bn.bias, bn.running_mean,
+                           bn.running_var, 0.1, 1e-5, leak=0.9)
+
+
+def _step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+    for p in model.parameters():
+        p.grad = None
+    F.cross_entropy(model(x), y).backward()
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def test_a_recomputed_vgg_reruns_its_units_by_chunks_and_trains_as_level_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At level `recompute` each conv unit of the stable-SNN VGG runs BatchNorm, gain and DLIF by chunks
+    (forward and rerun), at level `none` never; the step's gradients and the running statistics are
+    level none's. A DLIF watched by a hook (the MPD objective's records its input current) is called
+    as a module."""
+    monkeypatch.setattr(bn_lif, "RECOMPUTE_CHUNK", 1 << 12)
+    calls: list[int] = []
+    real = neurons.bn_gain_lif
+
+    def counted(z, *args, **kwargs):
+        calls.append(z.shape[1])
+        return real(z, *args, **kwargs)
+
+    monkeypatch.setattr(neurons, "bn_gain_lif", counted)
+    torch.manual_seed(0)
+    base = create("stable-snn-vgg11", width=0.125, fc_dim=64, timesteps=2).train()
+    x, y = torch.rand(2, 3, 32, 32), torch.tensor([1, 7])
+    none = copy.deepcopy(base)
+    ref = _step(none, x, y)
+    assert not calls
+    rec = copy.deepcopy(base)
+    memory.optimize(rec, "recompute")
+    got = _step(rec, x, y)
+    convs = [m for m in rec.modules() if type(m).__name__ == "ConvUnit"]
+    assert len(calls) == 2 * len(convs)  # each unit's forward and its rerun
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    for (k, a), b in zip(rec.state_dict().items(), none.state_dict().values()):
+        assert torch.equal(a, b), k
+    calls.clear()
+    convs[0].neuron.register_forward_hook(lambda m, i, o: None)
+    _step(rec, x, y)
+    assert len(calls) == 2 * (len(convs) - 1)
