@@ -1016,6 +1016,55 @@ def bn_lif_max_pool(
 # ---------------------------------------------------------------------------------------------
 
 
+def _dlif_args(leak: float, v_threshold: float, surrogate: int, alpha: float) -> tuple:
+    """The DLIF's options as the LIF implementations take them: leak charge, hard reset to 0, not detached."""
+    return (float(leak), float(v_threshold), 0.0, _lif.CHARGE_LEAK, int(surrogate), float(alpha), False)
+
+
+def _gain_forward(z, steps, gain, weight, bias, running_mean, running_var, momentum, eps, lif_args, impl, spike_dtype):
+    """(spikes, stats) of BatchNorm -> x * gain[t] -> LIF, a chunk of channels at a time; the running
+    statistics are updated in place on the given tensors' slices, as BatchNorm does."""
+    c, v_th, v_reset, charge = lif_args[:4]
+    out = torch.empty(z.shape, dtype=spike_dtype, device=z.device)
+    stats = torch.empty((2, z.shape[1]), dtype=weight.dtype, device=z.device)
+    g = gain.to(z.dtype).view(steps, 1)
+    for c0, c1 in _channel_chunks(z):
+        zc = z[:, c0:c1].contiguous()
+        y, mean, invstd = torch.native_batch_norm(zc, weight[c0:c1], bias[c0:c1], running_mean[c0:c1],
+                                                  running_var[c0:c1], True, momentum, eps)
+        stats[0, c0:c1], stats[1, c0:c1] = mean, invstd
+        # the DLIF's x * gain[t], then the LIF's own loop: the separate calls' values
+        s, _ = _lif._run_forward(y.view(steps, -1) * g, None, c, v_th, v_reset, charge, spike_dtype, impl,
+                                 membrane=False)
+        del y
+        out[:, c0:c1] = s.view(zc.shape)
+    return out, stats
+
+
+def _gain_backward(grad, z, gain, weight, bias, stats, steps, eps, lif_args, impl):
+    """(grad z, grad gain, grad weight, grad bias) of `_gain_forward`: a chunk's BatchNorm output,
+    current and membrane trace rebuilt at a time; the gain's gradient sums the chunks' partial sums."""
+    c, v_th, v_reset, charge, surrogate, alpha, detach = lif_args
+    g = gain.to(z.dtype).view(steps, 1)
+    gz = torch.empty(z.shape, dtype=z.dtype, device=z.device)
+    gw, gb = torch.empty_like(weight), torch.empty_like(weight)
+    ggain = torch.zeros(steps, dtype=torch.float32, device=z.device)
+    for c0, c1 in _channel_chunks(z):
+        zc = z[:, c0:c1].contiguous()
+        # aten's BatchNorm again: the chunk's batch statistics channel by channel, as forward's
+        y = torch.native_batch_norm(zc, weight[c0:c1], bias[c0:c1], None, None, True, 0.0, eps)[0].view(steps, -1)
+        _, h = _lif._run_forward(y * g, None, c, v_th, v_reset, charge, z.dtype, impl)
+        gcur, _, _ = _lif._run_backward(grad[:, c0:c1].contiguous().view(steps, -1), None, h, None, c, v_th, v_reset,
+                                        charge, surrogate, alpha, detach, z.dtype, impl)
+        del h
+        ggain += (gcur * y).sum(1, dtype=torch.float32)  # d current / d gain[t] = y[t]
+        gzc, gwc, gbc = _bn_backward((gcur * g).view(zc.shape), zc, weight[c0:c1], stats[:, c0:c1], True, eps)
+        del y, gcur
+        gz[:, c0:c1], gw[c0:c1], gb[c0:c1] = gzc, gwc, gbc
+        del gzc
+    return gz, ggain.to(gain.dtype), gw, gb
+
+
 class _BNGainLIF(torch.autograd.Function):
     """BatchNorm -> x * gain[t] -> LIF over a conv unit's z [T*R, C, ...], a chunk of channels at a
     time each way (BatchNorm's statistics, the gain and the neuron are per channel or per element):
@@ -1026,21 +1075,9 @@ class _BNGainLIF(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z, gain, weight, bias, running_mean, running_var, steps, momentum, eps, lif_args, impl,
                 spike_dtype):
-        c, v_th, v_reset, charge = lif_args[:4]
-        out = torch.empty(z.shape, dtype=spike_dtype, device=z.device)
-        stats = torch.empty((2, z.shape[1]), dtype=weight.dtype, device=z.device)
-        g = gain.to(z.dtype).view(steps, 1)
         with torch._C.DisableTorchFunction():  # modes see the call, not its insides (as the ops)
-            for c0, c1 in _channel_chunks(z):
-                zc = z[:, c0:c1].contiguous()
-                # running statistics updated in place on the buffers' slices, as BatchNorm does
-                y, mean, invstd = torch.native_batch_norm(zc, weight[c0:c1], bias[c0:c1], running_mean[c0:c1],
-                                                          running_var[c0:c1], True, momentum, eps)
-                stats[0, c0:c1], stats[1, c0:c1] = mean, invstd
-                s, _ = _lif._run_forward(y.view(steps, -1) * g, None, c, v_th, v_reset, charge, spike_dtype, impl,
-                                         membrane=False)
-                del y
-                out[:, c0:c1] = s.view(zc.shape)
+            out, stats = _gain_forward(z, steps, gain, weight, bias, running_mean, running_var, momentum, eps,
+                                       lif_args, impl, spike_dtype)
         ctx.save_for_backward(z, gain, weight, bias, stats)
         ctx.steps, ctx.eps, ctx.lif_args, ctx.impl = steps, eps, lif_args, impl
         ctx.set_materialize_grads(False)
@@ -1050,29 +1087,74 @@ class _BNGainLIF(torch.autograd.Function):
     def backward(ctx, grad):
         if grad is None:
             return (None,) * 12
-        z, gain, weight, bias, stats = ctx.saved_tensors
-        steps, eps, impl = ctx.steps, ctx.eps, ctx.impl
-        c, v_th, v_reset, charge, surrogate, alpha, detach = ctx.lif_args
-        g = gain.to(z.dtype).view(steps, 1)
-        gz = torch.empty(z.shape, dtype=z.dtype, device=z.device)
-        gw, gb = torch.empty_like(weight), torch.empty_like(weight)
-        ggain = torch.zeros(steps, dtype=torch.float32, device=z.device)
-        for c0, c1 in _channel_chunks(z):
-            zc = z[:, c0:c1].contiguous()
-            # aten's BatchNorm again: the chunk's batch statistics channel by channel, as forward's
-            y = torch.native_batch_norm(zc, weight[c0:c1], bias[c0:c1], None, None, True, 0.0, eps)[0].view(steps, -1)
-            _, h = _lif._run_forward(y * g, None, c, v_th, v_reset, charge, z.dtype, impl)
-            gcur, _, _ = _lif._run_backward(grad[:, c0:c1].contiguous().view(steps, -1), None, h, None, c, v_th,
-                                            v_reset, charge, surrogate, alpha, detach, z.dtype, impl)
-            del h
-            ggain += (gcur * y).sum(1, dtype=torch.float32)  # d current / d gain[t] = y[t]
-            gzc, gwc, gbc = _bn_backward((gcur * g).view(zc.shape), zc, weight[c0:c1], stats[:, c0:c1], True, eps)
-            del y, gcur
-            gz[:, c0:c1], gw[c0:c1], gb[c0:c1] = gzc, gwc, gbc
-            del gzc
+        gz, ggain, gw, gb = _gain_backward(grad, *ctx.saved_tensors, ctx.steps, ctx.eps, ctx.lif_args, ctx.impl)
         need = ctx.needs_input_grad
-        return (gz if need[0] else None, ggain.to(gain.dtype) if need[1] else None, gw if need[2] else None,
+        return (gz if need[0] else None, ggain if need[1] else None, gw if need[2] else None,
                 gb if need[3] else None) + (None,) * 8
+
+
+# the same pair as custom ops, for compiled regions (functional: the new running statistics are outputs)
+
+@torch.library.custom_op("efficient::bn_gain_lif_forward", mutates_args=(), tags=_ANY_LAYOUT)
+def bn_gain_lif_forward_op(
+    z: Tensor, steps: int, gain: Tensor, weight: Tensor, bias: Tensor, running_mean: Tensor, running_var: Tensor,
+    momentum: float, eps: float, leak: float, v_threshold: float, surrogate: int, alpha: float,
+    spike_dtype: torch.dtype, impl: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(spikes, BatchNorm's statistics, new running mean, new running variance) of training-mode
+    BatchNorm -> x * gain[t] -> DLIF over z [T*R, C, ...], by chunks of channels."""
+    _check_z(z, steps, weight, bias)
+    gain, weight, bias, running_mean, running_var = _dense(gain, weight, bias, running_mean, running_var)
+    new_mean, new_var = running_mean.clone(), running_var.clone()  # updated in place by the chunks
+    out, stats = _gain_forward(z, steps, gain, weight, bias, new_mean, new_var, momentum, eps,
+                               _dlif_args(leak, v_threshold, surrogate, alpha), impl, spike_dtype)
+    return out, stats, new_mean, new_var
+
+
+@bn_gain_lif_forward_op.register_fake
+def _(z, steps, gain, weight, bias, running_mean, running_var, momentum, eps, leak, v_threshold, surrogate, alpha,
+      spike_dtype, impl):
+    _check_z(z, steps, weight, bias)
+    return (z.new_empty(z.shape, dtype=spike_dtype), weight.new_empty((2, z.shape[1])),
+            running_mean.new_empty(running_mean.shape), running_var.new_empty(running_var.shape))
+
+
+@torch.library.custom_op("efficient::bn_gain_lif_backward", mutates_args=(), tags=_ANY_LAYOUT)
+def bn_gain_lif_backward_op(
+    grad: Tensor, z: Tensor, gain: Tensor, weight: Tensor, bias: Tensor, stats: Tensor, steps: int, eps: float,
+    leak: float, v_threshold: float, surrogate: int, alpha: float, impl: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(grad z, grad gain, grad weight, grad bias) of `bn_gain_lif_forward`, rebuilt a chunk of channels at a time."""
+    gain, weight, bias, stats = _dense(gain, weight, bias, stats)
+    return _gain_backward(grad, z, gain, weight, bias, stats, steps, eps, _dlif_args(leak, v_threshold, surrogate, alpha),
+                          impl)
+
+
+@bn_gain_lif_backward_op.register_fake
+def _(grad, z, gain, weight, bias, stats, steps, eps, leak, v_threshold, surrogate, alpha, impl):
+    return z.new_empty(z.shape), gain.new_empty(gain.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape)
+
+
+def _gain_setup_context(ctx, inputs, output) -> None:
+    z, steps, gain, weight, bias, _rm, _rv, _momentum, eps, leak, v_th, surrogate, alpha, _sd, impl = inputs
+    ctx.save_for_backward(z, gain, weight, bias, output[1])
+    ctx.rest = (steps, eps, leak, v_th, surrogate, alpha, impl)
+    ctx.set_materialize_grads(False)
+
+
+def _gain_op_backward(ctx, grad, *_grads_of_the_rest):
+    need = ctx.needs_input_grad
+    if grad is None:
+        return (None,) * len(need)
+    z, gain, weight, bias, stats = ctx.saved_tensors
+    gz, ggain, gw, gb = torch.ops.efficient.bn_gain_lif_backward(grad, z, gain, weight, bias, stats, *ctx.rest)
+    return (gz if need[0] else None, None, ggain if need[2] else None, gw if need[3] else None,
+            gb if need[4] else None) + (None,) * (len(need) - 5)
+
+
+bn_gain_lif_forward_op.register_autograd(_gain_op_backward, setup_context=_gain_setup_context)
+_register_flops(torch.ops.efficient.bn_gain_lif_forward, 7)  # `bn_lif_forward`'s and the gain's multiply
+_register_flops(torch.ops.efficient.bn_gain_lif_backward, 22)  # `bn_lif_backward_recompute`'s, the gain's two
 
 
 def bn_gain_lif(
@@ -1101,16 +1183,24 @@ def bn_gain_lif(
     gradients are within rounding (the gain's sums its chunks' partial sums). Running statistics are
     updated in place. Returns None where this path does not apply and the caller runs the separate
     calls: the "torch" backend (the reference), an eager call that a dispatch or function mode must
-    see as ops, under torch.compile."""
+    see as ops. Under torch.compile it runs as the op pair `efficient::bn_gain_lif_forward` / `_backward`
+    (the same code; the new running statistics come back as outputs and are stored in the buffers)."""
     _check_z(z, steps, weight, bias)
     if gain.shape != (steps,):
         raise ValueError(f"bn_gain_lif: gain must have one value per step ({steps}), got {tuple(gain.shape)}")
     chosen, impl = _choose_impl(backend, None, z)
-    if chosen == "torch" or torch.compiler.is_compiling() or not eager_call(z, op="bn_lif_forward"):
+    if chosen == "torch":
+        return None
+    compiling = torch.compiler.is_compiling()
+    if not compiling and not eager_call(z, op="bn_lif_forward"):
         return None
     _check_compiler(impl, z)
-    sid = _surrogate_id(surrogate)
-    lif_args = (float(leak), float(v_threshold), 0.0, _lif.CHARGE_LEAK, sid, float(default_alpha(surrogate, alpha)),
-                False)
+    sid, a = _surrogate_id(surrogate), float(default_alpha(surrogate, alpha))
+    if compiling:  # the op pair: the compiler sees one op each way
+        out, _, new_mean, new_var = torch.ops.efficient.bn_gain_lif_forward(
+            z, int(steps), gain, weight, bias, running_mean, running_var, float(momentum), float(eps), float(leak),
+            float(v_threshold), sid, a, spike_dtype or z.dtype, impl)
+        _store_running([running_mean, running_var], new_mean, new_var)
+        return out
     return _BNGainLIF.apply(z, gain, weight, bias, running_mean, running_var, int(steps), float(momentum), float(eps),
-                            lif_args, impl, spike_dtype or z.dtype)
+                            _dlif_args(leak, v_threshold, sid, a), impl, spike_dtype or z.dtype)

@@ -308,7 +308,7 @@ def norm_fire(bn: nn.Module, neuron: nn.Module, z: torch.Tensor, shape: tuple[in
 def gain_fire(bn: nn.Module, neuron: nn.Module, z: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
     """`neuron(bn(z).reshape(shape))` for a DLIF after an affine BatchNorm with running statistics, over
     z [T*R, C, ...] (`shape`: the time-major shape the neuron would take, concrete), inside a unit memory
-    level `recompute` reruns in backward (eager training): one call by chunks of channels
+    level `recompute` reruns in backward (training, eager or compiled): one call by chunks of channels
     (`bn_gain_lif`) whose backward rebuilds the BatchNorm output, current and membrane trace a chunk at
     a time, where the separate calls keep them whole for the rerun's backward. With BatchNorm's
     bookkeeping; spike observers see the spikes returned. None where it does not apply (outside a
@@ -318,7 +318,7 @@ def gain_fire(bn: nn.Module, neuron: nn.Module, z: torch.Tensor, shape: tuple[in
 
     steps = shape[0]
     if not (type(neuron) is DLIF and not neuron.store_membrane and bn.training and torch.is_grad_enabled()
-            and rebuild_membrane() and not torch.compiler.is_compiling() and _FUSE_UNITS[-1]
+            and rebuild_membrane(neuron) and _FUSE_UNITS[-1]
             and isinstance(bn, nn.modules.batchnorm._BatchNorm) and bn.affine and bn.track_running_stats
             and bn.running_mean is not None and neuron.gain.shape == (steps,)
             and not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"))

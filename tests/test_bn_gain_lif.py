@@ -102,3 +102,37 @@ def test_a_recomputed_vgg_reruns_its_units_by_chunks_and_trains_as_level_none(mo
     convs[0].neuron.register_forward_hook(lambda m, i, o: None)
     _step(rec, x, y)
     assert len(calls) == 2 * (len(convs) - 1)
+
+
+@pytest.mark.slow
+def test_a_compiled_recompute_vgg_runs_the_op_pair_and_equals_eager_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torch.compile a recomputed VGG unit runs as `efficient::bn_gain_lif_forward` / `_backward`
+    (at level `none` the compiler sees BatchNorm and DLIF apart), and the compiled `recompute` step
+    gives eager `none`'s loss and gradients within rounding."""
+    from test_memory_compiled import _ops_of_compiled_step
+
+    monkeypatch.setattr(bn_lif, "RECOMPUTE_CHUNK", 1 << 12)
+    torch.manual_seed(0)
+    base = create("stable-snn-vgg11", width=0.125, fc_dim=64, timesteps=2).train()
+    x, y = torch.rand(2, 3, 32, 32), torch.tensor([1, 7])
+    fw, _ = _ops_of_compiled_step(copy.deepcopy(base), x, y)
+    assert not [t for t, _ in fw if "gain" in str(t)], fw
+    model = copy.deepcopy(base)
+    memory.optimize(model, "recompute")
+    fw, bw = _ops_of_compiled_step(model, x, y)
+    assert any(t is torch.ops.efficient.bn_gain_lif_forward.default for t, _ in fw), fw
+    assert any(t is torch.ops.efficient.bn_gain_lif_backward.default for t, _ in bw), bw
+    none = copy.deepcopy(base)
+    loss = F.cross_entropy(none(x), y)
+    loss.backward()
+    model = copy.deepcopy(base)
+    memory.optimize(model, "recompute")
+    torch._dynamo.reset()
+    got = F.cross_entropy(torch.compile(model)(x), y)
+    got.backward()
+    torch._dynamo.reset()
+    assert float(got.detach()) == pytest.approx(float(loss.detach()), rel=1e-5)
+    for (k, a), b in zip(model.named_parameters(), none.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-3, atol=1e-5, msg=k)
+    for (k, a), b in zip(model.state_dict().items(), none.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=k)

@@ -121,6 +121,16 @@ def op_cases(dtype):
           _randn(3, dtype=dtype, seed=44), torch.stack([torch.zeros(3), torch.ones(3)]).to(dtype),
           max_pool_offsets(_spikes(4, 3, 4, 4, dtype=torch.float32, seed=45, grad=False), POOL)[1], 2, True, 1e-5, 2.0, 1.0,
           0.0, K.CHARGE_DECAY_INPUT, 0, 4.0, True, dtype, "loop", *POOL)),
+        # BatchNorm -> the DLIF's per-step gain -> LIF by chunks (a recomputed stable-SNN unit): z [T*B, C, 2, 2], T=2
+        ("bn_gain_lif_forward", torch.ops.efficient.bn_gain_lif_forward,
+         (_randn(4, 3, 2, 2, dtype=dtype, seed=52, grad=True), 2, _randn(2, dtype=dtype, seed=53, grad=True),
+          _randn(3, dtype=dtype, seed=54, grad=True), _randn(3, dtype=dtype, seed=55, grad=True),
+          torch.zeros(3, dtype=dtype), torch.ones(3, dtype=dtype), 0.1, 1e-5, 0.99, 0.5, K.SURROGATES["triangle"],
+          1.0, dtype, "loop")),
+        ("bn_gain_lif_backward", torch.ops.efficient.bn_gain_lif_backward,
+         (_randn(4, 3, 2, 2, dtype=dtype, seed=56), _randn(4, 3, 2, 2, dtype=dtype, seed=57), _randn(2, dtype=dtype, seed=58),
+          _randn(3, dtype=dtype, seed=59), _randn(3, dtype=dtype, seed=60), torch.stack([torch.zeros(3), torch.ones(3)]).to(dtype),
+          2, 1e-5, 0.99, 0.5, K.SURROGATES["triangle"], 1.0, "loop")),
         # a compiled region's stem convolution of spikes: x [3, 2, 4, 4] kept as bits, weight [5, 2, 3, 3]
         ("conv2d_backward_from_bits", torch.ops.efficient.conv2d_backward_from_bits,
          (_randn(3, 5, 4, 4, dtype=dtype, seed=46), pack_spikes(_spikes(3, 2, 4, 4, dtype=dtype, seed=47, grad=False)),
@@ -190,7 +200,8 @@ def test_fake_outputs_match_real_outputs(dtype):
         assert _meta(fake) == _meta(real), name
 
 
-LAYOUT_FREE = ("bn_lif_forward", "bn_lif_backward_recompute", "bn_lif_max_pool_forward", "bn_lif_max_pool_backward")
+LAYOUT_FREE = ("bn_lif_forward", "bn_lif_backward_recompute", "bn_lif_max_pool_forward", "bn_lif_max_pool_backward",
+               "bn_gain_lif_forward", "bn_gain_lif_backward")
 
 
 @pytest.mark.parametrize("name", LAYOUT_FREE)
