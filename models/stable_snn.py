@@ -69,6 +69,13 @@ class Normalize(nn.Module):
         return (x - self.mean) / self.std
 
 
+def _norm_fire(bn: nn.Module, neuron: nn.Module, z: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """`neuron(bn(z).view(shape))` for z [T*B, C, ...] and the neuron's time-major `shape`; inside a
+    recomputed region a DLIF's BatchNorm, gain and neuron run by chunks of channels (`gain_fire`)."""
+    s = neurons.gain_fire(bn, neuron, z, shape)
+    return neuron(bn(z).view(shape)) if s is None else s
+
+
 class ConvUnit(nn.Module):
     """3x3 conv -> BN -> spiking neuron on `[T, B, C, H, W]`."""
 
@@ -82,9 +89,7 @@ class ConvUnit(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         z = self.conv(x.flatten(0, 1))
-        shape = (*x.shape[:2], *z.shape[1:])
-        s = neurons.gain_fire(self.bn, self.neuron, z, shape)  # in a recomputed region: by chunks of channels
-        return self.neuron(self.bn(z).view(shape)) if s is None else s
+        return _norm_fire(self.bn, self.neuron, z, (*x.shape[:2], *z.shape[1:]))
 
 
 class ConvexCombination(nn.Module):
@@ -242,6 +247,8 @@ class WideBlock(nn.Module):
     """Pre-activation wide basic block: BN-neuron-conv-BN-neuron-conv, then a convex
     combination of the shortcut and the residual branch."""
 
+    recompute_unit = True  # efficient.memory: a block keeps only its input and reruns in backward
+
     def __init__(self, c_in: int, c_out: int, stride: int, neuron_fn: Callable[[], nn.Module], drop: float) -> None:
         super().__init__()
         self.bn1 = nn.BatchNorm2d(c_in)
@@ -256,10 +263,11 @@ class WideBlock(nn.Module):
         self.convex = ConvexCombination(2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a = self.neuron1(_per_sample(self.bn1, x))
+        a = _norm_fire(self.bn1, self.neuron1, x.flatten(0, 1), x.shape)
         # Equal shapes: identity on the raw input; otherwise a 1x1 conv on the activated input.
         skip = x if self.shortcut is None else _per_sample(self.shortcut, a)
-        h = self.neuron2(_per_sample(lambda z: self.bn2(self.conv1(z)), a))
+        z = self.conv1(a.flatten(0, 1))
+        h = _norm_fire(self.bn2, self.neuron2, z, (*a.shape[:2], *z.shape[1:]))
         if self.drop > 0:
             h = F.dropout(h, p=self.drop, training=self.training)
         h = _per_sample(self.conv2, h)

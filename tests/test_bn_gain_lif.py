@@ -136,3 +136,33 @@ def test_a_compiled_recompute_vgg_runs_the_op_pair_and_equals_eager_none(monkeyp
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-3, atol=1e-5, msg=k)
     for (k, a), b in zip(model.state_dict().items(), none.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_a_recomputed_wrn_reruns_its_blocks_with_their_units_by_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stable-SNN WRN's wide blocks are units of level `recompute` (each keeps its input), whose two
+    BatchNorm -> DLIF pairs run by chunks; the step trains as level `none` and keeps far less."""
+    from efficient.memory.measure import activation_memory
+
+    monkeypatch.setattr(bn_lif, "RECOMPUTE_CHUNK", 1 << 12)
+    calls: list[int] = []
+    real = neurons.bn_gain_lif
+    monkeypatch.setattr(neurons, "bn_gain_lif", lambda z, *a, **k: calls.append(1) or real(z, *a, **k))
+    torch.manual_seed(0)
+    base = create("stable-snn-wrn16", widen=1, timesteps=2).train()
+    x, y = torch.rand(2, 3, 32, 32), torch.tensor([1, 7])
+    none = copy.deepcopy(base)
+    ref = _step(none, x, y)
+    rec = copy.deepcopy(base)
+    plan = memory.optimize(rec, "recompute")
+    blocks = [n for n in plan.units if n.startswith("blocks.")]
+    assert blocks == [f"blocks.{i}" for i in range(len(rec.blocks))]
+    calls.clear()
+    got = _step(rec, x, y)
+    assert len(calls) == 2 * 2 * len(blocks)  # two pairs per block, forward and rerun
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    for (k, a), b in zip(rec.state_dict().items(), none.state_dict().values()):
+        assert torch.equal(a, b), k
+    loss = lambda out: F.cross_entropy(out, y)  # noqa: E731
+    kept = activation_memory(rec, x, loss, level="recompute").total_bytes
+    assert kept < 0.2 * activation_memory(rec, x, loss, level="none").total_bytes
