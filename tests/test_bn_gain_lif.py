@@ -166,3 +166,31 @@ def test_a_recomputed_wrn_reruns_its_blocks_with_their_units_by_chunks(monkeypat
     loss = lambda out: F.cross_entropy(out, y)  # noqa: E731
     kept = activation_memory(rec, x, loss, level="recompute").total_bytes
     assert kept < 0.2 * activation_memory(rec, x, loss, level="none").total_bytes
+
+
+def test_the_triton_path_equals_the_loop_in_the_interpreter() -> None:
+    """On a GPU the chunks run the LIF's Triton kernels: spikes, running statistics and gradients are
+    the CPU loop's (in the Triton interpreter, two channels per chunk)."""
+    pytest.importorskip("triton")
+    from _interpreter import run_interpreted
+
+    script = r"""
+import json, torch
+from efficient.kernels import bn_lif as K
+torch.manual_seed(0)
+T, B, C = 2, 3, 4
+z, g = torch.randn(T * B, C, 2, 2), torch.randn(T * B, C, 2, 2)
+gain, w, b = torch.tensor([0.8, 1.2]), torch.rand(C) + 0.5, torch.randn(C) * 0.1
+K.RECOMPUTE_CHUNK = 2 * T * B * 4
+out = {}
+for backend in ("loop", "triton"):
+    leaves = [t.clone().requires_grad_(True) for t in (z, gain, w, b)]
+    rm, rv = torch.zeros(C), torch.ones(C)
+    s = K.bn_gain_lif(leaves[0], T, leaves[1], leaves[2], leaves[3], rm, rv, 0.1, 1e-5, leak=0.9, v_threshold=0.5,
+                      backend=backend)
+    out[backend] = (s.detach(), rm, rv, torch.autograd.grad(s, leaves, g))
+a, c = out["loop"], out["triton"]
+print(json.dumps([0 < float(a[0].mean()) < 1, torch.equal(a[0], c[0]), torch.allclose(a[1], c[1]),
+                  torch.allclose(a[2], c[2]), all(torch.allclose(x, y, rtol=1e-4, atol=1e-6) for x, y in zip(a[3], c[3]))]))
+"""
+    assert run_interpreted(script, []) == [True] * 5
