@@ -40,6 +40,7 @@ rate stays with the separate calls; DLIF's gain is `bn_gain_lif`'s, by chunks).
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from typing import Optional, Sequence
 
@@ -249,7 +250,11 @@ def _triton_forward(z, steps, weight, bias, running_mean, running_var, training,
 # take any strides: each copies what it reads contiguous itself (the whole z, or a chunk of channels
 # at a time), so results do not depend on the layout and outputs are contiguous, where inductor would
 # otherwise copy z whole for every op that reads it and keep those copies alive in a region's rerun.
-_ANY_LAYOUT = (torch.Tag.flexible_layout,)
+# (`custom_op` takes tags only in recent torch releases; with an older one the ops keep the default
+# layout rule: the same values, with inductor's copies.)
+LAYOUT_TAGS = ("tags" in inspect.signature(torch.library.custom_op).parameters
+               and hasattr(torch.Tag, "flexible_layout"))
+_ANY_LAYOUT = {"tags": (torch.Tag.flexible_layout,)} if LAYOUT_TAGS else {}
 
 
 def _dense(*ts: Tensor) -> tuple[Tensor, ...]:
@@ -264,7 +269,7 @@ def _check_op(z: Tensor, steps: int, weight: Tensor, bias: Tensor, impl: str) ->
         raise ValueError(f"efficient::bn_lif_forward: unknown impl {impl!r}; choose one of {IMPLS}")
 
 
-@torch.library.custom_op("efficient::bn_lif_forward", mutates_args=(), tags=_ANY_LAYOUT)
+@torch.library.custom_op("efficient::bn_lif_forward", mutates_args=(), **_ANY_LAYOUT)
 def bn_lif_forward_op(
     z: Tensor,
     steps: int,
@@ -464,7 +469,7 @@ def _recompute_backward_impl(grad_spikes, z, steps, weight, bias, stats, trainin
                               training, eps, c, v_threshold, v_reset, charge, surrogate, alpha, detach_reset, impl)
 
 
-@torch.library.custom_op("efficient::bn_lif_backward_recompute", mutates_args=(), tags=_ANY_LAYOUT)
+@torch.library.custom_op("efficient::bn_lif_backward_recompute", mutates_args=(), **_ANY_LAYOUT)
 def bn_lif_backward_recompute_op(
     grad_spikes: Tensor,
     z: Tensor,
@@ -881,7 +886,7 @@ def _pooled_backward(grad, z, weight, bias, stats, offsets, steps, pool, spike_d
 # the same pair as custom ops, for compiled steps (a compiled region of memory level `recompute` runs
 # it where the eager rerun does): functional, the new running statistics are outputs as `bn_lif_forward`'s
 
-@torch.library.custom_op("efficient::bn_lif_max_pool_forward", mutates_args=(), tags=_ANY_LAYOUT)
+@torch.library.custom_op("efficient::bn_lif_max_pool_forward", mutates_args=(), **_ANY_LAYOUT)
 def bn_lif_max_pool_forward_op(
     z: Tensor, steps: int, weight: Tensor, bias: Tensor, running_mean: Tensor, running_var: Tensor, training: bool,
     momentum: float, eps: float, c: float, v_threshold: float, v_reset: Optional[float], charge: int, surrogate: int,
@@ -910,7 +915,7 @@ def _(z, steps, weight, bias, running_mean, running_var, training, momentum, eps
     return out, offsets, weight.new_empty((2, z.shape[1])), *running
 
 
-@torch.library.custom_op("efficient::bn_lif_max_pool_backward", mutates_args=(), tags=_ANY_LAYOUT)
+@torch.library.custom_op("efficient::bn_lif_max_pool_backward", mutates_args=(), **_ANY_LAYOUT)
 def bn_lif_max_pool_backward_op(
     grad: Tensor, z: Tensor, weight: Tensor, bias: Tensor, stats: Tensor, offsets: Tensor, steps: int, training: bool,
     eps: float, c: float, v_threshold: float, v_reset: Optional[float], charge: int, surrogate: int, alpha: float,
@@ -1095,7 +1100,7 @@ class _BNGainLIF(torch.autograd.Function):
 
 # the same pair as custom ops, for compiled regions (functional: the new running statistics are outputs)
 
-@torch.library.custom_op("efficient::bn_gain_lif_forward", mutates_args=(), tags=_ANY_LAYOUT)
+@torch.library.custom_op("efficient::bn_gain_lif_forward", mutates_args=(), **_ANY_LAYOUT)
 def bn_gain_lif_forward_op(
     z: Tensor, steps: int, gain: Tensor, weight: Tensor, bias: Tensor, running_mean: Tensor, running_var: Tensor,
     momentum: float, eps: float, leak: float, v_threshold: float, surrogate: int, alpha: float,
@@ -1119,7 +1124,7 @@ def _(z, steps, gain, weight, bias, running_mean, running_var, momentum, eps, le
             running_mean.new_empty(running_mean.shape), running_var.new_empty(running_var.shape))
 
 
-@torch.library.custom_op("efficient::bn_gain_lif_backward", mutates_args=(), tags=_ANY_LAYOUT)
+@torch.library.custom_op("efficient::bn_gain_lif_backward", mutates_args=(), **_ANY_LAYOUT)
 def bn_gain_lif_backward_op(
     grad: Tensor, z: Tensor, gain: Tensor, weight: Tensor, bias: Tensor, stats: Tensor, steps: int, eps: float,
     leak: float, v_threshold: float, surrogate: int, alpha: float, impl: str,
