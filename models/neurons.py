@@ -245,24 +245,36 @@ def _hooked(m: nn.Module) -> bool:
                 or m._backward_hooks or m._backward_pre_hooks)
 
 
-def fusable(neuron: nn.Module, *modules: nn.Module) -> bool:
-    """Whether `neuron` may run fused with the BatchNorm before it: a constant-tau `LIF` (not
-    PLIF's learnable rate nor DLIF's gain) that keeps no membrane, nothing watching the modules
-    (a hook, such as the profiler's, must see them called; a `spike_observer` on the neuron, such as
-    the memory levels' spike tracker, is called with the fused op's spikes instead), not
-    inside `separate_units()`, not under torch.compile (inductor fuses the BatchNorm it sees with
-    what surrounds it; an opaque op would hide it) except inside a unit memory level `recompute`
-    reruns (`rebuild_membrane(neuron)`: there the fused op's chunked backward bounds the rerun's
-    peak, where inductor's would hold the whole trace), and not under autocast (its per-op dtype
-    policy applies to each call)."""
+def _one_call_allowed(neuron: nn.Module, *modules: nn.Module) -> bool:
+    """What every fused unit asks of its modules: not inside `separate_units()`, not under autocast
+    (its per-op dtype policy applies to each call), a neuron that keeps no membrane, and nothing
+    watching the modules (a hook, such as the profiler's, must see them called; a `spike_observer`
+    on the neuron is called with the unit's spikes instead)."""
     from torch.nn.modules import module as _module
 
-    return (_FUSE_UNITS[-1] and (not torch.compiler.is_compiling() or rebuild_membrane(neuron))
-            and not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"))
-            and isinstance(neuron, LIF) and type(neuron).forward is LIF.forward and not neuron.store_membrane
+    return (_FUSE_UNITS[-1] and not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"))
+            and not getattr(neuron, "store_membrane", False)
             and not any(_hooked(m) for m in (neuron, *modules))
             and not (_module._global_forward_hooks or _module._global_forward_pre_hooks
                      or _module._global_backward_hooks or _module._global_backward_pre_hooks))
+
+
+def _tracked_bn(bn: nn.Module) -> bool:
+    """An affine BatchNorm with running statistics (what the fused units normalise with)."""
+    return (isinstance(bn, nn.modules.batchnorm._BatchNorm) and bn.affine and bn.track_running_stats
+            and bn.running_mean is not None)
+
+
+def fusable(neuron: nn.Module, *modules: nn.Module) -> bool:
+    """Whether `neuron` may run fused with the BatchNorm before it: a constant-tau `LIF` (not
+    PLIF's learnable rate nor DLIF's gain, `gain_fire`'s) that `_one_call_allowed`, not under
+    torch.compile (inductor fuses the BatchNorm it sees with what surrounds it; an opaque op would
+    hide it) except inside a unit memory level `recompute` reruns (`rebuild_membrane(neuron)`:
+    there the fused op's chunked backward bounds the rerun's peak, where inductor's would hold the
+    whole trace)."""
+    return (isinstance(neuron, LIF) and type(neuron).forward is LIF.forward
+            and (not torch.compiler.is_compiling() or rebuild_membrane(neuron))
+            and _one_call_allowed(neuron, *modules))
 
 
 def bn_fire(z: torch.Tensor, shape: tuple[int, ...], neuron: "LIF", weight: torch.Tensor, bias: torch.Tensor,
@@ -314,17 +326,9 @@ def gain_fire(bn: nn.Module, neuron: nn.Module, z: torch.Tensor, shape: tuple[in
     bookkeeping; spike observers see the spikes returned. None where it does not apply (outside a
     region, a watched module, autocast, a DLIF that stores its membrane, the reference backend): the
     caller runs the two modules."""
-    from torch.nn.modules import module as _module
-
     steps = shape[0]
-    if not (type(neuron) is DLIF and not neuron.store_membrane and bn.training and torch.is_grad_enabled()
-            and rebuild_membrane(neuron) and _FUSE_UNITS[-1]
-            and isinstance(bn, nn.modules.batchnorm._BatchNorm) and bn.affine and bn.track_running_stats
-            and bn.running_mean is not None and neuron.gain.shape == (steps,)
-            and not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"))
-            and not any(_hooked(m) for m in (neuron, bn))
-            and not (_module._global_forward_hooks or _module._global_forward_pre_hooks
-                     or _module._global_backward_hooks or _module._global_backward_pre_hooks)):
+    if not (type(neuron) is DLIF and bn.training and torch.is_grad_enabled() and rebuild_membrane(neuron)
+            and _tracked_bn(bn) and neuron.gain.shape == (steps,) and _one_call_allowed(neuron, bn)):
         return None
     s = bn_gain_lif(z, steps, neuron.gain, bn.weight, bn.bias, bn.running_mean, bn.running_var,
                     _update_factor(bn, counted=False), bn.eps, leak=neuron.leak, v_threshold=neuron.v_threshold,
@@ -341,8 +345,7 @@ def gain_fire(bn: nn.Module, neuron: nn.Module, z: torch.Tensor, shape: tuple[in
 
 def _fusable_pair(bn: nn.Module, neuron: nn.Module, linear: nn.Module | None = None) -> bool:
     """An affine BatchNorm with running statistics (and a plain Linear) that may run fused with `neuron`."""
-    return (isinstance(bn, nn.modules.batchnorm._BatchNorm) and bn.affine and bn.track_running_stats
-            and bn.running_mean is not None and fusable(neuron, bn, *([] if linear is None else [linear]))
+    return (_tracked_bn(bn) and fusable(neuron, bn, *([] if linear is None else [linear]))
             and (linear is None or type(linear) is nn.Linear))
 
 

@@ -164,7 +164,8 @@ def _plain(conv: nn.Module) -> bool:
                      or M._global_backward_hooks or M._global_backward_pre_hooks))
 
 
-def region_conv2d(conv: nn.Module, x: torch.Tensor, spikes: bool = False, bits: torch.Tensor | None = None) -> torch.Tensor:
+def region_conv2d(conv: nn.Module, x: torch.Tensor, spikes: bool = False,
+                  bits: torch.Tensor | None = None) -> torch.Tensor:
     """`conv(x)` for a stem stage's convolution; inside a recomputed region, whose rerun runs in
     backward, the convolution whose backward takes the batch a slice at a time (`batch_slices`; one
     slice when its output has at most `bn_lif.RECOMPUTE_CHUNK` elements). `spikes`: the caller
@@ -172,9 +173,8 @@ def region_conv2d(conv: nn.Module, x: torch.Tensor, spikes: bool = False, bits: 
     runs in the autocast dtype, as `conv(x)` would. Under torch.compile only a region's spike input
     takes this path: `bits` are x's bits (`pack_spikes`) the region keeps, which the backward reads."""
     compiling = torch.compiler.is_compiling()
-    region = rebuild_membrane(conv) if compiling else rebuild_membrane()
-    if not (region and (bits is not None or not compiling) and torch.is_grad_enabled() and x.dim() == 4
-            and x.shape[0] > 0 and _plain(conv)):
+    if not (rebuild_membrane(conv) and (bits is not None or not compiling) and torch.is_grad_enabled()
+            and x.dim() == 4 and x.shape[0] > 0 and _plain(conv)):
         return conv(x)
     w, b = conv.weight, conv.bias
     dev = x.device.type
