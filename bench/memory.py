@@ -98,13 +98,14 @@ from typing import Any, Callable
 
 LEVELS = ("none", "bits", "recompute")
 IMPLS = ("none", "bits", "recompute", "recompute-budget", "recompute-whole-stem", "recompute-keep-membrane",
-         "recompute-whole-conv", "sj", "sj-memopt")
+         "recompute-whole-conv", "recompute-checkpoint", "sj", "sj-memopt")
 RECOMPUTE_BUDGET = 0.2  # recompute-budget: at most this fraction of none's saved bytes (planned on the step's own batch)
 LABEL = {"none": "ours none", "bits": "ours bits", "recompute": "ours recompute", "sj": "spikingjelly",
          "recompute-budget": f"ours recompute, budget {RECOMPUTE_BUDGET:.0%}", "sj-memopt": "spikingjelly memopt L1",
          "recompute-whole-stem": "ours recompute, stem as one unit",
          "recompute-keep-membrane": "ours recompute, reruns keep H",
-         "recompute-whole-conv": "ours recompute, stem convolutions' backward whole"}
+         "recompute-whole-conv": "ours recompute, stem convolutions' backward whole",
+         "recompute-checkpoint": "ours recompute, every unit under torch's checkpoint"}
 MiB, GiB = 2**20, 2**30
 RESULT = "RESULT "  # a child's last line: RESULT <json>
 
@@ -341,7 +342,7 @@ def build(arch: str, impl: str, T: int, img: int | None = None, example: Any = N
 
     torch.manual_seed(0)
     if impl in LEVELS or impl in ("recompute-budget", "recompute-whole-stem", "recompute-keep-membrane",
-                                  "recompute-whole-conv"):
+                                  "recompute-whole-conv", "recompute-checkpoint"):
         import efficient
         from efficient import memory
 
@@ -354,6 +355,14 @@ def build(arch: str, impl: str, T: int, img: int | None = None, example: Any = N
         if impl == "recompute-whole-conv":
             _whole_convs(m)
             impl = "recompute"
+        if impl == "recompute-checkpoint":  # every unit under torch's checkpoint, as before `recompute._Region`
+            from efficient.memory.recompute import units, wrap
+
+            plan = memory.optimize(m, "recompute")
+            named = dict(units(m))
+            for name in plan.units:
+                wrap(named[name], light=False)
+            return m, plan, {"summary": plan.summary()}
         if impl == "recompute-keep-membrane":  # reruns keep H and pool inputs, as before bn_lif(keep_membrane=False)
             plan = memory.optimize(m, "recompute")
             _keep_membranes(m, plan)

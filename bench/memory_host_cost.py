@@ -1,7 +1,8 @@
 """What the memory levels cost the host per training step: a zoo model's structure at toy width
 (the arithmetic is next to nothing, so what is left is the levels' Python work: the spike tracker,
 the saved-tensor hooks, the torch-function mode that follows spikes through ops), none / bits /
-recompute interleaved step by step. On a GPU the same work is what a level adds to a step whose
+recompute interleaved step by step, and recompute with every unit under torch's checkpoint (as before
+units ran as `recompute._Region`s). On a GPU the same work is what a level adds to a step whose
 kernels take a few milliseconds (BENCHMARKS.md `## gpu`).
 
     python bench/memory_host_cost.py                                   # spikformer-4-384, sdt-2-512
@@ -19,6 +20,7 @@ import time
 import torch
 
 from efficient import memory
+from efficient.memory import recompute
 from efficient.zoo import create
 from memory import train_step  # bench/memory.py: zero_grad, forward, cross-entropy, backward
 
@@ -27,7 +29,7 @@ TOY = {
     "spikformer-4-384": ({"embed_dim": 32, "num_heads": 2, "img_size": 16}, (3, 16, 16)),
     "sdt-2-512": ({"embed_dim": 32, "num_heads": 2, "img_size": 16}, (3, 16, 16)),
 }
-LEVELS = ("none", "bits", "recompute")
+LEVELS = ("none", "bits", "recompute", "recompute-checkpoint")  # the last: every unit under torch's checkpoint
 
 
 def measure(name: str, rounds: int) -> dict:
@@ -38,7 +40,10 @@ def measure(name: str, rounds: int) -> dict:
     for level in LEVELS:
         torch.manual_seed(0)
         m = create(name, **kw).train()
-        models[level] = (m, memory.optimize(m, level) if level != "none" else None)
+        models[level] = (m, memory.optimize(m, level.split("-")[0]) if level != "none" else None)
+        if level == "recompute-checkpoint":
+            for unit in models[level][1].units:
+                recompute.wrap(dict(recompute.units(m))[unit], light=False)
 
     def step(m: torch.nn.Module) -> None:
         train_step(m, x, y)
@@ -48,7 +53,7 @@ def measure(name: str, rounds: int) -> dict:
             step(m)
     times: dict[str, list[float]] = {level: [] for level in LEVELS}
     for r in range(rounds):  # interleaved, rotating the order: drift hits every level alike
-        order = LEVELS[r % 3:] + LEVELS[:r % 3]
+        order = LEVELS[r % len(LEVELS):] + LEVELS[:r % len(LEVELS)]
         for level in order:
             t = time.perf_counter()
             step(models[level][0])
@@ -69,15 +74,16 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     print(f"# bench/memory_host_cost.py -- torch {torch.__version__}, load {os.getloadavg()[0]:.2f}, 1 thread")
-    print("| model (toy width) | none ms | bits ms | recompute ms | bits - none ms | recompute - none ms | packed / step |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model (toy width) | none ms | bits ms | recompute ms | recompute, checkpoint ms | bits - none ms | "
+          "recompute - none ms | recompute, checkpoint - none ms | packed / step |")
+    print("|---|---|---|---|---|---|---|---|---|")
     rows = []
     for name in args.models:
         r = measure(name, args.rounds)
         rows.append(r)
         m, o = r["median_ms"], r["over_none_ms"]
-        print(f"| {name} | {m['none']:.2f} | {m['bits']:.2f} | {m['recompute']:.2f} | {o['bits']:.2f} | "
-              f"{o['recompute']:.2f} | {r['packed_per_step']} |")
+        print(f"| {name} | {m['none']:.2f} | {m['bits']:.2f} | {m['recompute']:.2f} | {m['recompute-checkpoint']:.2f} | "
+              f"{o['bits']:.2f} | {o['recompute']:.2f} | {o['recompute-checkpoint']:.2f} | {r['packed_per_step']} |")
     print(f"# load at the end {os.getloadavg()[0]:.2f}")
     if args.json:
         with open(args.json, "w") as fh:

@@ -285,6 +285,10 @@ class MetaSDSA(nn.Module):
     scale * Q K^T V (computed as Q (K^T V) when that is cheaper: identical for spikes); then
     RepConv + BN. Returns STATA's scores from the same pass when asked."""
 
+    # efficient.memory: a residual half of its block (the block adds its output to the stream), so the
+    # gradient of its output lives through its rerun anyway: it runs as a light region at any size
+    recompute_residual = True
+
     def __init__(self, dim: int, heads: int, lif_cfg: dict, kernel_backend: str = "auto", scale: float = 0.125) -> None:
         super().__init__()
         if dim % heads:

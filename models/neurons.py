@@ -17,7 +17,7 @@ from torch import nn
 from efficient.kernels.bn_lif import bn_gain_lif, bn_lif, bn_lif_max_pool
 from efficient.kernels.lif import BACKENDS, SURROGATES, check_input, default_alpha, lif
 from efficient.kernels.pool_offsets import pool_args
-from efficient.models.replay import rebuild_membrane
+from efficient.models.replay import in_region, rebuild_membrane
 
 __all__ = ["SpikingNeuron", "LIF", "PLIF", "DLIF", "bn_fire", "fusable", "gain_fire", "norm_fire", "override_surrogate",
            "spike_observer", "separate_units"]
@@ -317,6 +317,13 @@ def norm_fire(bn: nn.Module, neuron: nn.Module, z: torch.Tensor, shape: tuple[in
                    factor, bn.eps, **lin)
 
 
+def _recorded(module: nn.Module) -> bool:
+    """Whether a region's unit called now is recorded for backward, or is the forward of an eager
+    region that runs without autograd (`recompute._Region`): its chunked ops then keep the forward's
+    temporaries to one chunk too."""
+    return torch.is_grad_enabled() or (not torch.compiler.is_compiling() and in_region())
+
+
 def gain_fire(bn: nn.Module, neuron: nn.Module, z: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
     """`neuron(bn(z).reshape(shape))` for a DLIF after an affine BatchNorm with running statistics, over
     z [T*R, C, ...] (`shape`: the time-major shape the neuron would take, concrete), inside a unit memory
@@ -327,7 +334,7 @@ def gain_fire(bn: nn.Module, neuron: nn.Module, z: torch.Tensor, shape: tuple[in
     region, a watched module, autocast, a DLIF that stores its membrane, the reference backend): the
     caller runs the two modules."""
     steps = shape[0]
-    if not (type(neuron) is DLIF and bn.training and torch.is_grad_enabled() and rebuild_membrane(neuron)
+    if not (type(neuron) is DLIF and bn.training and _recorded(neuron) and rebuild_membrane(neuron)
             and _tracked_bn(bn) and neuron.gain.shape == (steps,) and _one_call_allowed(neuron, bn)):
         return None
     s = bn_gain_lif(z, steps, neuron.gain, bn.weight, bn.bias, bn.running_mean, bn.running_var,
@@ -373,7 +380,7 @@ def pooled_fire(bn: nn.Module, neuron: nn.Module, pool: nn.Module, z: torch.Tens
     of channels at a time, and so again in backward). Only inside a region memory level `recompute`
     reruns in backward (`rebuild_membrane`), where a stem stage's rerun sets the step's peak; None
     elsewhere, or where the three cannot run as one, and the caller runs them as usual."""
-    if not (rebuild_membrane(neuron) and torch.is_grad_enabled() and type(pool) is nn.MaxPool2d and not pool.return_indices
+    if not (rebuild_membrane(neuron) and _recorded(neuron) and type(pool) is nn.MaxPool2d and not pool.return_indices
             and not _hooked(pool) and z.dim() == 4 and _fusable_pair(bn, neuron)):
         return None
     args = pool_args(pool.kernel_size, pool.stride, pool.padding, pool.dilation, pool.ceil_mode)

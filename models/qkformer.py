@@ -170,6 +170,7 @@ class QKTABlock(nn.Module):
 
     # efficient.memory: a block keeps only its input (the residual stream) and reruns in backward
     recompute_unit = True
+    recompute_residual = True  # its output's gradient also reaches its input unchanged
 
     def __init__(self, dim: int, heads: int, mlp_ratio: float, lif_cfg: dict) -> None:
         super().__init__()

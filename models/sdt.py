@@ -104,6 +104,10 @@ class LinearBN(nn.Module):
 class SDSA(nn.Module):
     """Spike-driven self-attention on LIF(x): Q * LIF_0.5(sum over tokens of K * V), then Linear + BN."""
 
+    # efficient.memory: a residual half of its block (the block adds its output to the stream), so the
+    # gradient of its output lives through its rerun anyway: it runs as a light region at any size
+    recompute_residual = True
+
     def __init__(self, dim: int, heads: int, lif_cfg: dict, reference_params: bool = False) -> None:
         super().__init__()
         if dim % heads:
@@ -128,6 +132,12 @@ class SDSA(nn.Module):
 
 
 class SDTMLP(nn.Module):
+    """LIF -> Linear + BN -> LIF -> Linear + BN on tokens `[T, B, N, C]` (the membrane shortcut's order)."""
+
+    # efficient.memory: a residual half of its block (the block adds its output to the stream), so the
+    # gradient of its output lives through its rerun anyway: it runs as a light region at any size
+    recompute_residual = True
+
     def __init__(self, dim: int, hidden: int, lif_cfg: dict) -> None:
         super().__init__()
         self.lif1, self.fc1 = _lif(lif_cfg), LinearBN(dim, hidden)

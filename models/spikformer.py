@@ -283,6 +283,7 @@ class Block(nn.Module):
 
     # efficient.memory: a block keeps only its input (the residual stream) and reruns in backward
     recompute_unit = True
+    recompute_residual = True  # its output's gradient also reaches its input unchanged
 
     def __init__(self, dim: int, heads: int, mlp_ratio: float, lif_cfg: dict, qkv_bias: bool = True,
                  reference_norms: bool = False, kernel_backend: str = "auto") -> None:

@@ -75,6 +75,10 @@ class SpikingformerSSA(SSA):
     """LIF on the residual stream, then Spikformer's SSA (bias-free Q, K, V units, LIF_0.5 on
     scale * Q K^T V) with a Linear + BN projection: the output is real-valued, added to the stream."""
 
+    # efficient.memory: a residual half of its block (the block adds its output to the stream), so the
+    # gradient of its output lives through its rerun anyway: it runs as a light region at any size
+    recompute_residual = True
+
     def __init__(self, dim: int, heads: int, lif_cfg: dict, kernel_backend: str = "auto") -> None:
         super().__init__(dim, heads, lif_cfg, qkv_bias=False, kernel_backend=kernel_backend)
         self.pre_lif = _lif(lif_cfg)

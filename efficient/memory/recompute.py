@@ -3,10 +3,15 @@
 A unit is a module whose class says `recompute_unit = True` (the zoo's spiking transformer blocks,
 spiking stems and Linear/Conv -> BatchNorm -> neuron units), or one of our (stateless) spiking
 neurons outside any unit. A unit with `recompute_parts()` stands for the smaller units it returns
-(Spikformer's stem: its stages), so backward holds one part's rerun at a time. Its forward runs under
-`torch.utils.checkpoint` (non-reentrant): nothing inside is saved, the input is saved once (as bits
-when it is spikes and the bits hooks are on, see `efficient.memory.spikes`), and backward reruns the
-unit on it with the forward's RNG state and autocast. A rerun must see what the forward saw and
+(Spikformer's stem: its stages), so backward holds one part's rerun at a time. Eager, a unit's call is
+a `_Region`: its forward runs without autograd (nothing inside is recorded or saved), its tensor inputs
+are saved once (as bits when they are spikes and the bits hooks are on, see `efficient.memory.spikes`),
+and backward reruns the unit on them with the forward's RNG state and autocast and takes the gradients
+of its inputs and parameters from the rerun. That is torch's non-reentrant checkpoint without its
+bookkeeping per saved tensor, which cost the host more than the rerun itself on a toy-width step. Calls
+that a `_Region` cannot follow run under `torch.utils.checkpoint` (non-reentrant) instead: an argument
+that is an object (it might hold a tensor), a unit with kept outputs (`KeptOps`), and a unit whose
+output is large and not a residual stream's (see `_OUT_NUMEL`). A rerun must see what the forward saw and
 must not count twice what the forward already counted: every buffer of the unit (BatchNorm's
 running statistics and batch count, any other running statistic) is set back to its value before
 the forward for the rerun and to its value after the forward once the rerun is done, so the step
@@ -39,14 +44,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
-from torch.utils._pytree import tree_map_only
+from torch.autograd.function import once_differentiable
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, get_device_states,
+                                    set_device_states)
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 from torch.utils.flop_counter import flop_registry
 
+from efficient.kernels import bn_lif
 from efficient.kernels.spike_pack import pack_spikes, unpack_spikes_ref
 from efficient.memory.spikes import is_neuron
 from efficient.models.replay import REGION_MARK, in_region, region_state
@@ -261,6 +270,182 @@ def _inside(forward: Callable[..., Any], *args: Any, lean: bool = True, **kwargs
         region_state.lean = outer
 
 
+# leaves a call or its output may hold besides tensors for the light region (`_Region`): nothing that
+# could hide a tensor from it
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
+_TENSOR = object()  # where a tensor goes in a call's or an output's leaves
+_NOT_LIGHT = object()  # `_light_region`: this call cannot be one
+# A `_Region`'s backward holds the gradient of the unit's outputs for the whole rerun (autograd passes it in
+# and keeps it until backward returns), where torch's checkpoint frees it once the unit's last op has used
+# it. That costs nothing where the gradient lives on anyway: a residual block or half (`recompute_residual`:
+# the stream's gradient reaches the block's input unchanged). Another unit whose outputs are larger than one
+# chunk of the chunked units (`bn_lif.RECOMPUTE_CHUNK` elements: a stem stage, a VGG's first units, whose
+# reruns set a step's peak) keeps torch's checkpoint, chosen from its previous call's output (its first call
+# is a checkpoint's, which measures it).
+_OUT_NUMEL = "_efficient_out_numel"
+
+
+class _RegionCall:
+    """What a light region's backward needs of its forward: how to call the unit again on the kept
+    inputs, the RNG and autocast state the forward ran with, its buffers' values around it (`_BufferReplay`),
+    and the structure of its output. Holds no tensor of the call: its inputs are kept by autograd."""
+
+    def __init__(self, module: nn.Module, forward: Callable[..., Any], leaves: list[Any], spec: Any, lean: bool) -> None:
+        self.module, self.forward, self.spec, self.lean = module, forward, spec, lean
+        self.slots = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+        self.plain = [_TENSOR if isinstance(v, torch.Tensor) else v for v in leaves]
+        self.buffers = _BufferReplay(module)
+        self.out_spec: Any = None
+        self.out_plain: list[Any] = []
+
+    def call(self, inputs: tuple[torch.Tensor, ...]) -> Any:
+        leaves = list(self.plain)
+        for i, t in zip(self.slots, inputs):
+            leaves[i] = t
+        args, kwargs = tree_unflatten(leaves, self.spec)
+        return _inside(self.forward, *args, lean=self.lean, **kwargs)
+
+    def save_state(self, inputs: tuple[torch.Tensor, ...]) -> None:
+        self.cpu_rng = torch.get_rng_state()
+        self.devices, self.device_rng = get_device_states(*inputs)
+        dev = next((t.device.type for t in inputs), "cpu")
+        self.amp = [(d, torch.get_autocast_dtype(d)) for d in {dev, "cpu"} if torch.is_autocast_enabled(d)]
+
+    @contextlib.contextmanager
+    def replayed_state(self) -> Iterator[None]:
+        with torch.random.fork_rng(devices=self.devices), contextlib.ExitStack() as stack:
+            torch.set_rng_state(self.cpu_rng)
+            set_device_states(self.devices, self.device_rng)
+            for d, dtype in self.amp:
+                stack.enter_context(torch.autocast(d, dtype))
+            yield
+
+
+def _params(module: nn.Module) -> list[nn.Parameter]:
+    """The trainable parameters of the modules a unit calls, each once, in a fixed order."""
+    seen: dict[int, nn.Parameter] = {}
+    for m in region_modules(module):
+        for p in m._parameters.values():
+            if p is not None and p.requires_grad:
+                seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+class _Handoff(torch.autograd.Function):
+    """`x` as a tensor autograd tracks through `anchor` (no elements); its gradient goes to
+    `stash[i]`, `anchor` gets none."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, x: torch.Tensor, stash: list, i: int) -> torch.Tensor:
+        ctx.stash, ctx.i = stash, i
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None]:
+        ctx.stash[ctx.i] = grad
+        return None, None, None, None
+
+
+class _Region(torch.autograd.Function):
+    """A unit's call as a recomputed region without `torch.utils.checkpoint`'s bookkeeping: forward runs
+    the unit without autograd (nothing inside is recorded or saved) and keeps only its tensor inputs
+    (through the saved-tensor hooks around it, so spikes are kept as bits); backward reruns it with
+    autograd on those inputs, under the forward's RNG and autocast state and buffer values, and
+    returns the gradients of its inputs and of the parameters it uses (`torch.autograd.grad`, so
+    they reach `.grad` through the engine, where DDP's and FSDP's hooks see them). On a device whose
+    step waits on the host this halves what the level costs per step (BENCHMARKS.md `## memory`)."""
+
+    @staticmethod
+    def forward(ctx: Any, run: _RegionCall, n_inputs: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        inputs = tensors[:n_inputs]
+        run.save_state(inputs)
+        with run.buffers.forward():
+            out = run.call(inputs)
+        leaves, run.out_spec = tree_flatten(out)
+        if not all(isinstance(v, torch.Tensor) or isinstance(v, _PLAIN) for v in leaves):
+            raise TypeError(f"memory level recompute: unit {type(run.module).__name__} returned "
+                            f"{sorted({type(v).__name__ for v in leaves if not isinstance(v, (torch.Tensor, *_PLAIN))})}, "
+                            "which a recomputed region cannot look into; return tensors (in tuples, lists or dicts)")
+        run.out_plain = [_TENSOR if isinstance(v, torch.Tensor) else v for v in leaves]
+        ctx.run, ctx.n_inputs = run, n_inputs
+        ctx.save_for_backward(*inputs)
+        return tuple(v for v in leaves if isinstance(v, torch.Tensor))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        run, n = ctx.run, ctx.n_inputs
+        need = ctx.needs_input_grad[2:]
+        # an input whose gradient is wanted enters the rerun through `_Handoff` from a tensor of no
+        # elements: nothing here holds it, so the rerun frees it as soon as it is done with it (a
+        # convolution that keeps bits), as torch's checkpoint does
+        stash: list[torch.Tensor | None] = [None] * n
+        anchors: list[torch.Tensor | None] = [None] * n
+        inputs = list(ctx.saved_tensors)
+        with torch.enable_grad():
+            for i in range(n):
+                if need[i] and inputs[i].is_floating_point():
+                    anchors[i] = inputs[i].new_empty(0).requires_grad_()
+                    inputs[i] = _Handoff.apply(anchors[i], inputs[i].detach(), stash, i)
+        params = _params(run.module)
+        if len(params) != len(need) - n:
+            raise RuntimeError(f"memory level recompute: unit {type(run.module).__name__} has {len(params)} trainable "
+                               f"parameters in backward but had {len(need) - n} in its forward; do not change a "
+                               "model's parameters between its forward and its backward")
+        got: tuple[torch.Tensor | None, ...] = ()
+        # the buffers go back to their values after the forward only once the rerun's graph is done with
+        # them: BatchNorm's backward node keeps the running statistics it was called with
+        with torch.enable_grad(), run.replayed_state(), run.buffers.rerun():
+            outs = [v for v in tree_flatten(run.call(tuple(inputs)))[0] if isinstance(v, torch.Tensor)]
+            del inputs
+            pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+            wrt = [a for a in anchors if a is not None] + [p for p, w in zip(params, need[n:]) if w]
+            if pairs and not run.module.__dict__.get("_efficient_light_checked"):
+                _check_leaves(run.module, [o for o, _ in pairs], wrt)
+            if pairs and wrt:
+                got = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+            del outs, pairs
+        param_grads = iter(got[sum(a is not None for a in anchors):])
+        return (None, None, *stash, *(next(param_grads, None) if w else None for w in need[n:]))
+
+
+def _check_leaves(unit: nn.Module, outs: list[torch.Tensor], wrt: list[torch.Tensor]) -> None:
+    """Once per unit: that its rerun reaches no trainable tensor but its inputs and its modules'
+    parameters, whose gradient `_Region` would otherwise drop (a parameter of a module the unit
+    calls without owning it, and does not name in `recompute_modules()`)."""
+    known = {id(t) for t in wrt}
+    seen: set[int] = set()
+    stack = [o.grad_fn for o in outs if o.grad_fn is not None]
+    stray: list[str] = []
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        var = getattr(node, "variable", None)
+        if var is not None and id(var) not in known:
+            stray.append(f"{type(var).__name__}{tuple(var.shape)}")
+        stack.extend(nxt for nxt, _ in node.next_functions)
+    if stray:
+        raise RuntimeError(f"memory level recompute: unit {type(unit).__name__} uses trainable tensors that are "
+                           f"neither its inputs nor parameters of its modules ({', '.join(stray[:4])}); their gradients "
+                           "would be lost. Pass them as arguments, or name the modules that own them in the unit's "
+                           "recompute_modules()")
+    unit.__dict__["_efficient_light_checked"] = True
+
+
+def _light_region(module: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """`forward(*args, **kwargs)` as a `_Region`, or `_NOT_LIGHT` when a call argument is something
+    other than tensors and plain values (an object that might hold a tensor the region cannot see)."""
+    leaves, spec = tree_flatten((args, kwargs))
+    if not all(isinstance(v, torch.Tensor) or isinstance(v, _PLAIN) for v in leaves):
+        return _NOT_LIGHT
+    run = _RegionCall(module, forward, leaves, spec, module.__dict__.get("_efficient_lean", True))
+    inputs = tuple(leaves[i] for i in run.slots)
+    outs = iter(_Region.apply(run, len(inputs), *inputs, *_params(module)))
+    return tree_unflatten([next(outs) if v is _TENSOR else v for v in run.out_plain], run.out_spec)
+
+
 def recomputed_forward(module: nn.Module, forward: Callable[..., Any], *args: Any, kept_ops: KeptOps | None = None,
                        **kwargs: Any) -> Any:
     """`forward(*args, **kwargs)` as a checkpointed region when autograd records it (training with
@@ -282,8 +467,16 @@ def recomputed_forward(module: nn.Module, forward: Callable[..., Any], *args: An
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
     if in_region():
         return forward(*args, **kwargs)
-    return checkpoint(functools.partial(_inside, forward, lean=module.__dict__.get("_efficient_lean", True)), *args,
-                      use_reentrant=False, context_fn=functools.partial(_contexts, module, kept_ops), **kwargs)
+    if (kept_ops is None or not kept_ops.selective) and module.__dict__.get("_efficient_light", True) \
+            and (getattr(module, "recompute_residual", False)
+                 or module.__dict__.get(_OUT_NUMEL, math.inf) <= bn_lif.RECOMPUTE_CHUNK):
+        out = _light_region(module, forward, args, kwargs)
+        if out is not _NOT_LIGHT:
+            return out
+    out = checkpoint(functools.partial(_inside, forward, lean=module.__dict__.get("_efficient_lean", True)), *args,
+                     use_reentrant=False, context_fn=functools.partial(_contexts, module, kept_ops), **kwargs)
+    module.__dict__[_OUT_NUMEL] = sum(t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+    return out
 
 
 def _call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -296,14 +489,16 @@ def is_wrapped(module: nn.Module) -> bool:
     return isinstance(f, functools.partial) and f.func is _call
 
 
-def wrap(module: nn.Module, kept: KeptOps | None = None, lean: bool = True) -> None:
+def wrap(module: nn.Module, kept: KeptOps | None = None, lean: bool = True, light: bool = True) -> None:
     """Make calls of `module` recomputed regions that keep the outputs `kept` names (`unwrap` undoes
     it). The instance's `forward` is a partial over the module itself, so copies of the model stay
     wrapped. `lean` False: the region's fused BatchNorm + LIF units keep their membrane traces and
-    its max-pools their inputs, as outside a region (`efficient.models.replay.rebuild_membrane`; a comparison)."""
+    its max-pools their inputs, as outside a region (`efficient.models.replay.rebuild_membrane`; a comparison).
+    `light` False: every eager call runs under torch's checkpoint, never as a `_Region` (a comparison)."""
     module.forward = functools.partial(_call, module)  # type: ignore[method-assign]
     module.__dict__["_efficient_kept"] = kept
     module.__dict__["_efficient_lean"] = lean
+    module.__dict__["_efficient_light"] = light
     for m in region_modules(module):  # what a compiled step reads to know it is inside a region (`rebuild_membrane`)
         m.__dict__[REGION_MARK] = lean
 
@@ -311,7 +506,7 @@ def wrap(module: nn.Module, kept: KeptOps | None = None, lean: bool = True) -> N
 def unwrap(module: nn.Module) -> None:
     if is_wrapped(module):
         del module.__dict__["forward"]
-    module.__dict__.pop("_efficient_kept", None)
-    module.__dict__.pop("_efficient_lean", None)
+    for key in ("_efficient_kept", "_efficient_lean", "_efficient_light", _OUT_NUMEL, "_efficient_light_checked"):
+        module.__dict__.pop(key, None)
     for m in region_modules(module):
         m.__dict__.pop(REGION_MARK, None)
