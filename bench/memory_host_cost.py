@@ -23,6 +23,7 @@ from efficient import memory
 from efficient.memory import recompute
 from efficient.zoo import create
 from memory import train_step  # bench/memory.py: zero_grad, forward, cross-entropy, backward
+from step import OpCounter  # bench/step.py: ops dispatched, and those that do work
 
 # toy widths of each model: the same units, blocks and saved tensors per step as the full model
 TOY = {
@@ -61,9 +62,16 @@ def measure(name: str, rounds: int) -> dict:
     plan = models["bits"][1]
     plan.hooks.packed = 0
     step(models["bits"][0])
+    packed = plan.hooks.packed
+    work = {}
+    for level, (m, _) in models.items():  # ops that launch a kernel on a GPU, per step
+        counter = OpCounter()
+        with counter:
+            step(m)
+        work[level] = counter.work
     med = {level: 1e3 * statistics.median(v) for level, v in times.items()}
-    return {"model": name, "toy": kw, "median_ms": med, "packed_per_step": plan.hooks.packed,
-            "over_none_ms": {level: med[level] - med["none"] for level in LEVELS[1:]}}
+    return {"model": name, "toy": kw, "median_ms": med, "packed_per_step": packed,
+            "over_none_ms": {level: med[level] - med["none"] for level in LEVELS[1:]}, "work_ops": work}
 
 
 def main() -> None:
@@ -84,6 +92,10 @@ def main() -> None:
         m, o = r["median_ms"], r["over_none_ms"]
         print(f"| {name} | {m['none']:.2f} | {m['bits']:.2f} | {m['recompute']:.2f} | {m['recompute-checkpoint']:.2f} | "
               f"{o['bits']:.2f} | {o['recompute']:.2f} | {o['recompute-checkpoint']:.2f} | {r['packed_per_step']} |")
+    print("\n| model (toy width) | " + " | ".join(f"{level} work ops / step" for level in LEVELS) + " |")
+    print("|---|" + "---|" * len(LEVELS))
+    for r in rows:
+        print(f"| {r['model']} | " + " | ".join(str(r["work_ops"][level]) for level in LEVELS) + " |")
     print(f"# load at the end {os.getloadavg()[0]:.2f}")
     if args.json:
         with open(args.json, "w") as fh:
