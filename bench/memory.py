@@ -316,14 +316,16 @@ def _memopt(model, arch: str, img: int | None) -> dict:
     return {"checkpointed": len(wrapped), "compressed": sum(w.checkpoint_fn.keywords.get("compressor") is not None for w in wrapped)}
 
 
-def _keep_membranes(model, plan) -> None:
-    """Rewrap `plan`'s units so that their reruns keep what their units keep outside a region."""
+def rewrap(model, plan, **how) -> None:
+    """Wrap `plan`'s units again with `recompute.wrap`'s options `how` (keeping their kept outputs):
+    `lean=False`, reruns keep what their units keep outside a region; `light=False`, every unit under
+    torch's checkpoint."""
     from efficient.memory.recompute import units, wrap
 
     named = dict(units(model))
     for name in plan.units:
         unit = named[name]
-        wrap(unit, unit.__dict__.get("_efficient_kept"), lean=False)
+        wrap(unit, unit.__dict__.get("_efficient_kept"), **how)
 
 
 def _whole_convs(model) -> list:
@@ -356,16 +358,12 @@ def build(arch: str, impl: str, T: int, img: int | None = None, example: Any = N
             _whole_convs(m)
             impl = "recompute"
         if impl == "recompute-checkpoint":  # every unit under torch's checkpoint, as before `recompute._Region`
-            from efficient.memory.recompute import units, wrap
-
             plan = memory.optimize(m, "recompute")
-            named = dict(units(m))
-            for name in plan.units:
-                wrap(named[name], light=False)
+            rewrap(m, plan, light=False)
             return m, plan, {"summary": plan.summary()}
         if impl == "recompute-keep-membrane":  # reruns keep H and pool inputs, as before bn_lif(keep_membrane=False)
             plan = memory.optimize(m, "recompute")
-            _keep_membranes(m, plan)
+            rewrap(m, plan, lean=False)
             return m, plan, {"summary": plan.summary()}
         if impl == "recompute-budget":
             t0 = time.perf_counter()
@@ -766,7 +764,7 @@ def run_cuda_ours(spec: dict) -> dict:
     for level in (*LEVELS, "recompute-keep-membrane", "recompute-whole-conv"):
         plan = memory.optimize(m, level if level in LEVELS else "recompute")
         if level == "recompute-keep-membrane":  # the level as before its reruns rebuilt membranes
-            _keep_membranes(m, plan)
+            rewrap(m, plan, lean=False)
         if level == "recompute-whole-conv":
             hooks = _whole_convs(m)
         train_step(m, x, y)  # warm-up

@@ -20,9 +20,8 @@ import time
 import torch
 
 from efficient import memory
-from efficient.memory import recompute
 from efficient.zoo import create
-from memory import train_step  # bench/memory.py: zero_grad, forward, cross-entropy, backward
+from memory import rewrap, train_step  # bench/memory.py: units wrapped again; zero_grad, forward, CE, backward
 from step import OpCounter  # bench/step.py: ops dispatched, and those that do work
 
 # toy widths of each model: the same units, blocks and saved tensors per step as the full model
@@ -43,8 +42,7 @@ def measure(name: str, rounds: int) -> dict:
         m = create(name, **kw).train()
         models[level] = (m, memory.optimize(m, level.split("-")[0]) if level != "none" else None)
         if level == "recompute-checkpoint":
-            for unit in models[level][1].units:
-                recompute.wrap(dict(recompute.units(m))[unit], light=False)
+            rewrap(m, models[level][1], light=False)
 
     def step(m: torch.nn.Module) -> None:
         train_step(m, x, y)

@@ -170,13 +170,14 @@ class _BufferReplay:
     and ends with what the forward left (so the step updates them once). The rerun is also marked a
     replay (`efficient.models.replay`): what the forward recorded is not recorded again."""
 
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
+    def __init__(self, module: nn.Module, modules: list[nn.Module] | None = None) -> None:
+        self.module, self.modules = module, modules
         self.before: list[torch.Tensor] = []
 
     def buffers(self) -> list[torch.Tensor]:
-        """The buffers of the modules the unit calls (`region_modules`)."""
-        return [b for m in region_modules(self.module) for b in m.buffers(recurse=False)]
+        """The buffers of the modules the unit calls (`region_modules`, unless given)."""
+        modules = region_modules(self.module) if self.modules is None else self.modules
+        return [b for m in modules for b in m.buffers(recurse=False)]
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
@@ -298,16 +299,28 @@ _NOT_LIGHT = object()  # `_light_region`: this call cannot be one
 _OUT_NUMEL = "_efficient_out_numel"
 
 
+def _plain(leaves: list[Any]) -> bool:
+    """Whether pytree leaves are all tensors or plain values (nothing that could hide a tensor)."""
+    return all(isinstance(v, (torch.Tensor, *_PLAIN)) for v in leaves)
+
+
+def _skeleton(leaves: list[Any]) -> list[Any]:
+    """`leaves` with every tensor replaced by `_TENSOR`: what to fill in again (`tree_unflatten`)."""
+    return [_TENSOR if isinstance(v, torch.Tensor) else v for v in leaves]
+
+
 class _RegionCall:
     """What a light region's backward needs of its forward: how to call the unit again on the kept
-    inputs, the RNG and autocast state the forward ran with, its buffers' values around it (`_BufferReplay`),
-    and the structure of its output. Holds no tensor of the call: its inputs are kept by autograd."""
+    inputs, the modules it calls (listed once per call), the RNG and autocast state the forward ran
+    with, its buffers' values around it (`_BufferReplay`), and the structure of its output. Holds no
+    tensor of the call: its inputs are kept by autograd."""
 
     def __init__(self, module: nn.Module, forward: Callable[..., Any], leaves: list[Any], spec: Any, lean: bool) -> None:
         self.module, self.forward, self.spec, self.lean = module, forward, spec, lean
         self.slots = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
-        self.plain = [_TENSOR if isinstance(v, torch.Tensor) else v for v in leaves]
-        self.buffers = _BufferReplay(module)
+        self.plain = _skeleton(leaves)
+        self.modules = region_modules(module)
+        self.buffers = _BufferReplay(module, self.modules)
         self.out_spec: Any = None
         self.out_plain: list[Any] = []
 
@@ -334,10 +347,11 @@ class _RegionCall:
             yield
 
 
-def _params(module: nn.Module) -> list[nn.Parameter]:
-    """The trainable parameters of the modules a unit calls, each once, in a fixed order."""
+def _params(modules: list[nn.Module]) -> list[nn.Parameter]:
+    """The trainable parameters of the modules a unit calls (`region_modules`), each once, in a fixed
+    order; read when asked, so a backward sees the parameters its rerun uses."""
     seen: dict[int, nn.Parameter] = {}
-    for m in region_modules(module):
+    for m in modules:
         for p in m._parameters.values():
             if p is not None and p.requires_grad:
                 seen.setdefault(id(p), p)
@@ -365,8 +379,8 @@ class _Region(torch.autograd.Function):
     (through the saved-tensor hooks around it, so spikes are kept as bits); backward reruns it with
     autograd on those inputs, under the forward's RNG and autocast state and buffer values, and
     returns the gradients of its inputs and of the parameters it uses (`torch.autograd.grad`, so
-    they reach `.grad` through the engine, where DDP's and FSDP's hooks see them). On a device whose
-    step waits on the host this halves what the level costs per step (BENCHMARKS.md `## memory`)."""
+    they reach `.grad` through the engine, where DDP's and FSDP's hooks see them). On a toy-width step
+    it cut the level's extra host cost to about 0.8x of checkpoint's (BENCHMARKS.md `## memory`)."""
 
     @staticmethod
     def forward(ctx: Any, run: _RegionCall, n_inputs: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -375,11 +389,11 @@ class _Region(torch.autograd.Function):
         with run.buffers.forward():
             out = run.call(inputs)
         leaves, run.out_spec = tree_flatten(out)
-        if not all(isinstance(v, torch.Tensor) or isinstance(v, _PLAIN) for v in leaves):
+        if not _plain(leaves):
             raise TypeError(f"memory level recompute: unit {type(run.module).__name__} returned "
-                            f"{sorted({type(v).__name__ for v in leaves if not isinstance(v, (torch.Tensor, *_PLAIN))})}, "
+                            f"{sorted({type(v).__name__ for v in leaves if not _plain([v])})}, "
                             "which a recomputed region cannot look into; return tensors (in tuples, lists or dicts)")
-        run.out_plain = [_TENSOR if isinstance(v, torch.Tensor) else v for v in leaves]
+        run.out_plain = _skeleton(leaves)
         ctx.run, ctx.n_inputs = run, n_inputs
         ctx.save_for_backward(*inputs)
         return tuple(v for v in leaves if isinstance(v, torch.Tensor))
@@ -400,7 +414,7 @@ class _Region(torch.autograd.Function):
                 if need[i] and inputs[i].is_floating_point():
                     anchors[i] = inputs[i].new_empty(0).requires_grad_()
                     inputs[i] = _Handoff.apply(anchors[i], inputs[i].detach(), stash, i)
-        params = _params(run.module)
+        params = _params(run.modules)
         if len(params) != len(need) - n:
             raise RuntimeError(f"memory level recompute: unit {type(run.module).__name__} has {len(params)} trainable "
                                f"parameters in backward but had {len(need) - n} in its forward; do not change a "
@@ -451,11 +465,11 @@ def _light_region(module: nn.Module, forward: Callable[..., Any], args: tuple, k
     """`forward(*args, **kwargs)` as a `_Region`, or `_NOT_LIGHT` when a call argument is something
     other than tensors and plain values (an object that might hold a tensor the region cannot see)."""
     leaves, spec = tree_flatten((args, kwargs))
-    if not all(isinstance(v, torch.Tensor) or isinstance(v, _PLAIN) for v in leaves):
+    if not _plain(leaves):
         return _NOT_LIGHT
     run = _RegionCall(module, forward, leaves, spec, module.__dict__.get("_efficient_lean", True))
     inputs = tuple(leaves[i] for i in run.slots)
-    outs = iter(_Region.apply(run, len(inputs), *inputs, *_params(module)))
+    outs = iter(_Region.apply(run, len(inputs), *inputs, *_params(run.modules)))
     return tree_unflatten([next(outs) if v is _TENSOR else v for v in run.out_plain], run.out_spec)
 
 
