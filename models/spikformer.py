@@ -295,6 +295,14 @@ class Block(nn.Module):
             # published parameter counts (9.33M for 4-384) include them. Frozen, off the compute path.
             self.norm1, self.norm2 = nn.LayerNorm(dim).requires_grad_(False), nn.LayerNorm(dim).requires_grad_(False)
 
+    # the largest count of spikes the block's input can hold when the model's residual stream is a sum
+    # of spikes by construction (set by `Spikformer`), else None
+    count_bound: int | None = None
+
+    def recompute_count_input(self) -> int | None:
+        """efficient.memory: a compiled region keeps the input as these small counts (uint8), not fp32."""
+        return self.count_bound
+
     def forward(self, x: torch.Tensor, step: PruneStep | None = None, anchor: bool = False, lean: bool = False,
                 last: bool = False) -> torch.Tensor:
         if lean:
@@ -368,6 +376,21 @@ class Spikformer(SpikingTransformer):
         cfg = config_from_options(SpikformerConfig, options, config)
         super().__init__(cfg)
         self.lean_inference = cfg.lean_inference
+        for i, blk in enumerate(self.blocks):
+            blk.count_bound = self.stream_count_bound(i)
+
+    def stream_count_bound(self, i: int) -> int | None:
+        """The largest value block `i`'s input can hold when it is a count of spikes by construction:
+        the stem adds two spike maps (features and position embedding) and every block two more
+        (attention and MLP outputs). None when anything else enters the stream (STATA's anchor or
+        fused tokens, another stem or block) or the count would not fit a byte."""
+        stem, st = self.patch_embed, self.stata
+        plain = (type(stem) is SPS and hasattr(stem, "rpe_lif") and all(type(b) is Block for b in self.blocks)
+                 and not st.n_prefix and not st.prune_at
+                 and all(is_neuron(n) for n in [*stem.lifs, stem.rpe_lif, *(u.lif for b in self.blocks
+                                                                            for u in (b.attn.proj, b.mlp.fc2))]))
+        bound = 2 + 2 * i
+        return bound if plain and bound <= 255 else None
 
     def build_stem(self, cfg: SpikformerConfig, lif_cfg: dict) -> SPS:
         if cfg.stem_pool not in ("after_neuron", "before_neuron"):

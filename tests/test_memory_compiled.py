@@ -63,9 +63,49 @@ def test_compiled_regions_rerun_from_their_own_inputs() -> None:
     assert len(bits) == 4, saved
     assert packed_nbytes(stage_shapes[0].numel()) in bits and packed_nbytes(stage_shapes[1].numel()) in bits, bits
     assert not [name for name, shape in saved if shape in stage_shapes[:2]], saved
-    assert [name for name, _ in saved if name.startswith("region_input")], saved  # the block's input
+    # the block's input, a sum of spikes, as uint8 counts; nothing else is copied
+    assert [shape for name, shape in saved if name.startswith("region_counts")] == [torch.Size([4, 2, 64, 32])], saved
+    assert not [name for name in saved if name[0].startswith("region_input")], saved
     memory.optimize(model, "none")
-    assert not [n for n, _ in _backward_inputs(model, x, y) if n.startswith(("region_input", "pack_spikes"))]
+    assert not [n for n, _ in _backward_inputs(model, x, y) if n.startswith(("region_input", "region_counts", "pack_spikes"))]
+
+
+def test_spikformer_blocks_vouch_only_for_counts_their_inputs_hold() -> None:
+    """A compiled region keeps a Spikformer block's input as uint8 because the model says it is a
+    count of spikes: its inputs are whole numbers from 0 to the stated bound; a STATA model (anchor,
+    fused tokens) says nothing."""
+    torch.manual_seed(0)
+    model = create("spikformer-4-384", embed_dim=32, num_heads=2, depth=3).train()
+    assert [b.count_bound for b in model.blocks] == [2, 4, 6]
+    seen = []
+    hooks = [b.register_forward_pre_hook(lambda m, a: seen.append((m.count_bound, a[0].detach()))) for b in model.blocks]
+    model(torch.randn(4, 3, 32, 32) * 3)
+    for h in hooks:
+        h.remove()
+    assert len(seen) == 3
+    for bound, x in seen:
+        assert torch.equal(x, x.round()) and x.min() >= 0 and x.max() <= bound
+    assert max(float(x.max()) for _, x in seen) >= 2  # the counts are not just spikes
+    stata = create("spikformer-stata", embed_dim=32, num_heads=2, depth=4).train()
+    assert [b.count_bound for b in stata.blocks] == [None] * 4
+
+
+def test_region_counts_rebuild_the_input_exactly() -> None:
+    """The kept uint8 counts give back the fp32 and bf16 input bit for bit (whole numbers to 255),
+    and the rebuilt input's gradient is the input's."""
+    from efficient.memory.recompute import _FromCounts, counts_to, region_counts
+
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randint(0, 256, (3, 5)).to(dtype).requires_grad_()
+        counts = region_counts(x.detach())
+        assert counts.dtype == torch.uint8
+        back = _FromCounts.apply(counts, x)
+        assert back.dtype == dtype and torch.equal(back, x)
+        g = torch.randn(3, 5).to(dtype)
+        back.backward(g)
+        assert torch.equal(x.grad, g)
+    torch.library.opcheck(region_counts, (torch.randint(0, 9, (4, 3)).float(),))
+    torch.library.opcheck(counts_to, (torch.randint(0, 9, (4, 3), dtype=torch.uint8), torch.float32))
 
 
 def test_region_input_is_a_copy_with_the_gradient_passed_through() -> None:

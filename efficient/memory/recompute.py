@@ -33,7 +33,8 @@ first one's input at once (Spikformer's stem from the image: 39 % of level none'
 b64, against 17 % eager). A copy it may not recompute is saved, and each region reruns from its
 own input, as in eager; a region whose input is spikes (a stem stage after the first) keeps it as
 bits, packed by an opaque op before the region and unpacked as the region's first op (rerun with
-it). Inside a compiled region a BatchNorm + LIF pair also runs as the fused op whose backward
+it), and one whose input is a count of spikes by construction (Spikformer's residual stream) keeps
+it as uint8 the same way (`region_counts`). Inside a compiled region a BatchNorm + LIF pair also runs as the fused op whose backward
 rebuilds the membrane trace a chunk of channels at a time, and a stem stage's BatchNorm + LIF +
 max-pool as the chunked op pair, as the eager rerun does (`wrap` marks the modules a unit calls,
 which the compiler reads as constants: a flag set while tracing would break the graph); inductor's
@@ -100,6 +101,49 @@ def _from_bits(forward: Callable[..., Any], bits: torch.Tensor, x: torch.Tensor,
     return forward(_FromBits.apply(bits, x), *args, spike_bits=bits, **kwargs)
 
 
+@torch.library.custom_op("efficient::region_counts", mutates_args=())
+def region_counts(x: torch.Tensor) -> torch.Tensor:
+    """A compiled region's input that holds small counts of spikes, as uint8: what the partitioner
+    keeps (an opaque op: it may not recompute it from x). Exact for whole numbers 0..255 only, which
+    the unit vouches for (`recompute_count_input`)."""
+    return x.to(torch.uint8)
+
+
+@region_counts.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x, dtype=torch.uint8)
+
+
+@torch.library.custom_op("efficient::counts_to", mutates_args=())
+def counts_to(counts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 counts back as `dtype`. Opaque on purpose: inductor would fuse the casts of every block's
+    counts (same shape) into one kernel at the start of backward, so all inputs would exist in fp32
+    at once; as an extern op each is cast where its region reruns."""
+    return counts.to(dtype)
+
+
+@counts_to.register_fake
+def _(counts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty_like(counts, dtype=dtype)
+
+
+class _FromCounts(torch.autograd.Function):
+    """The region's input rebuilt from its counts as the region's first op (x gives the dtype, never
+    its values); x's gradient is the rebuilt input's."""
+
+    @staticmethod
+    def forward(ctx: Any, counts: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return counts_to(counts, x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        return None, grad
+
+
+def _from_counts(forward: Callable[..., Any], counts: torch.Tensor, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    return forward(_FromCounts.apply(counts, x), *args, **kwargs)
+
+
 def _tracked(t: torch.Tensor) -> bool:
     return t.is_floating_point() and t.requires_grad
 
@@ -115,6 +159,13 @@ def _spike_input(module: nn.Module) -> bool:
     forward takes `spike_bits`: in a compiled region, the input's bits the region keeps."""
     says = getattr(module, "recompute_spike_input", None)
     return bool(says is not None and says())
+
+
+def _count_input(module: nn.Module) -> bool:
+    """Whether a unit's first argument holds whole numbers 0..255 (a sum of spikes), as the unit says."""
+    says = getattr(module, "recompute_count_input", None)
+    bound = None if says is None else says()
+    return bound is not None and 0 < bound <= 255
 
 
 def region_modules(unit: nn.Module) -> list[nn.Module]:
@@ -489,6 +540,11 @@ def recomputed_forward(module: nn.Module, forward: Callable[..., Any], *args: An
             # spikes: their bits are packed outside the region (an opaque op: kept) and unpacked inside it
             rest, kwargs = tree_map_only(torch.Tensor, _kept_input, (args[1:], kwargs))
             return checkpoint(functools.partial(_from_bits, forward), pack_spikes(args[0]), args[0], *rest,
+                              use_reentrant=False, **kwargs)
+        if args and isinstance(args[0], torch.Tensor) and _tracked(args[0]) and _count_input(module):
+            # counts of spikes (a residual stream of spikes): kept as uint8, a quarter of fp32
+            rest, kwargs = tree_map_only(torch.Tensor, _kept_input, (args[1:], kwargs))
+            return checkpoint(functools.partial(_from_counts, forward), region_counts(args[0].detach()), args[0], *rest,
                               use_reentrant=False, **kwargs)
         args, kwargs = tree_map_only(torch.Tensor, _kept_input, (args, kwargs))
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
