@@ -79,8 +79,7 @@ class MSSPS(SPS):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         T, B = x.shape[:2]
-        x = x.flatten(0, 1)
-        for stage in self._stages[:3]:
+        for stage in self._stages[:3]:  # the first flattens the images itself
             x = stage(x, T)
         x = self._stages[3](x, T)
         return x.flatten(2).transpose(1, 2).reshape(T, B, -1, x.shape[1])

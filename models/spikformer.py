@@ -101,7 +101,11 @@ class StemStage(nn.Module):
         return self.i > 0 and is_neuron(self._stem.lifs[self.i - 1])
 
     def forward(self, x: torch.Tensor, T: int, spike_bits: torch.Tensor | None = None) -> torch.Tensor:
-        """`spike_bits`: x's bits, which a compiled recomputed region keeps (efficient.memory)."""
+        """`spike_bits`: x's bits, which a compiled recomputed region keeps (efficient.memory). The first
+        stage takes the images `[T, B, C, H, W]` and flattens them itself: a region then keeps a static
+        image repeated over T (an expanded view) at the size of one copy, not T."""
+        if x.dim() == 5:
+            x = x.flatten(0, 1)
         conv, bn, lif, pool, pool_first = self.modules_now()
         x = region_conv2d(conv, x, spikes=self.recompute_spike_input(), bits=spike_bits)
         if pool_first:
@@ -169,8 +173,7 @@ class SPS(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`[T, B, C, H, W]` -> tokens `[T, B, N, D]`."""
         T, B = x.shape[:2]
-        x = x.flatten(0, 1)
-        for stage in self._stages[:4]:
+        for stage in self._stages[:4]:  # the first flattens the images itself
             x = stage(x, T)
         x = self._stages[4](x, T) + x  # the spiking position embedding added to the features
         return x.flatten(2).transpose(1, 2).reshape(T, B, -1, x.shape[1])
