@@ -98,6 +98,11 @@ class PEDS(nn.Module):
 
     # efficient.memory: keeps only its input and reruns in backward
     recompute_unit = True
+    count_bound: int | None = None  # set by `QKFormer` where the input is a count of spikes (a stage's stream)
+
+    def recompute_count_input(self) -> int | None:
+        """efficient.memory: the largest count of spikes the input holds, where it is one (else None)."""
+        return self.count_bound
 
     def __init__(self, in_chans: int, dim: int, plan: EmbedPlan, res: int, lif_cfg: dict) -> None:
         super().__init__()
@@ -171,6 +176,11 @@ class QKTABlock(nn.Module):
     # efficient.memory: a block keeps only its input (the residual stream) and reruns in backward
     recompute_unit = True
     recompute_residual = True  # its output's gradient also reaches its input unchanged
+    count_bound: int | None = None  # set by `QKFormer`: the stream is a count of spikes
+
+    def recompute_count_input(self) -> int | None:
+        """efficient.memory: the largest count of spikes the input holds, where it is one (else None)."""
+        return self.count_bound
 
     def __init__(self, dim: int, heads: int, mlp_ratio: float, lif_cfg: dict) -> None:
         super().__init__()
@@ -333,6 +343,28 @@ class QKFormer(SpikingTransformer):
                    + [int(cfg.embed_dim * cfg.mlp_ratio) * (grids[-1] ** 2 + 1)])
         share_neuron_backend(self, peak)
         self.stata.reset_parameters()
+        self._state_count_bounds()
+
+    def _state_count_bounds(self) -> None:
+        """Tell each unit whose input is a count of spikes by construction its bound (efficient.memory
+        keeps such inputs as uint8): a PEDS adds two spike maps (last unit and shortcut), a QKTA or SSA
+        block two more (attention and MLP outputs), so block j after a PEDS holds at most 2 + 2j and a
+        stage's closing PEDS reads its stage's last count. The SSA blocks only without STATA (its
+        anchor and fused tokens are not counts). Nothing where a unit is not the stock one."""
+        stock = (type(self.patch_embed) is PEDS and all(type(st) is QKTAStage and type(st.downsample) is PEDS
+                                                        and all(type(b) is QKTABlock for b in st.blocks)
+                                                        for st in self.stages)
+                 and all(type(b) is SSABlock for b in self.blocks))
+        if not stock:
+            return
+        for st in self.stages:
+            for j, blk in enumerate(st.blocks):
+                blk.count_bound = 2 + 2 * j
+            last = 2 + 2 * len(st.blocks)
+            st.downsample.count_bound = last if last <= 255 else None
+        if not (self.stata.n_prefix or self.stata.prune_at or self.cfg.stata_score == "token"):
+            for j, blk in enumerate(self.blocks):
+                blk.count_bound = 2 + 2 * j if 2 + 2 * j <= 255 else None
 
     @property
     def grid(self) -> int:

@@ -93,6 +93,26 @@ def test_a_write_that_breaks_the_bound_ends_tracking(write) -> None:
     assert not _packed(_same_grads(body))
 
 
+def test_a_write_the_propagation_did_not_see_ends_tracking() -> None:
+    """A tracked storage written while no `SpikePropagation` watched (a recomputed region's forward runs
+    without it) drops out by its version counter, views included: scaled spikes are never packed."""
+    from efficient.memory.spikes import SpikeTracker
+
+    tracker = SpikeTracker()
+    s = (torch.rand(4, 8) > 0.5).float()
+    tracker.add(s)
+    view = s[1:]
+    assert tracker.bound(view) == 1
+    view.mul_(0.5)
+    assert tracker.bound(s) is None and tracker.bound(view) is None
+    tracker.add(s, 3)  # recorded again after the write: tracked from the new version on
+    assert tracker.bound(s) == 3
+    with torch.inference_mode():
+        t = torch.ones(3)
+    tracker.add(t)
+    assert tracker.bound(t) == 1  # inference tensors have no version counter
+
+
 def test_a_write_that_keeps_integers_updates_the_bound() -> None:
     def body(s1: torch.Tensor, s2: torch.Tensor, m: nn.Module) -> torch.Tensor:
         s = s1.clone()

@@ -165,3 +165,58 @@ def test_a_region_is_differentiable_once() -> None:
     (gx,) = torch.autograd.grad(y, x, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable|marked with @once_differentiable"):
         gx.sum().backward()
+
+
+class _Counts(nn.Module):
+    """A unit whose input is a count of spikes, as it says (`recompute_count_input`), and which reports
+    whether the spike propagation watched its forward."""
+
+    recompute_unit = True
+    recompute_residual = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.watched: list[bool] = []
+
+    def recompute_count_input(self) -> int:
+        return 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from efficient.memory.spikes import active_tracker
+
+        self.watched.append((torch.is_grad_enabled(), active_tracker() is not None))
+        return x + self.fc(x)
+
+
+def test_a_region_forward_runs_unwatched_and_keeps_a_vouched_input_as_counts() -> None:
+    """The region's forward runs without the spike propagation (it saves nothing; the mode costs a
+    Python frame per torch call) and its rerun in backward outside it as before; the input the unit
+    vouches for is still kept as uint8 counts, though no op the propagation followed made it."""
+    from efficient import memory
+    from efficient.memory.spikes import PackedSaved
+    from efficient.models.neurons import LIF
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.n1, self.n2, self.unit, self.out = nn.Linear(4, 6), LIF(), LIF(), _Counts(), nn.Linear(6, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            with torch._C.DisableTorchFunction():  # an op the propagation does not see: untracked sum
+                c = self.n1(h) + self.n2(-h)
+            return self.out(self.unit(c))
+
+    torch.manual_seed(0)
+    net = Net()
+    plan = memory.optimize(net, "recompute")
+    x = torch.randn(4, 3, 4) * 3
+    net(x).sum().backward()  # the first call measures the unit's output (a checkpoint's)
+    kept: list = []
+    plan.hooks.observer = lambda t, k: kept.append(k)
+    net.unit.watched.clear()
+    net(x).sum().backward()
+    assert net.unit.watched == [(False, False), (True, False)]  # forward unwatched; rerun outside the mode
+    counts = [k for k in kept if isinstance(k, PackedSaved) and k.bound == 2]
+    assert len(counts) == 1 and counts[0].data.dtype == torch.uint8 and tuple(counts[0].shape) == (4, 3, 6)

@@ -58,7 +58,7 @@ from torch.utils.flop_counter import flop_registry
 
 from efficient.kernels import bn_lif
 from efficient.kernels.spike_pack import pack_spikes, unpack_spikes_ref
-from efficient.memory.spikes import is_neuron
+from efficient.memory.spikes import active_tracker, is_neuron, propagation_suspended
 from efficient.models.replay import REGION_MARK, in_region, region_state
 
 
@@ -166,6 +166,20 @@ def _count_input(module: nn.Module) -> bool:
     says = getattr(module, "recompute_count_input", None)
     bound = None if says is None else says()
     return bound is not None and 0 < bound <= 255
+
+
+def _vouch(module: nn.Module, args: tuple) -> None:
+    """Tell the model's spike tracker what the unit says its first argument holds (spikes, or counts
+    of them), so the region keeps it as bits or uint8 whatever ops made it: a region's forward runs
+    without the spike propagation (`propagation_suspended`), which would otherwise have followed
+    them out of the region before."""
+    tracker = active_tracker()
+    if tracker is None or not args or not isinstance(args[0], torch.Tensor):
+        return
+    if _spike_input(module):
+        tracker.add(args[0], 1)
+    elif _count_input(module):
+        tracker.add(args[0], module.recompute_count_input())
 
 
 def region_modules(unit: nn.Module) -> list[nn.Module]:
@@ -437,7 +451,7 @@ class _Region(torch.autograd.Function):
     def forward(ctx: Any, run: _RegionCall, n_inputs: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         inputs = tensors[:n_inputs]
         run.save_state(inputs)
-        with run.buffers.forward():
+        with run.buffers.forward(), propagation_suspended():
             out = run.call(inputs)
         leaves, run.out_spec = tree_flatten(out)
         if not _plain(leaves):
@@ -550,6 +564,7 @@ def recomputed_forward(module: nn.Module, forward: Callable[..., Any], *args: An
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
     if in_region():
         return forward(*args, **kwargs)
+    _vouch(module, args)
     if (kept_ops is None or not kept_ops.selective) and module.__dict__.get("_efficient_light", True) \
             and (getattr(module, "recompute_residual", False)
                  or module.__dict__.get(_OUT_NUMEL, math.inf) <= bn_lif.RECOMPUTE_CHUNK):

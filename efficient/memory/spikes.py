@@ -65,6 +65,12 @@ def _storage_key(t: torch.Tensor) -> tuple[str, int]:
     return (str(t.device), t.untyped_storage().data_ptr())
 
 
+def _version(t: torch.Tensor | None) -> int:
+    """The tensor's version counter (bumped by every in-place write to its storage); inference
+    tensors have none, and nothing of theirs is saved for backward."""
+    return -1 if t is None or t.is_inference() else t._version
+
+
 def _trackable(t: torch.Tensor) -> bool:
     return t.is_floating_point() and t.numel() > 0 and t.layout == torch.strided
 
@@ -75,7 +81,7 @@ class SpikeTracker:
     non-negative integers up to its bound), or None for a tensor that is not tracked."""
 
     def __init__(self) -> None:
-        self._live: dict[tuple[str, int], tuple[list[weakref.ref[torch.Tensor]], int]] = {}
+        self._live: dict[tuple[str, int], tuple[list[weakref.ref[torch.Tensor]], int, int]] = {}  # refs, bound, version
         self._norms: dict[tuple[str, int], tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor], tuple]] = {}
         self._handles: list[Any] = []
 
@@ -103,19 +109,23 @@ class SpikeTracker:
         key = _storage_key(s)
         refs = self._alive(key)
         if refs:  # another view of a tracked storage: any live view keeps the record
-            self._live[key] = ([*refs, weakref.ref(s)], max(self._live[key][1], bound))
+            self._live[key] = ([*refs, weakref.ref(s)], max(self._live[key][1], bound), _version(s))
         else:
-            self._live[key] = ([weakref.ref(s)], bound)
+            self._live[key] = ([weakref.ref(s)], bound, _version(s))
 
     def _alive(self, key: tuple[str, int]) -> list[weakref.ref[torch.Tensor]]:
         """The live references recorded for `key` whose tensor still holds that storage (a
-        storage freed and reallocated at the same address is another tensor's memory)."""
+        storage freed and reallocated at the same address is another tensor's memory) and has not
+        been written since it was recorded (views share one version counter): a write this tracker
+        was not told keeps its bound (`SpikePropagation`, which records again) drops the record, so
+        an op that ran while the propagation was suspended can never leave scaled spikes tracked."""
         entry = self._live.get(key)
         if entry is None:
             return []
         refs = [r for r in entry[0] if (t := r()) is not None and t.untyped_storage().data_ptr() == key[1]]
-        if not refs:
+        if not refs or _version(refs[0]()) != entry[2]:
             del self._live[key]
+            return []
         return refs
 
     def discard(self, t: torch.Tensor) -> None:
@@ -398,6 +408,34 @@ class SpikePropagation(TorchFunctionMode):
         if ba * bb * a.shape[-1] <= MAX_BOUND:
             self.tracker.add(out, ba * bb * a.shape[-1])
         return out
+
+
+def _top_propagation() -> SpikePropagation | None:
+    """The `SpikePropagation` mode on top of the torch-function mode stack, if that is the top."""
+    n = torch._C._len_torch_function_stack()
+    top = torch._C._get_function_stack_at(n - 1) if n else None
+    return top if isinstance(top, SpikePropagation) else None
+
+
+def active_tracker() -> SpikeTracker | None:
+    """The tracker of the model whose forward is running at level bits or recompute (its
+    `SpikePropagation` mode is on top of the stack), else None."""
+    mode = _top_propagation()
+    return None if mode is None else mode.tracker
+
+
+@contextlib.contextmanager
+def propagation_suspended() -> Iterator[None]:
+    """Run without the `SpikePropagation` on top of the mode stack: a recomputed region's forward
+    saves nothing, so following its ops buys nothing there, and the mode costs the host a Python
+    frame per torch call (a third of level recompute's extra host time at toy width). Spikes a
+    neuron emits are still recorded (its hook), and a storage written meanwhile drops out of the
+    tracker by its version. A mode above it (someone else's) keeps this one on."""
+    if _top_propagation() is None:
+        yield
+        return
+    with torch.overrides._pop_mode_temporarily():
+        yield
 
 
 @dataclass(frozen=True)
