@@ -445,7 +445,8 @@ class _Region(torch.autograd.Function):
     autograd on those inputs, under the forward's RNG and autocast state and buffer values, and
     returns the gradients of its inputs and of the parameters it uses (`torch.autograd.grad`, so
     they reach `.grad` through the engine, where DDP's and FSDP's hooks see them). On a toy-width step
-    it cut the level's extra host cost to about 0.8x of checkpoint's (BENCHMARKS.md `## memory`)."""
+    it cut the level's extra host cost to about 0.8x of checkpoint's, and to about 0.6x with the forward run
+    outside the spike propagation (BENCHMARKS.md `## memory`)."""
 
     @staticmethod
     def forward(ctx: Any, run: _RegionCall, n_inputs: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
