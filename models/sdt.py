@@ -71,16 +71,18 @@ class MSSPS(SPS):
         super().__init__(img_size, in_chans, dim, pool_stages, lif_cfg, rpe_lif=False)
         # recomputed stage by stage (efficient.memory): SPS's first three stages, then the tail
         object.__setattr__(self, "_stages", [*self._stages[:3], MSSPSTail(self)])
+        tail_res = img_size // 2 ** max(0, pool_stages - 1)  # the tail's conv runs before its pool
+        self._group(3, [dim * tail_res**2])
 
     def recompute_parts(self) -> list[tuple[str, nn.Module]]:
         if type(self).forward is not MSSPS.forward:
             return []
-        return [*((f"stage{i}", st) for i, st in enumerate(self._stages[:3])), ("tail", self._stages[3])]
+        return [*((self._part_name(p), p) for p in self._parts), ("tail", self._stages[3])]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         T, B = x.shape[:2]
-        for stage in self._stages[:3]:  # the first flattens the images itself
-            x = stage(x, T)
+        for part in self._parts:  # the first three stages (the first flattens the images itself)
+            x = part(x, T)
         x = self._stages[3](x, T)
         return x.flatten(2).transpose(1, 2).reshape(T, B, -1, x.shape[1])
 

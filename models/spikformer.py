@@ -117,6 +117,47 @@ class StemStage(nn.Module):
         return x if pool is None else region_max_pool(pool, x)
 
 
+class StemStages(nn.Module):
+    """Consecutive stages of an SPS stem recomputed as one unit (efficient.memory): small early stages
+    whose reruns together hold no more than the stem's largest stage does alone, so the step's peak
+    is unchanged and only the first stage's input is kept (the others' spike bits are not). Owns
+    nothing, like `StemStage`."""
+
+    recompute_unit = True
+
+    def __init__(self, stages: list[StemStage]) -> None:
+        super().__init__()
+        object.__setattr__(self, "_members", stages)  # not children: the stem owns the modules
+
+    def recompute_modules(self) -> list[nn.Module]:
+        return [m for st in self._members for m in st.recompute_modules()]
+
+    def recompute_spike_input(self) -> bool:
+        return self._members[0].recompute_spike_input()
+
+    def forward(self, x: torch.Tensor, T: int, spike_bits: torch.Tensor | None = None) -> torch.Tensor:
+        x = self._members[0](x, T, spike_bits)
+        for st in self._members[1:]:
+            x = st(x, T)
+        return x
+
+
+def group_stages(stages: list[nn.Module], sizes: list[int], peak: int) -> list[nn.Module]:
+    """The recompute units for consecutive stem stages: each stage alone, except that a run of stages
+    whose rerun sizes (`sizes`, elements per sample and step) sum to at most `peak` (the largest
+    stage's, the position embedding's included) becomes one `StemStages`."""
+    groups: list[list[nn.Module]] = []
+    total = 0
+    for st, n in zip(stages, sizes):
+        if groups and total + n <= peak:
+            groups[-1].append(st)
+            total += n
+        else:
+            groups.append([st])
+            total = n
+    return [g[0] if len(g) == 1 else StemStages(g) for g in groups]
+
+
 class SPS(nn.Module):
     """Spiking patch splitting: 4 conv-BN-LIF stages (D/8, D/4, D/2, D) with max-pools, plus a
     conv relative-position embedding added to the tokens. `pool_stages` max-pools (on the last
@@ -147,13 +188,29 @@ class SPS(nn.Module):
         self.pool_first = pool_first
         # the stages as callables over the modules above, kept out of the module tree (see StemStage)
         object.__setattr__(self, "_stages", [StemStage(self, i) for i in range(5 if rpe_lif else 4)])
+        self._group(4, [dim * (img_size // stride) ** 2] if rpe_lif else [])
+
+    def _group(self, n: int, more: list[int]) -> None:
+        """The units of the first `n` stages (`group_stages`); `more`: the rerun sizes of the units after them."""
+        sizes, res = [], self.img_size
+        for c, pool in zip(self.chans[1:n + 1], self.pools):
+            sizes.append(c * res * res)  # the conv output, before its pool
+            res = res // 2 if isinstance(pool, nn.MaxPool2d) else res
+        object.__setattr__(self, "_parts", group_stages(self._stages[:n], sizes, max(sizes + more)))
+
+    @staticmethod
+    def _part_name(part: nn.Module) -> str:
+        if isinstance(part, StemStages):
+            return f"stage{part._members[0].i}-{part._members[-1].i}"
+        return f"stage{part.i}" if part.i < 4 else "rpe"
 
     def recompute_parts(self) -> list[tuple[str, nn.Module]]:
-        """The recompute units standing in for the whole stem (efficient.memory): each stage and the
-        position embedding. A subclass with its own forward recomputes as one unit."""
+        """The recompute units standing in for the whole stem (efficient.memory): its stages, the
+        early small ones together (`group_stages`), and the position embedding. A subclass with its own
+        forward recomputes as one unit."""
         if type(self).forward is not SPS.forward:
             return []
-        return [(f"stage{i}" if i < 4 else "rpe", st) for i, st in enumerate(self._stages)]
+        return [(self._part_name(p), p) for p in [*self._parts, self._stages[4]]]
 
     def train(self, mode: bool = True) -> SPS:
         super().train(mode)
@@ -173,8 +230,8 @@ class SPS(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`[T, B, C, H, W]` -> tokens `[T, B, N, D]`."""
         T, B = x.shape[:2]
-        for stage in self._stages[:4]:  # the first flattens the images itself
-            x = stage(x, T)
+        for part in self._parts:  # the stages (the first flattens the images itself)
+            x = part(x, T)
         x = self._stages[4](x, T) + x  # the spiking position embedding added to the features
         return x.flatten(2).transpose(1, 2).reshape(T, B, -1, x.shape[1])
 
