@@ -33,8 +33,9 @@ first one's input at once (Spikformer's stem from the image: 39 % of level none'
 b64, against 17 % eager). A copy it may not recompute is saved, and each region reruns from its
 own input, as in eager; a region whose input is spikes (a stem stage after the first) keeps it as
 bits, packed by an opaque op before the region and unpacked as the region's first op (rerun with
-it), and one whose input is a count of spikes by construction (Spikformer's residual stream) keeps
-it as uint8 the same way (`region_counts`). Inside a compiled region a BatchNorm + LIF pair also runs as the fused op whose backward
+it), and one whose input is a count of spikes by construction (Spikformer's and QKFormer's residual
+streams, as the unit states) keeps it as uint8 the same way (`region_counts`). Inside a compiled
+region a BatchNorm + LIF pair also runs as the fused op whose backward
 rebuilds the membrane trace a chunk of channels at a time, and a stem stage's BatchNorm + LIF +
 max-pool as the chunked op pair, as the eager rerun does (`wrap` marks the modules a unit calls,
 which the compiler reads as constants: a flag set while tracing would break the graph); inductor's
