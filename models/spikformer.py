@@ -344,6 +344,9 @@ class Block(nn.Module):
     # efficient.memory: a block keeps only its input (the residual stream) and reruns in backward
     recompute_unit = True
     recompute_residual = True  # its output's gradient also reaches its input unchanged
+    # the largest count of spikes the block's input can hold when the model's residual stream is a sum
+    # of spikes by construction (set by `Spikformer`), else None
+    count_bound: int | None = None
 
     def __init__(self, dim: int, heads: int, mlp_ratio: float, lif_cfg: dict, qkv_bias: bool = True,
                  reference_norms: bool = False, kernel_backend: str = "auto") -> None:
@@ -355,12 +358,8 @@ class Block(nn.Module):
             # published parameter counts (9.33M for 4-384) include them. Frozen, off the compute path.
             self.norm1, self.norm2 = nn.LayerNorm(dim).requires_grad_(False), nn.LayerNorm(dim).requires_grad_(False)
 
-    # the largest count of spikes the block's input can hold when the model's residual stream is a sum
-    # of spikes by construction (set by `Spikformer`), else None
-    count_bound: int | None = None
-
     def recompute_count_input(self) -> int | None:
-        """efficient.memory: a compiled region keeps the input as these small counts (uint8), not fp32."""
+        """efficient.memory: the block's input as small counts (uint8) in a recomputed region, not fp32."""
         return self.count_bound
 
     def forward(self, x: torch.Tensor, step: PruneStep | None = None, anchor: bool = False, lean: bool = False,
