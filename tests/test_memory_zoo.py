@@ -146,3 +146,25 @@ def test_a_folded_stem_stays_folded_in_its_stages() -> None:
         assert any(n.startswith("patch_embed.bns") for n in folded)
         assert all(not isinstance(m, torch.nn.BatchNorm2d) for m in model.patch_embed.modules())
         torch.testing.assert_close(model(x), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_stem_stages_group_while_their_reruns_fit_the_largest() -> None:
+    """`group_stages` joins consecutive stages while their rerun sizes sum to at most the largest unit's,
+    so a grouped rerun never holds more than the stem's largest stage does alone; at 128 px (event
+    frames, every stage pooled) the first stage is the largest and the later ones group instead."""
+    from efficient.models.spikformer import StemStages, group_stages
+    from efficient.zoo import create
+
+    def groups(sizes: list[int], peak: int) -> list[list[int]]:
+        parts = group_stages(list(range(len(sizes))), sizes, peak)  # type: ignore[arg-type]
+        return [p._members if isinstance(p, StemStages) else [p] for p in parts]
+
+    assert groups([1, 2, 4, 2], 4) == [[0, 1], [2], [3]]
+    assert groups([4, 2, 1, 1], 4) == [[0], [1, 2, 3]]
+    assert groups([3, 3, 3], 3) == [[0], [1], [2]]
+    assert groups([1, 1, 1], 8) == [[0, 1, 2]]
+    for sizes, peak in [([5, 1, 4, 2, 2], 6), ([2, 3, 1, 6], 6)]:
+        for g in groups(sizes, peak):
+            assert sum(sizes[i] for i in g) <= peak
+    plan = memory.optimize(create("spikformer-2-256-dvs", embed_dim=64, num_heads=4), "recompute")
+    assert [u for u in plan.units if "patch_embed" in u] == ["patch_embed.stage0", "patch_embed.stage1-3", "patch_embed.rpe"]
