@@ -98,11 +98,7 @@ class PEDS(nn.Module):
 
     # efficient.memory: keeps only its input and reruns in backward
     recompute_unit = True
-    count_bound: int | None = None  # set by `QKFormer` where the input is a count of spikes (a stage's stream)
-
-    def recompute_count_input(self) -> int | None:
-        """efficient.memory: the largest count of spikes the input holds, where it is one (else None)."""
-        return self.count_bound
+    recompute_count_bound: int | None = None  # set by `QKFormer` where the input is a count of spikes (a stage's stream)
 
     def __init__(self, in_chans: int, dim: int, plan: EmbedPlan, res: int, lif_cfg: dict) -> None:
         super().__init__()
@@ -176,11 +172,7 @@ class QKTABlock(nn.Module):
     # efficient.memory: a block keeps only its input (the residual stream) and reruns in backward
     recompute_unit = True
     recompute_residual = True  # its output's gradient also reaches its input unchanged
-    count_bound: int | None = None  # set by `QKFormer`: the stream is a count of spikes
-
-    def recompute_count_input(self) -> int | None:
-        """efficient.memory: the largest count of spikes the input holds, where it is one (else None)."""
-        return self.count_bound
+    recompute_count_bound: int | None = None  # set by `QKFormer`: the stream is a count of spikes
 
     def __init__(self, dim: int, heads: int, mlp_ratio: float, lif_cfg: dict) -> None:
         super().__init__()
@@ -359,12 +351,11 @@ class QKFormer(SpikingTransformer):
             return
         for st in self.stages:
             for j, blk in enumerate(st.blocks):
-                blk.count_bound = 2 + 2 * j
-            last = 2 + 2 * len(st.blocks)
-            st.downsample.count_bound = last if last <= 255 else None
+                blk.recompute_count_bound = 2 + 2 * j
+            st.downsample.recompute_count_bound = 2 + 2 * len(st.blocks)
         if not (self.stata.n_prefix or self.stata.prune_at or self.cfg.stata_score == "token"):
             for j, blk in enumerate(self.blocks):
-                blk.count_bound = 2 + 2 * j if 2 + 2 * j <= 255 else None
+                blk.recompute_count_bound = 2 + 2 * j
 
     @property
     def grid(self) -> int:

@@ -71,8 +71,7 @@ class MSSPS(SPS):
         super().__init__(img_size, in_chans, dim, pool_stages, lif_cfg, rpe_lif=False)
         # recomputed stage by stage (efficient.memory): SPS's first three stages, then the tail
         object.__setattr__(self, "_stages", [*self._stages[:3], MSSPSTail(self)])
-        tail_res = img_size // 2 ** max(0, pool_stages - 1)  # the tail's conv runs before its pool
-        self._group(3, [dim * tail_res**2])
+        self._group(3)
 
     def recompute_parts(self) -> list[tuple[str, nn.Module]]:
         if type(self).forward is not MSSPS.forward:

@@ -188,15 +188,17 @@ class SPS(nn.Module):
         self.pool_first = pool_first
         # the stages as callables over the modules above, kept out of the module tree (see StemStage)
         object.__setattr__(self, "_stages", [StemStage(self, i) for i in range(5 if rpe_lif else 4)])
-        self._group(4, [dim * (img_size // stride) ** 2] if rpe_lif else [])
+        self._group(4)
 
-    def _group(self, n: int, more: list[int]) -> None:
-        """The units of the first `n` stages (`group_stages`); `more`: the rerun sizes of the units after them."""
+    def _group(self, n: int) -> None:
+        """The units of the first `n` stages (`group_stages`), within the largest rerun of the stem: of its
+        four convolutions (the last one SDT's tail's) and its position embedding."""
         sizes, res = [], self.img_size
-        for c, pool in zip(self.chans[1:n + 1], self.pools):
+        for c, pool in zip(self.chans[1:], self.pools):
             sizes.append(c * res * res)  # the conv output, before its pool
             res = res // 2 if isinstance(pool, nn.MaxPool2d) else res
-        object.__setattr__(self, "_parts", group_stages(self._stages[:n], sizes, max(sizes + more)))
+        peak = max(sizes + [self.chans[-1] * self.grid**2])
+        object.__setattr__(self, "_parts", group_stages(self._stages[:n], sizes[:n], peak))
 
     @staticmethod
     def _part_name(part: nn.Module) -> str:
@@ -344,9 +346,9 @@ class Block(nn.Module):
     # efficient.memory: a block keeps only its input (the residual stream) and reruns in backward
     recompute_unit = True
     recompute_residual = True  # its output's gradient also reaches its input unchanged
-    # the largest count of spikes the block's input can hold when the model's residual stream is a sum
-    # of spikes by construction (set by `Spikformer`), else None
-    count_bound: int | None = None
+    # efficient.memory: the largest count of spikes the block's input can hold when the model's residual
+    # stream is a sum of spikes by construction (set by `Spikformer`; kept as uint8), else None
+    recompute_count_bound: int | None = None
 
     def __init__(self, dim: int, heads: int, mlp_ratio: float, lif_cfg: dict, qkv_bias: bool = True,
                  reference_norms: bool = False, kernel_backend: str = "auto") -> None:
@@ -357,10 +359,6 @@ class Block(nn.Module):
             # The reference code builds two LayerNorms per block that its forward never calls; the
             # published parameter counts (9.33M for 4-384) include them. Frozen, off the compute path.
             self.norm1, self.norm2 = nn.LayerNorm(dim).requires_grad_(False), nn.LayerNorm(dim).requires_grad_(False)
-
-    def recompute_count_input(self) -> int | None:
-        """efficient.memory: the block's input as small counts (uint8) in a recomputed region, not fp32."""
-        return self.count_bound
 
     def forward(self, x: torch.Tensor, step: PruneStep | None = None, anchor: bool = False, lean: bool = False,
                 last: bool = False) -> torch.Tensor:
@@ -436,20 +434,19 @@ class Spikformer(SpikingTransformer):
         super().__init__(cfg)
         self.lean_inference = cfg.lean_inference
         for i, blk in enumerate(self.blocks):
-            blk.count_bound = self.stream_count_bound(i)
+            blk.recompute_count_bound = self.stream_count_bound(i)
 
     def stream_count_bound(self, i: int) -> int | None:
         """The largest value block `i`'s input can hold when it is a count of spikes by construction:
         the stem adds two spike maps (features and position embedding) and every block two more
         (attention and MLP outputs). None when anything else enters the stream (STATA's anchor or
-        fused tokens, another stem or block) or the count would not fit a byte."""
+        fused tokens, another stem or block)."""
         stem, st = self.patch_embed, self.stata
         plain = (type(stem) is SPS and hasattr(stem, "rpe_lif") and all(type(b) is Block for b in self.blocks)
                  and not st.n_prefix and not st.prune_at
                  and all(is_neuron(n) for n in [*stem.lifs, stem.rpe_lif, *(u.lif for b in self.blocks
                                                                             for u in (b.attn.proj, b.mlp.fc2))]))
-        bound = 2 + 2 * i
-        return bound if plain and bound <= 255 else None
+        return 2 + 2 * i if plain else None
 
     def build_stem(self, cfg: SpikformerConfig, lif_cfg: dict) -> SPS:
         if cfg.stem_pool not in ("after_neuron", "before_neuron"):

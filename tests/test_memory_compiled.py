@@ -77,9 +77,9 @@ def test_spikformer_blocks_vouch_only_for_counts_their_inputs_hold() -> None:
     fused tokens) says nothing."""
     torch.manual_seed(0)
     model = create("spikformer-4-384", embed_dim=32, num_heads=2, depth=3).train()
-    assert [b.count_bound for b in model.blocks] == [2, 4, 6]
+    assert [b.recompute_count_bound for b in model.blocks] == [2, 4, 6]
     seen = []
-    hooks = [b.register_forward_pre_hook(lambda m, a: seen.append((m.count_bound, a[0].detach()))) for b in model.blocks]
+    hooks = [b.register_forward_pre_hook(lambda m, a: seen.append((m.recompute_count_bound, a[0].detach()))) for b in model.blocks]
     model(torch.randn(4, 3, 32, 32) * 3)
     for h in hooks:
         h.remove()
@@ -88,7 +88,7 @@ def test_spikformer_blocks_vouch_only_for_counts_their_inputs_hold() -> None:
         assert torch.equal(x, x.round()) and x.min() >= 0 and x.max() <= bound
     assert max(float(x.max()) for _, x in seen) >= 2  # the counts are not just spikes
     stata = create("spikformer-stata", embed_dim=32, num_heads=2, depth=4).train()
-    assert [b.count_bound for b in stata.blocks] == [None] * 4
+    assert [b.recompute_count_bound for b in stata.blocks] == [None] * 4
 
 
 def test_region_counts_rebuild_the_input_exactly() -> None:

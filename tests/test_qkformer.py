@@ -371,12 +371,12 @@ def test_units_vouch_only_for_counts_their_inputs_hold() -> None:
 
     torch.manual_seed(0)
     model = zoo.create("qkformer-4-384", embed_dim=64, num_heads=4, depth=4, qkta_depths=[1, 2]).train()
-    units = [m for m in model.modules() if hasattr(m, "recompute_count_input")]
-    bounds = {id(m): m.recompute_count_input() for m in units}
-    assert model.patch_embed.recompute_count_input() is None
+    units = [m for m in model.modules() if hasattr(m, "recompute_count_bound")]
+    bounds = {id(m): m.recompute_count_bound for m in units}
+    assert model.patch_embed.recompute_count_bound is None
     assert sorted(b for b in bounds.values() if b is not None) == [2, 2, 2, 4, 4, 6]  # QKTA 2 | 2, 4; closing PEDS 4, 6; one SSA block 2
     seen = []
-    hooks = [m.register_forward_pre_hook(lambda m, a: seen.append((m.recompute_count_input(), a[0].detach())))
+    hooks = [m.register_forward_pre_hook(lambda m, a: seen.append((m.recompute_count_bound, a[0].detach())))
              for m in units]
     model(torch.rand(2, 3, 32, 32) * 4)
     for h in hooks:
@@ -387,5 +387,5 @@ def test_units_vouch_only_for_counts_their_inputs_hold() -> None:
         assert torch.equal(x, x.round()) and x.min() >= 0 and x.max() <= b
     assert any(float(x.max()) >= 2 for _, x in vouched)  # counts, not just spikes
     stata = zoo.create("qkformer-4-384-stata", embed_dim=64, num_heads=4, depth=3, qkta_depths=[1])
-    assert [b.recompute_count_input() for b in stata.blocks] == [None, None]
+    assert [b.recompute_count_bound for b in stata.blocks] == [None, None]
     assert [isinstance(m, PEDS) for m in units].count(True) == 3

@@ -168,19 +168,18 @@ def test_a_region_is_differentiable_once() -> None:
 
 
 class _Counts(nn.Module):
-    """A unit whose input is a count of spikes, as it says (`recompute_count_input`), and which reports
+    """A unit whose input is a count of spikes, as it says (`recompute_count_bound`), and which reports
     whether the spike propagation watched its forward."""
 
     recompute_unit = True
     recompute_residual = True
+    recompute_count_bound = 2
 
     def __init__(self) -> None:
         super().__init__()
         self.fc = nn.Linear(6, 6)
         self.watched: list[bool] = []
 
-    def recompute_count_input(self) -> int:
-        return 2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from efficient.memory.spikes import active_tracker

@@ -106,7 +106,7 @@ def _from_bits(forward: Callable[..., Any], bits: torch.Tensor, x: torch.Tensor,
 def region_counts(x: torch.Tensor) -> torch.Tensor:
     """A compiled region's input that holds small counts of spikes, as uint8: what the partitioner
     keeps (an opaque op: it may not recompute it from x). Exact for whole numbers 0..255 only, which
-    the unit vouches for (`recompute_count_input`)."""
+    the unit vouches for (`recompute_count_bound`)."""
     return x.to(torch.uint8)
 
 
@@ -155,18 +155,16 @@ def _kept_input(t: torch.Tensor) -> torch.Tensor:
     return region_input(t) if _tracked(t) else t
 
 
-def _spike_input(module: nn.Module) -> bool:
-    """Whether a unit's first argument is a neuron's spikes (0/1), as the unit says. Such a unit's
-    forward takes `spike_bits`: in a compiled region, the input's bits the region keeps."""
+def _input_bound(module: nn.Module) -> int | None:
+    """What a unit says its first argument holds: 1 for a neuron's spikes (`recompute_spike_input()`;
+    such a unit's forward takes `spike_bits`, in a compiled region the bits the region keeps), the
+    largest value of a count of spikes that fits a byte (`recompute_count_bound`, set by the model),
+    else None."""
     says = getattr(module, "recompute_spike_input", None)
-    return bool(says is not None and says())
-
-
-def _count_input(module: nn.Module) -> bool:
-    """Whether a unit's first argument holds whole numbers 0..255 (a sum of spikes), as the unit says."""
-    says = getattr(module, "recompute_count_input", None)
-    bound = None if says is None else says()
-    return bound is not None and 0 < bound <= 255
+    if says is not None and says():
+        return 1
+    bound = getattr(module, "recompute_count_bound", None)
+    return bound if bound is not None and 0 < bound <= 255 else None
 
 
 def _vouch(module: nn.Module, args: tuple) -> None:
@@ -174,13 +172,11 @@ def _vouch(module: nn.Module, args: tuple) -> None:
     of them), so the region keeps it as bits or uint8 whatever ops made it: a region's forward runs
     without the spike propagation (`propagation_suspended`), which would otherwise have followed
     them out of the region before."""
-    tracker = active_tracker()
-    if tracker is None or not args or not isinstance(args[0], torch.Tensor):
+    if not args or not isinstance(args[0], torch.Tensor) or (bound := _input_bound(module)) is None:
         return
-    if _spike_input(module):
-        tracker.add(args[0], 1)
-    elif _count_input(module):
-        tracker.add(args[0], module.recompute_count_input())
+    tracker = active_tracker()
+    if tracker is not None:
+        tracker.add(args[0], bound)
 
 
 def region_modules(unit: nn.Module) -> list[nn.Module]:
@@ -552,14 +548,14 @@ def recomputed_forward(module: nn.Module, forward: Callable[..., Any], *args: An
         if kept_ops is not None and kept_ops.keep:  # dynamo cannot trace a policy closure as context_fn
             raise RuntimeError("a memory budget's kept outputs cannot be compiled yet: optimize with level recompute "
                                "and no budget before torch.compile, or run eager")
-        if args and isinstance(args[0], torch.Tensor) and _tracked(args[0]) and _spike_input(module):
-            # spikes: their bits are packed outside the region (an opaque op: kept) and unpacked inside it
+        bound = _input_bound(module) if args and isinstance(args[0], torch.Tensor) and _tracked(args[0]) else None
+        if bound is not None:
+            # spikes: their bits are packed outside the region (an opaque op: kept) and unpacked inside it;
+            # counts of spikes (a residual stream of spikes): kept as uint8 the same way, a quarter of fp32
             rest, kwargs = tree_map_only(torch.Tensor, _kept_input, (args[1:], kwargs))
-            return checkpoint(functools.partial(_from_bits, forward), pack_spikes(args[0]), args[0], *rest,
-                              use_reentrant=False, **kwargs)
-        if args and isinstance(args[0], torch.Tensor) and _tracked(args[0]) and _count_input(module):
-            # counts of spikes (a residual stream of spikes): kept as uint8, a quarter of fp32
-            rest, kwargs = tree_map_only(torch.Tensor, _kept_input, (args[1:], kwargs))
+            if bound == 1:
+                return checkpoint(functools.partial(_from_bits, forward), pack_spikes(args[0]), args[0], *rest,
+                                  use_reentrant=False, **kwargs)
             return checkpoint(functools.partial(_from_counts, forward), region_counts(args[0].detach()), args[0], *rest,
                               use_reentrant=False, **kwargs)
         args, kwargs = tree_map_only(torch.Tensor, _kept_input, (args, kwargs))
