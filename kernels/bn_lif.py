@@ -290,6 +290,7 @@ def bn_lif_forward_op(
     spike_dtype: torch.dtype,
     impl: str,
     keep_membrane: bool = True,
+    rebuild_whole: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """z [T*R, C, ...] -> (spikes shaped like z, H [T, R*C*S] fp32, stats [2, C], new running mean
     [C], new running variance [C]): stats are what BatchNorm's backward takes (the batch's mean and
@@ -298,7 +299,8 @@ def bn_lif_forward_op(
     detach per step. The new running statistics are BatchNorm's update in training (empty in
     eval); the op is functional (autograd needs that), so `bn_lif` copies them into the buffers.
     surrogate/alpha/detach_reset serve the backward; `keep_membrane` False: autograd keeps z but not
-    H, and the backward recomputes H from z (`bn_lif_backward_recompute`)."""
+    H, and the backward recomputes H from z (`bn_lif_backward_recompute`), by chunks of channels or, with
+    `rebuild_whole`, in one piece."""
     z = z.contiguous()  # BatchNorm's sums in one order, whatever layout inductor gave z (`_ANY_LAYOUT`)
     weight, bias, running_mean, running_var = _dense(weight, bias, running_mean, running_var)
     return _forward_impl(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c, v_threshold,
@@ -306,10 +308,11 @@ def bn_lif_forward_op(
 
 
 def _forward_impl(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c, v_threshold, v_reset,
-                  charge, surrogate, alpha, detach_reset, spike_dtype, impl, keep_membrane=True, inplace=False):
-    """The op's implementation. `inplace` (the eager path, which need not be functional): the
-    running statistics are updated in the caller's buffers, as BatchNorm does, and the two
-    running-statistics outputs are empty; no copies."""
+                  charge, surrogate, alpha, detach_reset, spike_dtype, impl, keep_membrane=True, rebuild_whole=False,
+                  inplace=False):
+    """The op's implementation (`rebuild_whole` is for the backward: the autograd context reads it).
+    `inplace` (the eager path, which need not be functional): the running statistics are updated in
+    the caller's buffers, as BatchNorm does, and the two running-statistics outputs are empty; no copies."""
     _check_op(z, steps, weight, bias, impl)
     if impl == "triton":
         return _triton_forward(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c,
@@ -339,7 +342,7 @@ def _no_membrane(z: Tensor) -> Tensor:
 
 @bn_lif_forward_op.register_fake
 def _fake_forward(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c, v_threshold, v_reset,
-                  charge, surrogate, alpha, detach_reset, spike_dtype, impl, keep_membrane=True):
+                  charge, surrogate, alpha, detach_reset, spike_dtype, impl, keep_membrane=True, rebuild_whole=False):
     _check_op(z, steps, weight, bias, impl)
     C = z.shape[1]
     return (z.new_empty(z.shape, dtype=spike_dtype),
@@ -443,10 +446,12 @@ def _recompute_chunk(gs, z, steps, weight, bias, stats, training, eps, c, v_thre
     return _bn_backward(gy.view(z.shape), z, weight, stats, training, eps)
 
 
-def _chunked_recompute(grad_of, z, steps, weight, bias, stats, *args):
-    """(grad z, grad weight, grad bias), H rebuilt a chunk of channels at a time; `grad_of(c0, c1, shape)`
-    gives the spikes' gradient of channels [c0, c1) (contiguous, `shape`: the chunk's z)."""
-    chunks = _channel_chunks(z)
+def _chunked_recompute(grad_of, z, steps, weight, bias, stats, *args, whole: bool = False):
+    """(grad z, grad weight, grad bias), H rebuilt a chunk of channels at a time (`whole`: in one piece,
+    the very calls of a backward from a kept H on the same shapes, so its results bit for bit);
+    `grad_of(c0, c1, shape)` gives the spikes' gradient of channels [c0, c1) (contiguous, `shape`: the
+    chunk's z)."""
+    chunks = [(0, z.shape[1])] if whole else _channel_chunks(z)
     if len(chunks) == 1:
         zc = z.contiguous()
         return _recompute_chunk(grad_of(0, z.shape[1], zc.shape), zc, steps, weight, bias, stats, *args)
@@ -464,9 +469,10 @@ def _chunked_recompute(grad_of, z, steps, weight, bias, stats, *args):
 
 
 def _recompute_backward_impl(grad_spikes, z, steps, weight, bias, stats, training, eps, c, v_threshold, v_reset, charge,
-                             surrogate, alpha, detach_reset, impl):
+                             surrogate, alpha, detach_reset, impl, whole=False):
     return _chunked_recompute(lambda c0, c1, _: grad_spikes[:, c0:c1].contiguous(), z, steps, weight, bias, stats,
-                              training, eps, c, v_threshold, v_reset, charge, surrogate, alpha, detach_reset, impl)
+                              training, eps, c, v_threshold, v_reset, charge, surrogate, alpha, detach_reset, impl,
+                              whole=whole)
 
 
 @torch.library.custom_op("efficient::bn_lif_backward_recompute", mutates_args=(), **_ANY_LAYOUT)
@@ -487,23 +493,25 @@ def bn_lif_backward_recompute_op(
     alpha: float,
     detach_reset: bool,
     impl: str,
+    whole: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(grad z, grad weight, grad bias) as `bn_lif_backward`, without H: BatchNorm's output and H are
-    rebuilt from z (H bit for bit the forward's), a chunk of channels at a time."""
+    rebuilt from z (H bit for bit the forward's), a chunk of channels at a time (`whole`: in one piece)."""
     weight, bias, stats = _dense(weight, bias, stats)
     return _recompute_backward_impl(grad_spikes, z, steps, weight, bias, stats, training, eps, c, v_threshold, v_reset,
-                                    charge, surrogate, alpha, detach_reset, impl)
+                                    charge, surrogate, alpha, detach_reset, impl, whole)
 
 
 @bn_lif_backward_recompute_op.register_fake
 def _(grad_spikes, z, steps, weight, bias, stats, training, eps, c, v_threshold, v_reset, charge, surrogate, alpha,
-      detach_reset, impl):
+      detach_reset, impl, whole=False):
     return z.new_empty(z.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:
     z, steps, weight, bias, rm, rv, training, momentum, eps, c, v_th, v_reset, charge, surrogate, alpha, detach, sd, impl = inputs[:18]
     keep = inputs[18] if len(inputs) > 18 else True
+    ctx.whole = bool(inputs[19]) if len(inputs) > 19 else False
     _, h, stats, _, _ = output
     ctx.keep_membrane, ctx.steps = keep, steps
     if keep:
@@ -524,7 +532,7 @@ def _backward(ctx, grad_spikes, *_grads_of_statistics, backward_fn=bn_lif_backwa
     else:
         z, bias, weight, stats = ctx.saved_tensors
         gz, gw, gb = (recompute_fn or torch.ops.efficient.bn_lif_backward_recompute)(
-            grad_spikes, z, ctx.steps, weight, bias, stats, *ctx.params)
+            grad_spikes, z, ctx.steps, weight, bias, stats, *ctx.params, ctx.whole)
     need = ctx.needs_input_grad
     return (gz if need[0] else None, None, gw if need[2] else None, gb if need[3] else None) + (None,) * (len(need) - 4)
 
@@ -569,29 +577,31 @@ def linear_bn_lif_forward_op(
     spike_dtype: torch.dtype,
     impl: str,
     keep_membrane: bool = True,
+    rebuild_whole: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """x [T*M, D_in] -> z = x @ lin_weight.T + lin_bias [T*M, C], then `bn_lif_forward` on z:
     (spikes [T*M, C], H, stats, new running mean, new running variance, z). z is returned for the
-    backward (BatchNorm's input); `keep_membrane` as `bn_lif_forward`'s."""
+    backward (BatchNorm's input); `keep_membrane` and `rebuild_whole` as `bn_lif_forward`'s."""
     return _linear_forward_impl(x, lin_weight, lin_bias, steps, weight, bias, running_mean, running_var, training,
                                 momentum, eps, c, v_threshold, v_reset, charge, surrogate, alpha, detach_reset,
-                                spike_dtype, impl)
+                                spike_dtype, impl, keep_membrane)
 
 
 def _linear_forward_impl(x, lin_weight, lin_bias, steps, weight, bias, running_mean, running_var, training, momentum, eps,
                          c, v_threshold, v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl,
-                         keep_membrane=True, inplace=False):
+                         keep_membrane=True, rebuild_whole=False, inplace=False):
     if x.dim() != 2 or lin_weight.dim() != 2 or x.shape[1] != lin_weight.shape[1]:
         raise ValueError(f"efficient::linear_bn_lif_forward: x [T*M, D_in] and lin_weight [C, D_in] expected, got "
                          f"{tuple(x.shape)} and {tuple(lin_weight.shape)}")
     z = F.linear(x, lin_weight, lin_bias)  # what nn.Linear computes (addmm), bit for bit
     return (*_forward_impl(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c, v_threshold,
-                           v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl, keep_membrane, inplace), z)
+                           v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl, keep_membrane,
+                           inplace=inplace), z)
 
 
 @linear_bn_lif_forward_op.register_fake
 def _(x, lin_weight, lin_bias, steps, weight, bias, running_mean, running_var, training, momentum, eps, c, v_threshold,
-      v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl, keep_membrane=True):
+      v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl, keep_membrane=True, rebuild_whole=False):
     z = x.new_empty((x.shape[0], lin_weight.shape[0]))
     return (*_fake_forward(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c, v_threshold,
                            v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl, keep_membrane), z)
@@ -649,6 +659,7 @@ def _(grad_spikes, x, lin_weight, z, h, weight, stats, training, eps, c, v_thres
 def _linear_setup_context(ctx, inputs, output) -> None:
     x, lw, lb, steps, weight, bias, rm, rv, training, momentum, eps, c, v_th, v_reset, charge, surrogate, alpha, detach, sd, impl = inputs[:20]
     keep = inputs[20] if len(inputs) > 20 else True
+    ctx.whole = bool(inputs[21]) if len(inputs) > 21 else False
     _, h, stats, _, _, z = output
     ctx.keep_membrane, ctx.steps = keep, steps
     # what Linear, BatchNorm and the LIF keep; without H, BatchNorm's bias to rebuild it
@@ -666,7 +677,7 @@ def _linear_backward(ctx, grad_spikes, *_grads_of_statistics, backward_fn=linear
         gx, glw, glb, gw, gb = backward_fn(grad_spikes, x, lw, z, h_or_bias, weight, stats, *ctx.params)
     else:
         gz, gw, gb = (recompute_fn or torch.ops.efficient.bn_lif_backward_recompute)(
-            grad_spikes, z, ctx.steps, weight, h_or_bias, stats, *ctx.params)
+            grad_spikes, z, ctx.steps, weight, h_or_bias, stats, *ctx.params, ctx.whole)
         gx, glw, glb = _linear_grads(gz, x, lw)
     need = ctx.needs_input_grad
     return (gx if need[0] else None, glw if need[1] else None, glb if need[2] else None, None,
@@ -734,6 +745,7 @@ def bn_lif(
     lin_bias: Optional[Tensor] = None,
     running_out: Optional[Sequence[Tensor]] = None,
     keep_membrane: bool = True,
+    rebuild_whole: bool = False,
 ) -> Tensor:
     """BatchNorm over `z` [T*R, C, ...] (time folded into the batch, `steps` = T) with `weight`,
     `bias` and running statistics (updated in place in training, with BatchNorm's `momentum`
@@ -752,7 +764,13 @@ def bn_lif(
     gradient and z's gradient whole and nothing else of the unit's size (a unit of fewer than two
     chunks, `RECOMPUTE_CHUNK` elements each, keeps H). It costs a BatchNorm and a LIF forward in
     backward; memory level `recompute` uses it in its reruns, where the largest rerun sets a step's
-    peak (`efficient.models.replay.rebuild_membrane`)."""
+    peak (`efficient.models.replay.rebuild_membrane`).
+
+    `rebuild_whole=True` (with `keep_membrane=False`): the backward rebuilds H in one piece, whatever the
+    unit's size, with the calls and shapes of a backward from a kept H, so the gradients are that
+    backward's bit for bit; the unit's temporaries are whole while its own backward runs, and H is
+    not kept from forward to backward. Memory level `bits` uses it (`efficient.models.replay.rebuild_exact`):
+    a step keeps one fp32 tensor per unit less and its gradients stay level `none`'s."""
     if running_out is not None and (len(running_out) % 2 or not running_out
                                     or sum(t.numel() for t in running_out) != 2 * running_mean.numel()):
         raise ValueError(f"bn_lif: running_out must hold k means then k variances covering the {running_mean.numel()} "
@@ -782,7 +800,8 @@ def bn_lif(
     # rebuilt in one piece, H and the loop's temporaries would take what was not kept: a unit smaller
     # than two chunks keeps H
     out_numel = z.numel() if lin_weight is None else z.shape[0] * lin_weight.shape[0]
-    args = (*args, bool(keep_membrane) or out_numel < 2 * RECOMPUTE_CHUNK)
+    whole = bool(rebuild_whole) and not keep_membrane
+    args = (*args, bool(keep_membrane) or (not whole and out_numel < 2 * RECOMPUTE_CHUNK), whole)
     if lin_weight is not None:
         args = (z, lin_weight, lin_bias, *args)
         out = _EagerLinearBNLIF.apply(*args) if eager else torch.ops.efficient.linear_bn_lif_forward(*args)

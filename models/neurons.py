@@ -17,7 +17,7 @@ from torch import nn
 from efficient.kernels.bn_lif import bn_gain_lif, bn_lif, bn_lif_max_pool
 from efficient.kernels.lif import BACKENDS, SURROGATES, check_input, default_alpha, lif
 from efficient.kernels.pool_offsets import pool_args
-from efficient.models.replay import in_region, rebuild_membrane
+from efficient.models.replay import in_region, rebuild_exact, rebuild_membrane
 
 __all__ = ["SpikingNeuron", "LIF", "PLIF", "DLIF", "bn_fire", "fusable", "gain_fire", "norm_fire", "override_surrogate",
            "spike_observer", "separate_units"]
@@ -286,15 +286,20 @@ def bn_fire(z: torch.Tensor, shape: tuple[int, ...], neuron: "LIF", weight: torc
     calls. With `lin_weight` (and `lin_bias`), z is a Linear's input [T*M, D_in] and the Linear is
     in the op. `running_out`: the buffers that receive the new running statistics; `keep_membrane`
     False: backward rebuilds the membrane trace from z rather than keeping it (`bn_lif`); None: False
-    inside a region memory level `recompute` reruns in backward (`efficient.models.replay.rebuild_membrane`)."""
+    inside a region memory level `recompute` reruns in backward (`efficient.models.replay.rebuild_membrane`:
+    by chunks of channels) and at a memory level's step (`rebuild_exact`: in one piece, so the gradients
+    are those of a unit that kept it bit for bit), True elsewhere."""
     steps = shape[0]
+    whole = False
     if keep_membrane is None:
-        keep_membrane = not rebuild_membrane(neuron)
+        in_rerun = rebuild_membrane(neuron)
+        whole = rebuild_exact()  # a level's step outside regions: rebuilt in one piece, none's gradients exactly
+        keep_membrane = not (in_rerun or whole)
     s = bn_lif(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, tau=neuron.tau,
                v_threshold=neuron.v_threshold, v_reset=neuron.v_reset, detach_reset=neuron.detach_reset,
                decay_input=neuron.decay_input, surrogate=neuron.surrogate, alpha=neuron.alpha,
                spike_dtype=neuron.spike_dtype, backend=neuron.backend_for_shape(shape, z.device), lin_weight=lin_weight,
-               lin_bias=lin_bias, running_out=running_out, keep_membrane=keep_membrane)
+               lin_bias=lin_bias, running_out=running_out, keep_membrane=keep_membrane, rebuild_whole=whole)
     s = s.view(shape)
     for hook in list(neuron._forward_hooks.values()):  # spike observers only (`fusable` let no other through)
         hook(neuron, (), s)

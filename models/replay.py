@@ -37,6 +37,32 @@ def in_region() -> bool:
     return getattr(region_state, "depth", 0) > 0
 
 
+level_state = threading.local()  # how deep the running forward is inside a memory level's step (`efficient.memory`)
+
+
+@contextlib.contextmanager
+def memory_level_step() -> Iterator[None]:
+    """Mark a model's forward run at memory level `bits` or `recompute` (eager; the level enters it in the
+    model's forward pre-hook): its fused BatchNorm + LIF units leave their membrane traces to their
+    backward to rebuild (`rebuild_exact`)."""
+    level_state.depth = getattr(level_state, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        level_state.depth -= 1
+
+
+def rebuild_exact() -> bool:
+    """Whether a fused BatchNorm + LIF unit called now should keep z but not its membrane trace, which its
+    backward rebuilds from z (`bn_lif(keep_membrane=False)`): at a memory level's eager step. The rebuilt
+    trace is the forward's bit for bit, and BatchNorm's backward runs per channel, so the gradients are
+    those of a unit that kept it: the level's promise (level `bits`: `none`'s gradients exactly) holds,
+    while a step keeps one fp32 tensor less per unit. Not inside a recomputed region, whose forward and
+    rerun (in backward, outside the level's step) must keep the same tensors: `rebuild_membrane` decides
+    there. Not under torch.compile, where the level enters nothing and inductor decides what a step keeps."""
+    return not torch.compiler.is_compiling() and getattr(level_state, "depth", 0) > 0 and not in_region()
+
+
 REGION_MARK = "_efficient_region_lean"  # set by `recompute.wrap` on every module of a recomputed unit
 
 

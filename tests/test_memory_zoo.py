@@ -60,6 +60,63 @@ def test_levels_run_the_units_as_the_same_fused_ops(level: str, monkeypatch: pyt
     assert fused_calls(level) == (none if level == "bits" else 2 * none)
 
 
+# tiny zoo models whose units run as the fused BatchNorm + LIF op (with and without STATA)
+REBUILDING = ["spikformer-tiny", "spikformer-tiny-stata", "qkformer-tiny-stata", "spikingformer-tiny-stata",
+              "sdt-v2-tiny-stata"]
+
+
+@pytest.mark.parametrize("name", REBUILDING)
+def test_bits_rebuilds_membranes_and_keeps_nones_gradients(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At level bits a fused BatchNorm + LIF unit keeps z but not its membrane trace, and its backward
+    rebuilds the trace in one piece (`bn_lif(rebuild_whole=True)`): two SGD steps give level none's
+    losses, gradients, running statistics and STATA statistics bit for bit, every fused unit of the
+    step rebuilds, and at level none none does."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+
+    from efficient.kernels import bn_lif
+    from efficient.zoo import create
+
+    rebuilt: list[bool] = []
+    real = bn_lif._chunked_recompute
+    monkeypatch.setattr(bn_lif, "_chunked_recompute",
+                        lambda *a, **k: rebuilt.append(bool(k.get("whole"))) or real(*a, **k))
+    torch.manual_seed(0)
+    base = create(name).train()
+    x = torch.rand(2, 1, 16, 16, generator=torch.Generator().manual_seed(1))
+    y = torch.tensor([3, 7])
+
+    def steps(level: str) -> tuple[list, dict]:
+        model = copy.deepcopy(base)
+        memory.optimize(model, level)
+        seen = []
+        for _ in range(2):
+            for p in model.parameters():
+                p.grad = None
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            seen.append((loss.detach(), [p.grad for p in model.parameters()]))
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.sub_(0.05 * p.grad)
+        return seen, model.state_dict()
+
+    none = steps("none")
+    assert rebuilt == [], "level none rebuilt a membrane trace"
+    bits = steps("bits")
+    assert rebuilt and all(rebuilt), f"level bits rebuilt {len(rebuilt)} traces, whole: {set(rebuilt)}"
+    for (loss_n, grads_n), (loss_b, grads_b) in zip(none[0], bits[0]):
+        assert torch.equal(loss_n, loss_b)
+        for gn, gb in zip(grads_n, grads_b):
+            assert (gn is None) == (gb is None) and (gn is None or torch.equal(gn, gb))
+    assert none[1].keys() == bits[1].keys()
+    for k in none[1]:
+        assert torch.equal(none[1][k], bits[1][k]), k
+
+
 # stages 0 and 1 rerun together: their reruns hold less than stage 2's alone (`group_stages`)
 STEM_PARTS = {"spikformer-4-384": ["stage0-1", "stage2", "stage3", "rpe"],
               "sdt-2-512": ["stage0-1", "stage2", "tail"]}

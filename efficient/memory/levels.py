@@ -12,6 +12,7 @@ from torch import nn
 from efficient.errors import ConfigError
 from efficient.memory.recompute import KeptOps, is_wrapped, units, unwrap, wrap
 from efficient.memory.spikes import BitsHooks, SpikePropagation, SpikeTracker, iter_neurons
+from efficient.models.replay import memory_level_step
 
 Level = Literal["none", "bits", "recompute"]
 LEVELS: tuple[str, ...] = ("none", "bits", "recompute")
@@ -65,7 +66,7 @@ class _State:
     def enter(self, module: nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling():
             return
-        contexts = (self.hooks.context(), SpikePropagation(self.tracker))
+        contexts = (self.hooks.context(), SpikePropagation(self.tracker), memory_level_step())
         for ctx in contexts:
             ctx.__enter__()
         self.active.append(contexts)

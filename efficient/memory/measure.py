@@ -441,10 +441,21 @@ def step_peak_bytes(step: Callable[[], Any]) -> int:
     """Peak of live CPU tensor bytes while `step()` runs, above those alive before it: what a GPU's
     `torch.cuda.max_memory_allocated` counts for the same step, read on a CPU from the allocator's
     records in `torch.profiler` (a resident-set peak would add the host allocator's retention)."""
+    import gc
+
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
+    # earlier work's garbage, collected while the step runs, would count as the step freeing bytes: collect
+    # it first, and let no collection run inside the step
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            step()
+    finally:
+        if enabled:
+            gc.enable()
     records = sorted((r for r in prof.profiler.kineto_results.events() if r.name() == "[memory]"),
                      key=lambda r: r.start_ns())
     live = peak = 0
