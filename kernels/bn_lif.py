@@ -438,7 +438,8 @@ def _recompute_chunk(gs, z, steps, weight, bias, stats, training, eps, c, v_thre
             y = torch.native_batch_norm(z, weight, bias, None, None, True, 0.0, eps)[0]
         else:
             y = torch.native_batch_norm(z, weight, bias, stats[0], stats[1], False, 0.0, eps)[0]
-        _, h = _lif._run_forward(y.view(steps, -1), None, c, v_threshold, v_reset, charge, z.dtype, impl)
+        # H alone, step by step into one buffer (the spikes are not needed again): beside y, one tensor of z's size
+        _, h = _lif._run_forward(y.view(steps, -1), None, c, v_threshold, v_reset, charge, z.dtype, impl, spikes=False)
         del y
         gy, _, _ = _lif._run_backward(gs.view(steps, -1), None, h, None, c, v_threshold, v_reset, charge, surrogate,
                                       alpha, detach_reset, z.dtype, impl)
@@ -1077,7 +1078,7 @@ def _gain_backward(grad, z, gain, weight, bias, stats, steps, eps, lif_args, imp
         zc = z[:, c0:c1].contiguous()
         # aten's BatchNorm again: the chunk's batch statistics channel by channel, as forward's
         y = torch.native_batch_norm(zc, weight[c0:c1], bias[c0:c1], None, None, True, 0.0, eps)[0].view(steps, -1)
-        _, h = _lif._run_forward(y * g, None, c, v_th, v_reset, charge, z.dtype, impl)
+        _, h = _lif._run_forward(y * g, None, c, v_th, v_reset, charge, z.dtype, impl, spikes=False)
         gcur, _, _ = _lif._run_backward(grad[:, c0:c1].contiguous().view(steps, -1), None, h, None, c, v_th, v_reset,
                                         charge, surrogate, alpha, detach, z.dtype, impl)
         del h

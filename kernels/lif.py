@@ -336,10 +336,11 @@ def _triton_backward(gs, gm, h, rate, c, v_th, v_reset, charge, surrogate, alpha
 
 
 def _loop_forward(x, rate, c, v_th, v_reset, v0, *, charge: int, hard: bool, spike_dtype: torch.dtype,
-                  zero_reset: bool = False, membrane: bool = True):
+                  zero_reset: bool = False, membrane: bool = True, spikes: bool = True):
     """x [T, N] -> (spikes [T, N], H [T, N] fp32); scalars arrive as 0-d fp32 tensors, v0 [N] or None;
     `zero_reset`: v_reset is +0.0 (its subtraction is skipped); `membrane` False: H is not returned
-    (None), and compiled, never written."""
+    (None), and compiled, never written; `spikes` False: the spikes are not made (None), and each step's
+    H is written into the one [T, N] buffer as it comes (a backward rebuilding H holds no more)."""
     # only the recurrence runs per step; casts and the spike threshold run once over all T (fewer
     # dispatched ops per call: on small tensors the host cost of each op is the cost)
     xf = x if x.dtype == torch.float32 else x.float()  # `.float()` of fp32 is still a dispatched op
@@ -350,11 +351,17 @@ def _loop_forward(x, rate, c, v_th, v_reset, v0, *, charge: int, hard: bool, spi
     v = None if from_rest else v_reset.expand(xf.shape[1:]) if v0 is None else v0.float()
     hs = []
     steps = xf.unbind(0)  # one op for all T views, where indexing costs one per step
+    H = None if spikes else torch.empty(xf.shape, dtype=torch.float32, device=xf.device)
     for t, xt in enumerate(steps):
         h = torch.addcdiv(v_reset, xt, c) if v is None else _charge_fused(xt, v, rate, c, v_reset, charge, zero_reset)
-        hs.append(h)
+        if H is None:
+            hs.append(h)
+        else:
+            H[t] = h
         if t + 1 < len(steps):  # the membrane after the last step is not returned
             v = torch.where(h >= v_th, v_reset, h) if hard else torch.where(h >= v_th, h - v_th, h)
+    if H is not None:
+        return None, H
     if not membrane:  # each step's spikes written into the stacked output: H is never one buffer
         return torch.stack([(h >= v_th).to(spike_dtype) for h in hs]), None
     H = torch.stack(hs)
@@ -416,9 +423,10 @@ def _loop_backward(
     return (gx if gx.dtype == x_dtype else gx.to(x_dtype)), gk, gv0
 
 
-def _run_forward(x, rate, c, v_th, v_reset, charge, spike_dtype, impl, v0=None, membrane=True):
+def _run_forward(x, rate, c, v_th, v_reset, charge, spike_dtype, impl, v0=None, membrane=True, spikes=True):
     """(spikes, H) of the CPU loops (or the Triton kernel); `membrane` False: (spikes, None), H not made
-    where the loop is compiled (the Triton kernel always writes it)."""
+    where the loop is compiled (the Triton kernel always writes it); `spikes` False (the eager loop): (None, H),
+    for a backward that rebuilds H."""
     if impl == "triton":
         return _triton_forward(x, rate, c, v_th, v_reset, charge, spike_dtype, v0)
     hard = v_reset is not None
@@ -430,7 +438,7 @@ def _run_forward(x, rate, c, v_th, v_reset, charge, spike_dtype, impl, v0=None, 
     args = (x, rate, *_scalars(x.device, c, v_th, vr), v0)
     if impl == "inductor":
         return _compiled(_loop_forward, static)(*_unviewed(args))
-    return _loop_forward(*args, **dict(static))
+    return _loop_forward(*args, **dict(static), spikes=spikes)
 
 
 def _run_backward(gs, gm, h, rate, c, v_th, v_reset, charge, surrogate, alpha, detach, x_dtype, impl, v0=None):
