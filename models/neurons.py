@@ -20,7 +20,7 @@ from efficient.kernels.pool_offsets import pool_args
 from efficient.models.replay import in_region, rebuild_exact, rebuild_membrane
 
 __all__ = ["SpikingNeuron", "LIF", "PLIF", "DLIF", "bn_fire", "fusable", "gain_fire", "norm_fire", "override_surrogate",
-           "spike_observer", "separate_units"]
+           "spike_observer", "module_bookkeeper", "watched", "separate_units"]
 
 
 def _check_choice(name: str, value: str, choices) -> None:
@@ -236,13 +236,39 @@ def spike_observer(hook: Callable[..., None]) -> Callable[..., None]:
     return hook
 
 
+_BOOKKEEPER = "_efficient_module_bookkeeper"
+
+
+def module_bookkeeper(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a forward hook or pre-hook that only notes which module is running (the module stack of
+    `efficient.memory.measure`): it does not keep a unit's modules from running as one fused op, which
+    does not call it, so a meter measures the step a training run takes. What the op saves counts
+    to the innermost module that was called (the unit)."""
+    setattr(getattr(hook, "__func__", hook), _BOOKKEEPER, True)  # a bound method: its function
+    return hook
+
+
+def _marked(hook: Any, mark: str) -> bool:
+    return bool(getattr(getattr(hook, "__func__", hook), mark, False))
+
+
 def _observer(hook: Any) -> bool:
-    return bool(getattr(getattr(hook, "__func__", hook), _OBSERVER, False))
+    return _marked(hook, _OBSERVER)
 
 
-def _hooked(m: nn.Module) -> bool:
-    return bool(any(not _observer(h) for h in m._forward_hooks.values()) or m._forward_pre_hooks
+def watched(m: nn.Module) -> bool:
+    """Whether a hook on `m` must see it called as a module (a spike observer or a bookkeeper need not)."""
+    return bool(any(not (_observer(h) or _marked(h, _BOOKKEEPER)) for h in m._forward_hooks.values())
+                or any(not _marked(h, _BOOKKEEPER) for h in m._forward_pre_hooks.values())
                 or m._backward_hooks or m._backward_pre_hooks)
+
+
+def _notify_observers(neuron: nn.Module, spikes: torch.Tensor) -> None:
+    """Call the neuron's spike observers with a fused op's spikes (`watched` let no other hook through
+    but bookkeepers, which a fused op does not call)."""
+    for hook in list(neuron._forward_hooks.values()):
+        if _observer(hook):
+            hook(neuron, (), spikes)
 
 
 def _one_call_allowed(neuron: nn.Module, *modules: nn.Module) -> bool:
@@ -254,7 +280,7 @@ def _one_call_allowed(neuron: nn.Module, *modules: nn.Module) -> bool:
 
     return (_FUSE_UNITS[-1] and not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"))
             and not getattr(neuron, "store_membrane", False)
-            and not any(_hooked(m) for m in (neuron, *modules))
+            and not any(watched(m) for m in (neuron, *modules))
             and not (_module._global_forward_hooks or _module._global_forward_pre_hooks
                      or _module._global_backward_hooks or _module._global_backward_pre_hooks))
 
@@ -301,8 +327,7 @@ def bn_fire(z: torch.Tensor, shape: tuple[int, ...], neuron: "LIF", weight: torc
                spike_dtype=neuron.spike_dtype, backend=neuron.backend_for_shape(shape, z.device), lin_weight=lin_weight,
                lin_bias=lin_bias, running_out=running_out, keep_membrane=keep_membrane, rebuild_whole=whole)
     s = s.view(shape)
-    for hook in list(neuron._forward_hooks.values()):  # spike observers only (`fusable` let no other through)
-        hook(neuron, (), s)
+    _notify_observers(neuron, s)
     return s
 
 
@@ -350,8 +375,7 @@ def gain_fire(bn: nn.Module, neuron: nn.Module, z: torch.Tensor, shape: tuple[in
     if bn.num_batches_tracked is not None:  # BatchNorm's batch count, as its forward keeps it
         bn.num_batches_tracked.add_(1)
     s = s.view(shape)
-    for hook in list(neuron._forward_hooks.values()):  # spike observers only (`_hooked` let no other through)
-        hook(neuron, (), s)
+    _notify_observers(neuron, s)
     return s
 
 
@@ -386,7 +410,7 @@ def pooled_fire(bn: nn.Module, neuron: nn.Module, pool: nn.Module, z: torch.Tens
     reruns in backward (`rebuild_membrane`), where a stem stage's rerun sets the step's peak; None
     elsewhere, or where the three cannot run as one, and the caller runs them as usual."""
     if not (rebuild_membrane(neuron) and _recorded(neuron) and type(pool) is nn.MaxPool2d and not pool.return_indices
-            and not _hooked(pool) and z.dim() == 4 and _fusable_pair(bn, neuron)):
+            and not watched(pool) and z.dim() == 4 and _fusable_pair(bn, neuron)):
         return None
     args = pool_args(pool.kernel_size, pool.stride, pool.padding, pool.dilation, pool.ceil_mode)
     shape = (steps, z.shape[0] // steps, *z.shape[1:])
@@ -400,8 +424,7 @@ def pooled_fire(bn: nn.Module, neuron: nn.Module, pool: nn.Module, z: torch.Tens
         return None
     if bn.training and bn.num_batches_tracked is not None:
         bn.num_batches_tracked.add_(1)
-    for hook in list(neuron._forward_hooks.values()):  # spike observers: a max-pool of spikes is spikes
-        hook(neuron, (), out)
+    _notify_observers(neuron, out)  # a max-pool of spikes is spikes
     return out
 
 

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from efficient.kernels import bn_lif
 from efficient.kernels.spike_pack import pack_binary, unpack_spikes
+from efficient.models.neurons import watched
 from efficient.models.replay import rebuild_membrane
 
 
@@ -159,8 +160,7 @@ def _plain(conv: nn.Module) -> bool:
     from torch.nn.modules import module as M
 
     return (type(conv) is nn.Conv2d and conv.padding_mode == "zeros" and isinstance(conv.padding, tuple)
-            and not (conv._forward_hooks or conv._forward_pre_hooks or conv._backward_hooks
-                     or conv._backward_pre_hooks or M._global_forward_hooks or M._global_forward_pre_hooks
+            and not (watched(conv) or M._global_forward_hooks or M._global_forward_pre_hooks
                      or M._global_backward_hooks or M._global_backward_pre_hooks))
 
 

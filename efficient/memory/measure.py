@@ -48,6 +48,7 @@ from torch import nn
 
 from efficient.memory.levels import LEVELS, MemoryPlan, apply, check_level, restore
 from efficient.memory.spikes import PackedSaved, RecomputedNorm, tensors_in as _tensors
+from efficient.models.neurons import module_bookkeeper
 from efficient.data import first_input
 
 MEMORY_FILE = "memory.json"  # in a run dir: `write_run_memory`'s record, shown by `efficient report`
@@ -162,8 +163,9 @@ class _Recorder:
         self.recording = True
         self.handles: list[Any] = []
         for name, m in model.named_modules():
-            self.handles.append(m.register_forward_pre_hook(functools.partial(self._enter, name)))
-            self.handles.append(m.register_forward_hook(self._exit, always_call=True))
+            # bookkeepers: a unit still runs as its fused op, as in a training step (what it saves counts to it)
+            self.handles.append(m.register_forward_pre_hook(module_bookkeeper(functools.partial(self._enter, name))))
+            self.handles.append(m.register_forward_hook(module_bookkeeper(self._exit), always_call=True))
 
     def _enter(self, name: str, module: nn.Module, args: Any) -> None:
         self.stack.append(name)
