@@ -97,13 +97,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 LEVELS = ("none", "bits", "recompute")
-IMPLS = ("none", "bits", "recompute", "recompute-budget", "recompute-whole-stem", "recompute-keep-membrane",
+IMPLS = ("none", "bits", "bits-keep-membrane", "recompute", "recompute-budget", "recompute-whole-stem", "recompute-keep-membrane",
          "recompute-whole-conv", "recompute-checkpoint", "sj", "sj-memopt")
 RECOMPUTE_BUDGET = 0.2  # recompute-budget: at most this fraction of none's saved bytes (planned on the step's own batch)
 LABEL = {"none": "ours none", "bits": "ours bits", "recompute": "ours recompute", "sj": "spikingjelly",
          "recompute-budget": f"ours recompute, budget {RECOMPUTE_BUDGET:.0%}", "sj-memopt": "spikingjelly memopt L1",
          "recompute-whole-stem": "ours recompute, stem as one unit",
          "recompute-keep-membrane": "ours recompute, reruns keep H",
+         "bits-keep-membrane": "ours bits, fused units keep H",
          "recompute-whole-conv": "ours recompute, stem convolutions' backward whole",
          "recompute-checkpoint": "ours recompute, every unit under torch's checkpoint"}
 MiB, GiB = 2**20, 2**30
@@ -344,7 +345,7 @@ def build(arch: str, impl: str, T: int, img: int | None = None, example: Any = N
 
     torch.manual_seed(0)
     if impl in LEVELS or impl in ("recompute-budget", "recompute-whole-stem", "recompute-keep-membrane",
-                                  "recompute-whole-conv", "recompute-checkpoint"):
+                                  "recompute-whole-conv", "recompute-checkpoint", "bits-keep-membrane"):
         import efficient
         from efficient import memory
 
@@ -364,6 +365,10 @@ def build(arch: str, impl: str, T: int, img: int | None = None, example: Any = N
         if impl == "recompute-keep-membrane":  # reruns keep H and pool inputs, as before bn_lif(keep_membrane=False)
             plan = memory.optimize(m, "recompute")
             rewrap(m, plan, lean=False)
+            return m, plan, {"summary": plan.summary()}
+        if impl == "bits-keep-membrane":  # fused units keep their membrane traces, as before bits rebuilt them
+            plan = memory.optimize(m, "bits")
+            m._efficient_memory.rebuild = False
             return m, plan, {"summary": plan.summary()}
         if impl == "recompute-budget":
             t0 = time.perf_counter()
@@ -761,8 +766,10 @@ def run_cuda_ours(spec: dict) -> dict:
     m = m.train().to(dev)
     rows, ref = {}, None
     hooks: list = []
-    for level in (*LEVELS, "recompute-keep-membrane", "recompute-whole-conv"):
-        plan = memory.optimize(m, level if level in LEVELS else "recompute")
+    for level in (*LEVELS, "bits-keep-membrane", "recompute-keep-membrane", "recompute-whole-conv"):
+        plan = memory.optimize(m, level if level in LEVELS else level.split("-")[0])
+        if level == "bits-keep-membrane":  # the level as before its fused units rebuilt membranes
+            m._efficient_memory.rebuild = False
         if level == "recompute-keep-membrane":  # the level as before its reruns rebuilt membranes
             rewrap(m, plan, lean=False)
         if level == "recompute-whole-conv":

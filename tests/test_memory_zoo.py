@@ -115,6 +115,12 @@ def test_bits_rebuilds_membranes_and_keeps_nones_gradients(name: str, monkeypatc
     assert none[1].keys() == bits[1].keys()
     for k in none[1]:
         assert torch.equal(none[1][k], bits[1][k]), k
+    keeping = copy.deepcopy(base)  # the level as it was, for comparison (bench/memory.py bits-keep-membrane)
+    memory.optimize(keeping, "bits")
+    keeping._efficient_memory.rebuild = False
+    rebuilt.clear()
+    F.cross_entropy(keeping(x), y).backward()
+    assert rebuilt == []
 
 
 # stages 0 and 1 rerun together: their reruns hold less than stage 2's alone (`group_stages`)
