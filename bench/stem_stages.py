@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import memory as M  # noqa: E402
 
-IMPLS = ("none", "bits", "recompute-whole-stem", "recompute-keep-membrane", "recompute", "sj", "sj-memopt")
+IMPLS = ("none", "bits", "bits-keep-membrane", "recompute-whole-stem", "recompute-keep-membrane", "recompute", "sj", "sj-memopt")
 
 
 def child(spec: dict) -> dict:
