@@ -17,7 +17,7 @@ saved-tensor hooks record every tensor autograd keeps for backward. What counts,
 - Kept: only tensors still held when forward and loss have run are counted; one the graph dropped
   during the forward (a branch whose output died) is not.
 - Attribution: to the innermost module of `model.named_modules()` running when the tensor was first
-  saved; "" is the model's own forward outside its children, `LOSS` ("(loss)") what `loss_fn` saved
+  saved (a unit that runs as one fused op, as in training, calls no child: its saves count to it); "" is the model's own forward outside its children, `LOSS` ("(loss)") what `loss_fn` saved
   outside the model. `by_block` sums modules per top-level block: a child of the model, or an item
   of a child ModuleList / ModuleDict (`patch_embed`, `blocks.0`, `head`).
 - Not seen: tensors an autograd Function keeps as attributes of `ctx` instead of through
