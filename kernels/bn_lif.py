@@ -1046,19 +1046,14 @@ def _dlif_args(leak: float, v_threshold: float, surrogate: int, alpha: float) ->
     return (float(leak), float(v_threshold), 0.0, _lif.CHARGE_LEAK, int(surrogate), float(alpha), False)
 
 
-def _gain_chunks(z: Tensor, whole: bool) -> list[tuple[int, int]]:
-    return [(0, z.shape[1])] if whole else _channel_chunks(z)
-
-
-def _gain_forward(z, steps, gain, weight, bias, running_mean, running_var, momentum, eps, lif_args, impl, spike_dtype,
-                  whole=False):
-    """(spikes, stats) of BatchNorm -> x * gain[t] -> LIF, a chunk of channels at a time (`whole`: in one
-    piece); the running statistics are updated in place on the given tensors' slices, as BatchNorm does."""
+def _gain_forward(z, steps, gain, weight, bias, running_mean, running_var, momentum, eps, lif_args, impl, spike_dtype):
+    """(spikes, stats) of BatchNorm -> x * gain[t] -> LIF, a chunk of channels at a time; the running
+    statistics are updated in place on the given tensors' slices, as BatchNorm does."""
     c, v_th, v_reset, charge = lif_args[:4]
     out = torch.empty(z.shape, dtype=spike_dtype, device=z.device)
     stats = torch.empty((2, z.shape[1]), dtype=weight.dtype, device=z.device)
     g = gain.to(z.dtype).view(steps, 1)
-    for c0, c1 in _gain_chunks(z, whole):
+    for c0, c1 in _channel_chunks(z):
         zc = z[:, c0:c1].contiguous()
         y, mean, invstd = torch.native_batch_norm(zc, weight[c0:c1], bias[c0:c1], running_mean[c0:c1],
                                                   running_var[c0:c1], True, momentum, eps)
@@ -1071,16 +1066,15 @@ def _gain_forward(z, steps, gain, weight, bias, running_mean, running_var, momen
     return out, stats
 
 
-def _gain_backward(grad, z, gain, weight, bias, stats, steps, eps, lif_args, impl, whole=False):
+def _gain_backward(grad, z, gain, weight, bias, stats, steps, eps, lif_args, impl):
     """(grad z, grad gain, grad weight, grad bias) of `_gain_forward`: a chunk's BatchNorm output,
-    current and membrane trace rebuilt at a time; the gain's gradient sums the chunks' partial sums
-    (`whole`: one piece, so the separate calls' sums)."""
+    current and membrane trace rebuilt at a time; the gain's gradient sums the chunks' partial sums."""
     c, v_th, v_reset, charge, surrogate, alpha, detach = lif_args
     g = gain.to(z.dtype).view(steps, 1)
     gz = torch.empty(z.shape, dtype=z.dtype, device=z.device)
     gw, gb = torch.empty_like(weight), torch.empty_like(weight)
     ggain = torch.zeros(steps, dtype=torch.float32, device=z.device)
-    for c0, c1 in _gain_chunks(z, whole):
+    for c0, c1 in _channel_chunks(z):
         zc = z[:, c0:c1].contiguous()
         # aten's BatchNorm again: the chunk's batch statistics channel by channel, as forward's
         y = torch.native_batch_norm(zc, weight[c0:c1], bias[c0:c1], None, None, True, 0.0, eps)[0].view(steps, -1)
@@ -1105,24 +1099,23 @@ class _BNGainLIF(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, z, gain, weight, bias, running_mean, running_var, steps, momentum, eps, lif_args, impl,
-                spike_dtype, whole):
+                spike_dtype):
         with torch._C.DisableTorchFunction():  # modes see the call, not its insides (as the ops)
             out, stats = _gain_forward(z, steps, gain, weight, bias, running_mean, running_var, momentum, eps,
-                                       lif_args, impl, spike_dtype, whole)
+                                       lif_args, impl, spike_dtype)
         ctx.save_for_backward(z, gain, weight, bias, stats)
-        ctx.steps, ctx.eps, ctx.lif_args, ctx.impl, ctx.whole = steps, eps, lif_args, impl, whole
+        ctx.steps, ctx.eps, ctx.lif_args, ctx.impl = steps, eps, lif_args, impl
         ctx.set_materialize_grads(False)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         if grad is None:
-            return (None,) * 13
-        gz, ggain, gw, gb = _gain_backward(grad, *ctx.saved_tensors, ctx.steps, ctx.eps, ctx.lif_args, ctx.impl,
-                                           ctx.whole)
+            return (None,) * 12
+        gz, ggain, gw, gb = _gain_backward(grad, *ctx.saved_tensors, ctx.steps, ctx.eps, ctx.lif_args, ctx.impl)
         need = ctx.needs_input_grad
         return (gz if need[0] else None, ggain if need[1] else None, gw if need[2] else None,
-                gb if need[3] else None) + (None,) * 9
+                gb if need[3] else None) + (None,) * 8
 
 
 # the same pair as custom ops, for compiled regions (functional: the new running statistics are outputs)
@@ -1206,7 +1199,6 @@ def bn_gain_lif(
     alpha: Optional[float] = None,
     spike_dtype: Optional[torch.dtype] = None,
     backend: str = "auto",
-    whole: bool = False,
 ) -> Optional[Tensor]:
     """Training spikes of BatchNorm(z) * gain[t] -> LIF with leak (the stable-SNN's DLIF: hard reset to 0,
     not detached) over a conv unit's z [T*R, C, ...], computed a chunk of channels at a time in forward
@@ -1217,9 +1209,7 @@ def bn_gain_lif(
     updated in place. Returns None where this path does not apply and the caller runs the separate
     calls: the "torch" backend (the reference), an eager call that a dispatch or function mode must
     see as ops. Under torch.compile it runs as the op pair `efficient::bn_gain_lif_forward` / `_backward`
-    (the same code; the new running statistics come back as outputs and are stored in the buffers).
-    `whole` (eager): one piece each way instead of chunks, the separate calls' values bit for bit, the gain's
-    gradient included (memory level `bits`, which keeps z only and rebuilds the rest in the unit's backward)."""
+    (the same code; the new running statistics come back as outputs and are stored in the buffers)."""
     _check_z(z, steps, weight, bias)
     if gain.shape != (steps,):
         raise ValueError(f"bn_gain_lif: gain must have one value per step ({steps}), got {tuple(gain.shape)}")
@@ -1238,4 +1228,4 @@ def bn_gain_lif(
         _store_running([running_mean, running_var], new_mean, new_var)
         return out
     return _BNGainLIF.apply(z, gain, weight, bias, running_mean, running_var, int(steps), float(momentum), float(eps),
-                            _dlif_args(leak, v_threshold, sid, a), impl, spike_dtype or z.dtype, bool(whole))
+                            _dlif_args(leak, v_threshold, sid, a), impl, spike_dtype or z.dtype)

@@ -359,21 +359,17 @@ def gain_fire(bn: nn.Module, neuron: nn.Module, z: torch.Tensor, shape: tuple[in
     z [T*R, C, ...] (`shape`: the time-major shape the neuron would take, concrete), inside a unit memory
     level `recompute` reruns in backward (training, eager or compiled): one call by chunks of channels
     (`bn_gain_lif`) whose backward rebuilds the BatchNorm output, current and membrane trace a chunk at
-    a time, where the separate calls keep them whole for the rerun's backward; at a memory level's step
-    outside regions (`rebuild_exact`), the same call in one piece, which keeps z only and gives the
-    separate calls' gradients bit for bit. With BatchNorm's
+    a time, where the separate calls keep them whole for the rerun's backward. With BatchNorm's
     bookkeeping; spike observers see the spikes returned. None where it does not apply (outside a
     region, a watched module, autocast, a DLIF that stores its membrane, the reference backend): the
     caller runs the two modules."""
     steps = shape[0]
-    whole = rebuild_exact()  # a level's step outside regions: one piece, the separate calls' gradients exactly
-    if not (type(neuron) is DLIF and bn.training and _recorded(neuron) and (rebuild_membrane(neuron) or whole)
+    if not (type(neuron) is DLIF and bn.training and _recorded(neuron) and rebuild_membrane(neuron)
             and _tracked_bn(bn) and neuron.gain.shape == (steps,) and _one_call_allowed(neuron, bn)):
         return None
     s = bn_gain_lif(z, steps, neuron.gain, bn.weight, bn.bias, bn.running_mean, bn.running_var,
                     _update_factor(bn, counted=False), bn.eps, leak=neuron.leak, v_threshold=neuron.v_threshold,
-                    surrogate=neuron.surrogate, alpha=neuron.alpha, backend=neuron.backend_for_shape(shape, z.device),
-                    whole=whole)
+                    surrogate=neuron.surrogate, alpha=neuron.alpha, backend=neuron.backend_for_shape(shape, z.device))
     if s is None:
         return None
     if bn.num_batches_tracked is not None:  # BatchNorm's batch count, as its forward keeps it
