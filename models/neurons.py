@@ -316,11 +316,9 @@ def bn_fire(z: torch.Tensor, shape: tuple[int, ...], neuron: "LIF", weight: torc
     by chunks of channels) and at a memory level's step (`rebuild_exact`: in one piece, so the gradients
     are those of a unit that kept it bit for bit), True elsewhere."""
     steps = shape[0]
-    whole = False
+    whole = keep_membrane is None and rebuild_exact()  # a level's step outside regions: none's gradients exactly
     if keep_membrane is None:
-        in_rerun = rebuild_membrane(neuron)
-        whole = rebuild_exact()  # a level's step outside regions: rebuilt in one piece, none's gradients exactly
-        keep_membrane = not (in_rerun or whole)
+        keep_membrane = not (whole or rebuild_membrane(neuron))
     s = bn_lif(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, tau=neuron.tau,
                v_threshold=neuron.v_threshold, v_reset=neuron.v_reset, detach_reset=neuron.detach_reset,
                decay_input=neuron.decay_input, surrogate=neuron.surrogate, alpha=neuron.alpha,

@@ -17,8 +17,9 @@ saved-tensor hooks record every tensor autograd keeps for backward. What counts,
 - Kept: only tensors still held when forward and loss have run are counted; one the graph dropped
   during the forward (a branch whose output died) is not.
 - Attribution: to the innermost module of `model.named_modules()` running when the tensor was first
-  saved (a unit that runs as one fused op, as in training, calls no child: its saves count to it); "" is the model's own forward outside its children, `LOSS` ("(loss)") what `loss_fn` saved
-  outside the model. `by_block` sums modules per top-level block: a child of the model, or an item
+  saved (a unit that runs as one fused op, as in training, calls no child: its saves count to it); ""
+  is the model's own forward outside its children, `LOSS` ("(loss)") what `loss_fn` saved outside the
+  model. `by_block` sums modules per top-level block: a child of the model, or an item
   of a child ModuleList / ModuleDict (`patch_embed`, `blocks.0`, `head`).
 - Not seen: tensors an autograd Function keeps as attributes of `ctx` instead of through
   `save_for_backward`, and whatever a `torch.compile`d region saves: a compiled model (or one in
@@ -165,11 +166,12 @@ class _Recorder:
         for name, m in model.named_modules():
             # bookkeepers: a unit still runs as its fused op, as in a training step (what it saves counts to it)
             self.handles.append(m.register_forward_pre_hook(module_bookkeeper(functools.partial(self._enter, name))))
-            self.handles.append(m.register_forward_hook(module_bookkeeper(self._exit), always_call=True))
+            self.handles.append(m.register_forward_hook(self._exit, always_call=True))
 
     def _enter(self, name: str, module: nn.Module, args: Any) -> None:
         self.stack.append(name)
 
+    @module_bookkeeper
     def _exit(self, module: nn.Module, args: Any, out: Any) -> None:
         if self.stack:
             self.stack.pop()
