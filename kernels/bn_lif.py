@@ -392,6 +392,36 @@ def _bn_backward(gy, z, weight, stats, training, eps):
                                                      [True, True, True])
 
 
+@functools.lru_cache(maxsize=None)
+def _unit_variance(eps: float) -> Optional[float]:
+    """A float32 variance v with 1 / sqrt(v + eps) exactly 1 in float32 arithmetic (aten's eval-mode
+    BatchNorm forms its per-channel scale so on CPU), or None if no float next to 1 - eps gives that."""
+    v = torch.tensor(1.0, dtype=torch.float32) - eps
+    for cand in (v, torch.nextafter(v, torch.tensor(2.0)), torch.nextafter(v, torch.tensor(0.0))):
+        if float(cand) >= 0 and bool((1 / torch.sqrt(cand + eps)) == 1):
+            return float(cand)
+    return None
+
+
+def _bn_rebuild(z: Tensor, weight: Tensor, bias: Tensor, stats: Tensor, eps: float) -> Tensor:
+    """Training BatchNorm's output of a contiguous z again, from the batch's saved mean and invstd
+    (`stats`) instead of a second pass over z for them.
+
+    aten's CPU kernel turns BatchNorm into z * a + b with a = invstd * weight, b = bias - mean * a per
+    channel, in training from the saved statistics and in eval from the running ones (invstd =
+    1 / sqrt(var + eps)). Its eval call with weight' = invstd * weight, mean' = mean and a variance
+    whose invstd is exactly 1 therefore forms the training call's very a and b (a' = 1 * weight'), and
+    its output is the training output bit for bit, at one read of z where training takes three.
+    Elsewhere (other devices or dtypes, a strided z, an eps without such a variance) BatchNorm's
+    training call runs again, which is exact too."""
+    unit = _unit_variance(float(eps))
+    if (z.device.type == "cpu" and z.is_contiguous() and unit is not None
+            and z.dtype == weight.dtype == bias.dtype == stats.dtype == torch.float32):
+        var = torch.full_like(stats[0], unit)
+        return torch.native_batch_norm(z, stats[1] * weight, bias, stats[0], var, False, 0.0, eps)[0]
+    return torch.native_batch_norm(z, weight, bias, None, None, True, 0.0, eps)[0]
+
+
 @bn_lif_backward_op.register_fake
 def _(grad_spikes, z, h, weight, stats, training, eps, c, v_threshold, v_reset, charge, surrogate, alpha,
       detach_reset, impl):
@@ -432,10 +462,10 @@ def _recompute_chunk(gs, z, steps, weight, bias, stats, training, eps, c, v_thre
         )
         gy = gy.to(z.dtype)
     else:
-        # aten's BatchNorm again: in training it recomputes the chunk's mean and invstd channel by channel,
-        # as the forward's call did over all channels, so y, and H after it, are the forward's bit for bit
+        # aten's BatchNorm again, from the forward's statistics (per channel, so a chunk's are its channels'):
+        # y, and H after it, are the forward's bit for bit
         if training:
-            y = torch.native_batch_norm(z, weight, bias, None, None, True, 0.0, eps)[0]
+            y = _bn_rebuild(z, weight, bias, stats, eps)
         else:
             y = torch.native_batch_norm(z, weight, bias, stats[0], stats[1], False, 0.0, eps)[0]
         # H alone, step by step into one buffer (the spikes are not needed again): beside y, one tensor of z's size
@@ -1076,8 +1106,8 @@ def _gain_backward(grad, z, gain, weight, bias, stats, steps, eps, lif_args, imp
     ggain = torch.zeros(steps, dtype=torch.float32, device=z.device)
     for c0, c1 in _channel_chunks(z):
         zc = z[:, c0:c1].contiguous()
-        # aten's BatchNorm again: the chunk's batch statistics channel by channel, as forward's
-        y = torch.native_batch_norm(zc, weight[c0:c1], bias[c0:c1], None, None, True, 0.0, eps)[0].view(steps, -1)
+        # aten's BatchNorm again from the forward's statistics of the chunk's channels: forward's output bit for bit
+        y = _bn_rebuild(zc, weight[c0:c1], bias[c0:c1], stats[:, c0:c1].contiguous(), eps).view(steps, -1)
         _, h = _lif._run_forward(y * g, None, c, v_th, v_reset, charge, z.dtype, impl, spikes=False)
         gcur, _, _ = _lif._run_backward(grad[:, c0:c1].contiguous().view(steps, -1), None, h, None, c, v_th, v_reset,
                                         charge, surrogate, alpha, detach, z.dtype, impl)

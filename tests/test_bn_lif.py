@@ -262,6 +262,29 @@ def test_the_rebuilt_membrane_is_the_forwards_bit_for_bit() -> None:
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("shape", [(96, 40), (37, 13), (8, 6, 9, 9), (12, 16, 8, 8), (5, 7, 11)])
+@pytest.mark.parametrize("eps", [1e-5, 1e-3, 0.1])
+def test_batchnorm_rebuilt_from_its_statistics_is_the_training_output_bit_for_bit(shape, eps: float) -> None:
+    """The backward's BatchNorm output from the forward's saved mean and invstd (one pass, aten's eval
+    kernel) is the training call's bit for bit, whole and for a chunk of channels."""
+    from efficient.kernels import bn_lif as K
+
+    gen = torch.Generator().manual_seed(len(shape) + int(1 / eps))
+    C = shape[1]
+    z = torch.randn(shape, generator=gen) * 3 + 1.5
+    w, b = torch.randn(C, generator=gen), torch.randn(C, generator=gen)
+    y, mean, invstd = torch.native_batch_norm(z, w, b, torch.zeros(C), torch.ones(C), True, 0.1, eps)
+    stats = torch.stack([mean, invstd])
+    assert K._unit_variance(eps) is not None  # the one-pass path is taken, not the fallback
+    assert torch.equal(K._bn_rebuild(z, w, b, stats, eps), y)
+    zc = z[:, 1:C - 1].contiguous()
+    assert torch.equal(K._bn_rebuild(zc, w[1:C - 1], b[1:C - 1], stats[:, 1:C - 1].contiguous(), eps), y[:, 1:C - 1])
+    # a dtype the one-pass path does not cover runs BatchNorm's training call again
+    zd, wd, bd = z.double(), w.double(), b.double()
+    yd, md, sd = torch.native_batch_norm(zd, wd, bd, None, None, True, 0.1, eps)
+    assert torch.equal(K._bn_rebuild(zd, wd, bd, torch.stack([md, sd]), eps), yd)
+
+
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 def test_the_unit_with_its_linear_rebuilds_the_membrane_too(training: bool, monkeypatch) -> None:
     """The Linear -> BatchNorm -> LIF op without H: the same spikes and gradients (input, Linear and
