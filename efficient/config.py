@@ -136,6 +136,10 @@ class TrainConfig:
     # host memory (efficient.memory.host): system (glibc as it is) | reuse (freed tensors stay with
     # malloc for the next step: no page faults per step; memory is not given back to the OS; glibc only)
     host_memory: Literal["system", "reuse"] = "system"
+    # update each parameter inside backward as soon as its gradient exists, and free that gradient
+    # (efficient.train.optim.InBackwardOptimizer): a step never holds all parameter gradients; same
+    # updates; not with grad_clip or more than one process
+    optimizer_in_backward: bool = False
     deterministic: bool = False
     threads: int | None = _opt(_positive, default=None)
     out_dir: str = "runs"

@@ -33,7 +33,7 @@ from efficient.report.environment import environment
 from efficient.report.loggers import Loggers, build_loggers
 from efficient.train import checkpoint as ckpt
 from efficient.train import distributed as dist_utils
-from efficient.train.optim import build_optimizer, build_scheduler
+from efficient.train.optim import InBackwardOptimizer, build_optimizer, build_scheduler, check_optimizer_in_backward
 
 
 class TrainingError(RuntimeError):
@@ -323,7 +323,8 @@ class Trainer:
         r, t = self.recipe, self.recipe.train
         check_global_batch(r, self.dist.world_size)
         self._setup_budget()
-        self.optimizer = build_optimizer(self.model, r.optim)
+        check_optimizer_in_backward(r, self.dist.world_size)
+        self.optimizer = build_optimizer(self.model, r.optim, in_backward=t.optimizer_in_backward)
         self.scheduler = build_scheduler(self.optimizer, self.total_steps, self.steps_per_epoch, r.optim.lr, r.schedule)
         self.amp = t.amp and self.device.type == "cuda"
         self.forward_model: nn.Module = dist_utils.wrap(self.model, self.dist, self.device)
@@ -557,7 +558,9 @@ class Trainer:
     def optimizer_step(self, loss: torch.Tensor, logs: dict[str, Any]) -> None:
         """Backward, optional gradient clipping (its norm joins `logs`), optimizer and LR schedule step."""
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        # with train.optimizer_in_backward each parameter is updated inside backward, and step() has nothing left to do
+        with self.optimizer.stepping() if isinstance(self.optimizer, InBackwardOptimizer) else nullcontext():
+            loss.backward()
         if self.recipe.train.grad_clip:
             logs["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.recipe.train.grad_clip).detach()
         self.optimizer.step()

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 
-from efficient.config import OptimConfig, ScheduleConfig
+from efficient.config import OptimConfig, Recipe, ScheduleConfig
+from efficient.errors import ConfigError
 
 
 def param_groups(model: nn.Module, weight_decay: float, decay_1d: bool) -> list[dict]:
@@ -23,13 +26,119 @@ def param_groups(model: nn.Module, weight_decay: float, decay_1d: bool) -> list[
     return groups
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+def check_optimizer_in_backward(recipe: Recipe, world_size: int, parallel: bool = False) -> None:
+    """`train.optimizer_in_backward` needs each parameter's final gradient when backward accumulates it:
+    not with a clip over all gradients' norm, gradients averaged across processes, pipeline stages or
+    FSDP shards."""
+    t = recipe.train
+    if not t.optimizer_in_backward:
+        return
+    if t.grad_clip:
+        raise ConfigError(
+            f"{recipe.source}: train.optimizer_in_backward updates each parameter inside backward, before the norm of all "
+            f"gradients that train.grad_clip={t.grad_clip} clips by exists; turn one of them off"
+        )
+    if world_size > 1 or parallel:
+        raise ConfigError(
+            f"{recipe.source}: train.optimizer_in_backward runs in one process only (here {world_size}"
+            f"{' with pipeline stages or FSDP' if parallel else ''}): data-parallel gradients are averaged after backward, "
+            "when the update would already have used this process's own; set it false for multi-process runs"
+        )
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, in_backward: bool = False) -> torch.optim.Optimizer:
+    """The recipe's optimizer over `param_groups`; `in_backward`: as an `InBackwardOptimizer`."""
     groups = param_groups(model, cfg.weight_decay, cfg.decay_1d)
     if cfg.name == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
-    if cfg.name == "adam":
-        return torch.optim.Adam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
-    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
+        opt: torch.optim.Optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    elif cfg.name == "adam":
+        opt = torch.optim.Adam(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    else:
+        opt = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
+    return InBackwardOptimizer(opt) if in_backward else opt
+
+
+class InBackwardOptimizer(torch.optim.Optimizer):
+    """An optimizer that updates each parameter inside backward, as soon as its gradient is
+    accumulated, and frees that gradient: a step never holds all parameter gradients at once
+    (PyTorch's "optimizer step in backward" recipe; torchtune's `optimizer_in_bwd`).
+
+    It wraps an optimizer whose update is per parameter (SGD, Adam, AdamW; not one that couples
+    parameters, such as a global-norm clip, which the trainer refuses beside it). Every parameter gets
+    a group of its own (its settings copied from its group in `base`) and an inner optimizer of
+    `base`'s class over that group; the inner optimizers share this one's `state` and group dicts, so
+    an LR scheduler, `state_dict` and `load_state_dict` act on this optimizer as on any other. The
+    update is the base optimizer's, element for element.
+
+    Updates happen only inside `stepping()` (the trainer wraps its `loss.backward()` in it); any other
+    backward (an attack's, a measurement's) accumulates gradients as usual, and `step()` then applies
+    them as a plain optimizer would."""
+
+    def __init__(self, base: torch.optim.Optimizer) -> None:
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [p]}
+                  for g in base.param_groups for p in g["params"]]
+        if not groups:
+            raise ValueError("InBackwardOptimizer: the base optimizer has no parameters")
+        super().__init__(groups, dict(base.defaults))
+        self._inner: dict[torch.Tensor, torch.optim.Optimizer] = {
+            g["params"][0]: type(base)([g]) for g in self.param_groups}  # the group's values override the class defaults
+        self._link()
+        self._armed = False
+        self._stepped: set[torch.Tensor] = set()
+        self._handles = [p.register_post_accumulate_grad_hook(self._update) for p in self._inner]
+
+    def _link(self) -> None:
+        """Point each inner optimizer at this one's group dict of its parameter and at the shared state
+        (again after `load_state_dict`, which replaces both)."""
+        for g in self.param_groups:
+            inner = self._inner[g["params"][0]]
+            inner.param_groups = [g]
+            inner.state = self.state  # keyed by parameter: one shared moment store
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._link()
+
+    def _update(self, p: torch.Tensor) -> None:
+        if not self._armed or p.grad is None:
+            return
+        if p in self._stepped:
+            raise RuntimeError(
+                "InBackwardOptimizer: a parameter's gradient was accumulated twice in one backward (the update "
+                "would use a partial gradient); use a plain optimizer for this model (train.optimizer_in_backward: false)"
+            )
+        self._stepped.add(p)
+        with torch.no_grad():
+            self._inner[p].step()
+        p.grad = None
+
+    @contextmanager
+    def stepping(self) -> Iterator[None]:
+        """Inside: each parameter is updated (and its gradient freed) when backward accumulates it."""
+        self._armed, self._stepped = True, set()
+        try:
+            yield
+        finally:
+            self._armed, self._stepped = False, set()
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Applies gradients still held (from a backward outside `stepping()`); after a backward
+        inside it there are none left, and this is a no-op."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for p, inner in self._inner.items():
+            if p.grad is not None:
+                inner.step()
+        return loss
+
+    def remove_hooks(self) -> None:
+        """Detach from the parameters (the optimizer updates nothing in backward afterwards)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
 
 
 def lr_at(step: int, total_steps: int, steps_per_epoch: int, base_lr: float, cfg: ScheduleConfig) -> float:

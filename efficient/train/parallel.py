@@ -21,7 +21,7 @@ from efficient.config import check_parallel
 from efficient.train import checkpoint as ckpt
 from efficient.train import distributed as dist_utils
 from efficient.train.engine import Trainer, TrainingError, build_model, seed_everything
-from efficient.train.optim import build_optimizer, build_scheduler
+from efficient.train.optim import build_optimizer, build_scheduler, check_optimizer_in_backward
 
 STATE_KEYS = ("scheduler", "rng", "param_groups", "progress")  # trainer.pt; weights and optimizer moments are DCP files
 
@@ -42,6 +42,7 @@ class ParallelTrainer(Trainer):
     def _setup_optimizer(self) -> None:
         r, t = self.recipe, self.recipe.train
         par = t.parallel
+        check_optimizer_in_backward(r, self.dist.world_size, parallel=True)
         self._setup_budget()
         self.amp = t.amp and self.device.type == "cuda"
         self.runner = None
