@@ -9,7 +9,9 @@ with memopt level 1 (`sj`, `sj-memopt`), counted the same way. The peak counts w
 includes. Each implementation runs in a fresh process; the step time is the median of `--steps`
 unprofiled steps. With `--compile` the model runs under `torch.compile` (what `train.compile:
 default` does; a level is applied before compiling, and its recomputed regions become the
-compiler's checkpoint regions): the same peak, of the compiled step.
+compiler's checkpoint regions): the same peak, of the compiled step. `--optimizer` ends the step with an
+SGD update after backward, or inside it (`train.optimizer_in_backward`), which frees each parameter
+gradient as soon as it is used.
 
     python bench/stem_stages.py --archs spikformer-4-384 --batch 64 --steps 2
     python bench/stem_stages.py --archs spikformer-4-384 --impls none recompute --compile
@@ -45,19 +47,45 @@ def child(spec: dict) -> dict:
         t0 = time.perf_counter()
         M.train_step(model, x, y)  # compiles forward and backward
         compile_s = time.perf_counter() - t0
-    M.train_step(model, x, y)  # warm-up
+    step = _step(model, x, y, spec.get("optimizer", "none"))
+    step()  # warm-up (and the optimizer's moments)
     for p in model.parameters():
         p.grad = None
     from efficient.memory.measure import step_peak_bytes
 
-    peak = step_peak_bytes(lambda: M.train_step(model, x, y))
+    peak = step_peak_bytes(step)
     times = []
     for _ in range(spec["steps"]):
         t0 = time.perf_counter()
-        M.train_step(model, x, y)
+        step()
         times.append(time.perf_counter() - t0)
     return {"peak_bytes": peak, "step_s": statistics.median(times), "times_s": times, "compile_s": compile_s,
             "units": list(plan.units) if plan is not None else []}
+
+
+def _step(model, x, y, optimizer: str):
+    """The measured step: forward + loss + backward (`none`), then an SGD update after backward (`sgd`)
+    or inside it, each parameter's as its gradient is accumulated (`sgd-in-backward`,
+    `train.optimizer_in_backward`)."""
+    if optimizer == "none":
+        return lambda: M.train_step(model, x, y)
+    from contextlib import nullcontext
+
+    import torch
+
+    from efficient.train.optim import InBackwardOptimizer
+
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-4, momentum=0.9)
+    if optimizer == "sgd-in-backward":
+        opt = InBackwardOptimizer(opt)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        with opt.stepping() if isinstance(opt, InBackwardOptimizer) else nullcontext():
+            M._loss(model, x, y).backward()
+        opt.step()
+
+    return step
 
 
 def main() -> int:
@@ -72,12 +100,15 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1))
     ap.add_argument("--compile", action="store_true", help="the step under torch.compile (default mode)")
+    ap.add_argument("--optimizer", default="none", choices=["none", "sgd", "sgd-in-backward"],
+                    help="what the step ends with: nothing (forward + loss + backward), an SGD update after backward, "
+                         "or the update inside backward (train.optimizer_in_backward)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.compile and {"sj", "sj-memopt"} & set(args.impls):
         ap.error("--compile measures our levels: leave out sj and sj-memopt")
     print(f"# bench/stem_stages.py -- {datetime.date.today()}, {platform.machine()} {os.cpu_count()} cores, "
-          f"batch {args.batch}, T {args.T}{', compiled' if args.compile else ''}, load {os.getloadavg()[0]:.2f} before")
+          f"batch {args.batch}, T {args.T}{', compiled' if args.compile else ''}, optimizer {args.optimizer}, load {os.getloadavg()[0]:.2f} before")
     print("\n| architecture | impl | step peak of live tensors MiB | vs none | step s | time vs none |")
     print("|---|---|---|---|---|---|")
     out = []
@@ -85,7 +116,7 @@ def main() -> int:
         rows: dict[str, dict] = {}
         for impl in args.impls:
             spec = {"arch": arch, "impl": impl, "T": args.T, "batch": args.batch, "steps": args.steps, "threads": args.threads,
-                    "compile": args.compile}
+                    "compile": args.compile, "optimizer": args.optimizer}
             res = M._child("stem", spec, timeout=3600, script=__file__)
             rows[impl] = res
             out.append({**spec, **res})

@@ -1,0 +1,114 @@
+"""A backward's BatchNorm output rebuilt from the forward's saved mean and invstd
+(`efficient.kernels.bn_lif._bn_rebuild`: aten's eval kernel, one read of z) against BatchNorm's training
+call again (statistics from z, then the output: three reads), at the zoo units' shapes on CPU; with
+`--step ARCH`, whole training steps at a memory level with the one path or the other, alternated.
+
+Every case is checked bit for bit before it is timed.
+
+    python bench/bn_rebuild.py
+    python bench/bn_rebuild.py --step sdt-2-512 --impls none bits recompute --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from efficient.kernels import bn_lif as K
+
+# z [T*R, C, ...] of the units at CIFAR b64, T=4: SDT's stem stages, Spikformer's and SDT's Linear units
+SHAPES = [(256, 64, 32, 32), (256, 128, 32, 32), (256, 256, 16, 16), (16384, 384), (16384, 1536), (16384, 2048)]
+
+
+def _training_call(z, weight, bias, stats, eps):
+    return torch.native_batch_norm(z, weight, bias, None, None, True, 0.0, eps)[0]
+
+
+def calls(repeats: int) -> None:
+    print("| z shape | training call ms | from statistics ms | ratio |")
+    print("|---|---|---|---|")
+    for shape in SHAPES:
+        g = torch.Generator().manual_seed(0)
+        z = torch.randn(shape, generator=g) * 2 + 0.5
+        w, b = torch.randn(shape[1], generator=g), torch.randn(shape[1], generator=g)
+        _, mean, invstd = torch.native_batch_norm(z, w, b, None, None, True, 0.1, 1e-5)
+        stats = torch.stack([mean, invstd])
+        if not torch.equal(K._bn_rebuild(z, w, b, stats, 1e-5), _training_call(z, w, b, stats, 1e-5)):
+            raise SystemExit(f"{shape}: the output from statistics differs from the training call's")
+        t: dict[str, list[float]] = {"train": [], "rebuild": []}
+        for _ in range(repeats):
+            for name, fn in (("train", _training_call), ("rebuild", K._bn_rebuild)):
+                t0 = time.perf_counter()
+                fn(z, w, b, stats, 1e-5)
+                t[name].append(time.perf_counter() - t0)
+        a, r = statistics.median(t["train"]), statistics.median(t["rebuild"])
+        print(f"| {list(shape)} | {a * 1e3:.1f} | {r * 1e3:.1f} | {r / a:.2f} |", flush=True)
+
+
+def steps(arch: str, impls: list[str], rounds: int) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import memory as M
+    from scipy import stats as S
+
+    x, y = M._inputs(arch, 64)
+    new = K._bn_rebuild
+    cases = [i for i in impls if i == "none"] + [c for i in impls if i != "none" for c in (i, i + "-training-call")]
+    models = {c: M.build(arch, c.replace("-training-call", ""), 4, None, example=x)[0] for c in cases}
+
+    def step(case: str) -> float:
+        K._bn_rebuild = _training_call if case.endswith("-training-call") else new
+        try:
+            t0 = time.perf_counter()
+            M.train_step(models[case], x, y)
+            return time.perf_counter() - t0
+        finally:
+            K._bn_rebuild = new
+
+    for c in cases:  # warm-up
+        step(c)
+    times: dict[str, list[float]] = {c: [] for c in cases}
+    for r in range(rounds):
+        for c in cases if r % 2 == 0 else cases[::-1]:
+            times[c].append(step(c))
+
+    def ratio(a: str, b: str) -> str:
+        logs = [math.log(p / q) for p, q in zip(times[a], times[b])]
+        m, s = statistics.mean(logs), statistics.stdev(logs)
+        h = S.t.ppf(0.975, len(logs) - 1) * s / math.sqrt(len(logs))
+        return f"{math.exp(m):.3f} [{math.exp(m - h):.3f}, {math.exp(m + h):.3f}]"
+
+    print(f"| {arch}, b64, T=4 | median step s | vs none | from statistics vs training call |")
+    print("|---|---|---|---|")
+    for c in cases:
+        vs_none = ratio(c, "none") if "none" in times and c != "none" else ""
+        pair = ratio(c, c + "-training-call") if c + "-training-call" in times else ""
+        print(f"| {c} | {statistics.median(times[c]):.2f} | {vs_none} | {pair} |", flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--step", default=None, help="an architecture of bench/memory.py: time whole steps instead")
+    ap.add_argument("--impls", nargs="+", default=["none", "bits", "recompute"])
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    print(f"# bench/bn_rebuild.py -- {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f} before\n")
+    if args.step:
+        steps(args.step, args.impls, args.rounds)
+    else:
+        calls(args.repeats)
+    print(f"\n# load {os.getloadavg()[0]:.2f} after")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
