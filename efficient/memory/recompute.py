@@ -52,6 +52,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
+from torch.autograd.graph import get_gradient_edge
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, get_device_states,
                                     set_device_states)
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
@@ -492,9 +493,14 @@ class _Region(torch.autograd.Function):
             wrt = [a for a in anchors if a is not None] + [p for p, w in zip(params, need[n:]) if w]
             if pairs and not run.module.__dict__.get("_efficient_light_checked"):
                 _check_leaves(run.module, [o for o, _ in pairs], wrt)
-            if pairs and wrt:
-                got = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+            # the rerun's outputs are only the roots of its graph: backward starts from their graph edges, so
+            # an output nothing in the graph saved (a neuron's spikes) is freed before backward runs
+            roots = [get_gradient_edge(o) for o, _ in pairs]
+            grads_in = [g for _, g in pairs]
             del outs, pairs
+            if roots and wrt:
+                got = torch.autograd.grad(roots, wrt, grads_in, allow_unused=True)
+            del roots, grads_in
         param_grads = iter(got[sum(a is not None for a in anchors):])
         return (None, None, *stash, *(next(param_grads, None) if w else None for w in need[n:]))
 
