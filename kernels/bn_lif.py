@@ -432,7 +432,19 @@ def _(grad_spikes, z, h, weight, stats, training, eps, c, v_threshold, v_reset, 
 
 # Channels are taken a chunk at a time, so that beside z, the spikes' gradient and z's gradient
 # (whole), the rebuilt BatchNorm output, H and the chunk's gradients exist for one chunk only.
-RECOMPUTE_CHUNK = 1 << 22  # elements of z per chunk of channels (at least one channel)
+RECOMPUTE_CHUNK = 1 << 22  # at most this many elements of z per chunk of channels (at least one channel)
+RECOMPUTE_PARTS = 16  # and at most this fraction of z ...
+RECOMPUTE_CHUNK_MIN = 1 << 20  # ... down to this many elements
+
+
+def chunk_limit(numel: int) -> int:
+    """Elements per chunk of a tensor of `numel` elements. A rebuilding backward holds about nine
+    chunk-sized buffers (the rebuilt BatchNorm output and trace, the LIF backward's own) beside z and its
+    gradient: a chunk of at most 1/`RECOMPUTE_PARTS` of z keeps them near half of z, where a fixed chunk
+    could hold more than z itself; at most `RECOMPUTE_CHUNK`, and no fewer elements than
+    `RECOMPUTE_CHUNK_MIN` (nor than `RECOMPUTE_CHUNK` if that is smaller), so a small tensor is not cut
+    into many calls."""
+    return min(RECOMPUTE_CHUNK, max(RECOMPUTE_CHUNK_MIN, numel // RECOMPUTE_PARTS))
 
 
 def chunk_spans(n: int, per_item: int, limit: int) -> list[tuple[int, int]]:
@@ -444,7 +456,7 @@ def chunk_spans(n: int, per_item: int, limit: int) -> list[tuple[int, int]]:
 
 def _channel_chunks(z: Tensor) -> list[tuple[int, int]]:
     C = z.shape[1]
-    return chunk_spans(C, z.numel() // max(C, 1), RECOMPUTE_CHUNK)
+    return chunk_spans(C, z.numel() // max(C, 1), chunk_limit(z.numel()))
 
 
 def _recompute_chunk(gs, z, steps, weight, bias, stats, training, eps, c, v_threshold, v_reset, charge, surrogate,

@@ -33,9 +33,9 @@ from efficient.models.replay import rebuild_membrane
 
 def batch_slices(grad: torch.Tensor, limit: int | None = None) -> list[slice]:
     """Slices of dim 0 such that each slice of `grad` has at most `limit` elements (at least one
-    sample); by default the rebuilt BatchNorm + LIF backward's chunk (`bn_lif.RECOMPUTE_CHUNK`)."""
+    sample); by default the rebuilt BatchNorm + LIF backward's chunk (`bn_lif.chunk_limit`)."""
     n = grad.shape[0]
-    spans = bn_lif.chunk_spans(n, grad.numel() // max(n, 1), bn_lif.RECOMPUTE_CHUNK if limit is None else limit)
+    spans = bn_lif.chunk_spans(n, grad.numel() // max(n, 1), bn_lif.chunk_limit(grad.numel()) if limit is None else limit)
     return [slice(a, b) for a, b in spans]
 
 
