@@ -1,23 +1,30 @@
-"""A backward's BatchNorm output rebuilt from the forward's saved mean and invstd
-(`efficient.kernels.bn_lif._bn_rebuild`: aten's eval kernel, one read of z) against BatchNorm's training
-call again (statistics from z, then the output: three reads), at the zoo units' shapes on CPU; with
-`--step ARCH`, whole training steps at a memory level with the one path or the other, alternated.
+"""How a rebuilding backward runs, each choice against the one before it.
 
-Every case is checked bit for bit before it is timed.
+- BatchNorm's output rebuilt from the forward's saved mean and invstd (`efficient.kernels.bn_lif._bn_rebuild`:
+  aten's eval kernel, one read of z) against BatchNorm's training call again (statistics from z, then the
+  output: three reads): per call at the zoo units' shapes on CPU, checked bit for bit before it is timed, or
+  (`--step ARCH --compare bn-statistics`) whole training steps at memory levels with the one path or the other.
+- `--compare chunk`: chunks of at most 1/16 of a tensor (`bn_lif.chunk_limit`) against a fixed chunk of
+  `RECOMPUTE_CHUNK` elements, whole training steps.
 
-    python bench/bn_rebuild.py
-    python bench/bn_rebuild.py --step sdt-2-512 --impls none bits recompute --rounds 5
+The cases alternate in each round; ratios are geometric means of the per-round ratios with a 95 % interval.
+
+    python bench/rebuild_paths.py
+    python bench/rebuild_paths.py --step sdt-2-512 --impls none bits recompute --rounds 5
+    python bench/rebuild_paths.py --step stable-snn-vgg11 --impls none recompute --compare chunk --rounds 6
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import platform
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -53,24 +60,34 @@ def calls(repeats: int) -> None:
         print(f"| {list(shape)} | {a * 1e3:.1f} | {r * 1e3:.1f} | {r / a:.2f} |", flush=True)
 
 
-def steps(arch: str, impls: list[str], rounds: int) -> None:
+@contextmanager
+def _before(compare: str):
+    """The path as it was before the change `compare` names."""
+    new, lo = K._bn_rebuild, K.RECOMPUTE_CHUNK_MIN
+    if compare == "bn-statistics":
+        K._bn_rebuild = _training_call
+    else:
+        K.RECOMPUTE_CHUNK_MIN = K.RECOMPUTE_CHUNK  # every chunk RECOMPUTE_CHUNK elements
+    try:
+        yield
+    finally:
+        K._bn_rebuild, K.RECOMPUTE_CHUNK_MIN = new, lo
+
+
+def steps(arch: str, impls: list[str], rounds: int, compare: str) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import memory as M
     from scipy import stats as S
 
     x, y = M._inputs(arch, 64)
-    new = K._bn_rebuild
-    cases = [i for i in impls if i == "none"] + [c for i in impls if i != "none" for c in (i, i + "-training-call")]
-    models = {c: M.build(arch, c.replace("-training-call", ""), 4, None, example=x)[0] for c in cases}
+    cases = [i for i in impls if i == "none"] + [c for i in impls if i != "none" for c in (i, i + "-before")]
+    models = {c: M.build(arch, c.replace("-before", ""), 4, None, example=x)[0] for c in cases}
 
     def step(case: str) -> float:
-        K._bn_rebuild = _training_call if case.endswith("-training-call") else new
-        try:
+        with _before(compare) if case.endswith("-before") else contextlib.nullcontext():
             t0 = time.perf_counter()
             M.train_step(models[case], x, y)
             return time.perf_counter() - t0
-        finally:
-            K._bn_rebuild = new
 
     for c in cases:  # warm-up
         step(c)
@@ -85,11 +102,11 @@ def steps(arch: str, impls: list[str], rounds: int) -> None:
         h = S.t.ppf(0.975, len(logs) - 1) * s / math.sqrt(len(logs))
         return f"{math.exp(m):.3f} [{math.exp(m - h):.3f}, {math.exp(m + h):.3f}]"
 
-    print(f"| {arch}, b64, T=4 | median step s | vs none | from statistics vs training call |")
+    print(f"| {arch}, b64, T=4 ('-before': without the change `{compare}`) | median step s | vs none | vs before |")
     print("|---|---|---|---|")
     for c in cases:
         vs_none = ratio(c, "none") if "none" in times and c != "none" else ""
-        pair = ratio(c, c + "-training-call") if c + "-training-call" in times else ""
+        pair = ratio(c, c + "-before") if c + "-before" in times else ""
         print(f"| {c} | {statistics.median(times[c]):.2f} | {vs_none} | {pair} |", flush=True)
 
 
@@ -99,11 +116,12 @@ def main() -> int:
     ap.add_argument("--step", default=None, help="an architecture of bench/memory.py: time whole steps instead")
     ap.add_argument("--impls", nargs="+", default=["none", "bits", "recompute"])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--compare", default="bn-statistics", choices=["bn-statistics", "chunk"])
     args = ap.parse_args()
-    print(f"# bench/bn_rebuild.py -- {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
+    print(f"# bench/rebuild_paths.py -- {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f} before\n")
     if args.step:
-        steps(args.step, args.impls, args.rounds)
+        steps(args.step, args.impls, args.rounds, args.compare)
     else:
         calls(args.repeats)
     print(f"\n# load {os.getloadavg()[0]:.2f} after")
