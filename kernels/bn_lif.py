@@ -804,8 +804,8 @@ def bn_lif(
 
     `keep_membrane=False`: autograd keeps z but not the membrane trace H; the backward rebuilds H
     from z (bit for bit the forward's) a chunk of channels at a time, so it holds z, the spikes'
-    gradient and z's gradient whole and nothing else of the unit's size (a unit of fewer than two
-    chunks, `RECOMPUTE_CHUNK` elements each, keeps H). It costs a BatchNorm and a LIF forward in
+    gradient and z's gradient whole and nothing else of the unit's size (a unit of fewer than
+    2 x `RECOMPUTE_CHUNK` elements, two of the largest chunks, keeps H). It costs a BatchNorm and a LIF forward in
     backward; memory level `recompute` uses it in its reruns, where the largest rerun sets a step's
     peak (`efficient.models.replay.rebuild_membrane`).
 
@@ -841,7 +841,7 @@ def bn_lif(
             *lif_args, spike_dtype, impl)
     eager = eager_call(z, op="bn_lif_forward" if lin_weight is None else "linear_bn_lif_forward")
     # rebuilt in one piece, H and the loop's temporaries would take what was not kept: a unit smaller
-    # than two chunks keeps H
+    # than two of the largest chunks (2 x RECOMPUTE_CHUNK elements) keeps H
     out_numel = z.numel() if lin_weight is None else z.shape[0] * lin_weight.shape[0]
     whole = bool(rebuild_whole) and not keep_membrane
     args = (*args, bool(keep_membrane) or (not whole and out_numel < 2 * RECOMPUTE_CHUNK), whole)
@@ -1055,7 +1055,7 @@ def bn_lif_max_pool(
 
     Returns None where this path does not apply, and the caller runs `bn_lif` and its pool: the
     "torch" backend (the reference), an eager call that a dispatch or function mode must see as ops
-    (the eager chunked path has no custom op), an input of fewer than two chunks (`RECOMPUTE_CHUNK`)."""
+    (the eager chunked path has no custom op), an input of fewer than two chunks (`chunk_limit`)."""
     _check_z(z, steps, weight, bias)
     if z.dim() != 4:
         raise ValueError(f"bn_lif_max_pool: z must be a conv stage's [T*R, C, H, W], got {tuple(z.shape)}")
