@@ -1088,12 +1088,21 @@ def _dlif_args(leak: float, v_threshold: float, surrogate: int, alpha: float) ->
     return (float(leak), float(v_threshold), 0.0, _lif.CHARGE_LEAK, int(surrogate), float(alpha), False)
 
 
-def _gain_forward(z, steps, gain, weight, bias, running_mean, running_var, momentum, eps, lif_args, impl, spike_dtype):
+def _gain_forward(z, steps, gain, weight, bias, running_mean, running_var, momentum, eps, lif_args, impl, spike_dtype,
+                  spikes=True):
     """(spikes, stats) of BatchNorm -> x * gain[t] -> LIF, a chunk of channels at a time; the running
-    statistics are updated in place on the given tensors' slices, as BatchNorm does."""
+    statistics are updated in place on the given tensors' slices, as BatchNorm does. `spikes` False:
+    the statistics only (the same calls, bit for bit), and zeros of the spikes' shape that own no
+    memory (stride 0) in place of the spikes."""
     c, v_th, v_reset, charge = lif_args[:4]
-    out = torch.empty(z.shape, dtype=spike_dtype, device=z.device)
     stats = torch.empty((2, z.shape[1]), dtype=weight.dtype, device=z.device)
+    if not spikes:
+        for c0, c1 in _channel_chunks(z):
+            _, stats[0, c0:c1], stats[1, c0:c1] = torch.native_batch_norm(
+                z[:, c0:c1].contiguous(), weight[c0:c1], bias[c0:c1], running_mean[c0:c1], running_var[c0:c1], True,
+                momentum, eps)
+        return z.new_zeros((), dtype=spike_dtype).expand(z.shape), stats
+    out = torch.empty(z.shape, dtype=spike_dtype, device=z.device)
     g = gain.to(z.dtype).view(steps, 1)
     for c0, c1 in _channel_chunks(z):
         zc = z[:, c0:c1].contiguous()
@@ -1108,12 +1117,14 @@ def _gain_forward(z, steps, gain, weight, bias, running_mean, running_var, momen
     return out, stats
 
 
-def _gain_backward(grad, z, gain, weight, bias, stats, steps, eps, lif_args, impl):
+def _gain_backward(grad, z, gain, weight, bias, stats, steps, eps, lif_args, impl, donate=False):
     """(grad z, grad gain, grad weight, grad bias) of `_gain_forward`: a chunk's BatchNorm output,
-    current and membrane trace rebuilt at a time; the gain's gradient sums the chunks' partial sums."""
+    current and membrane trace rebuilt at a time; the gain's gradient sums the chunks' partial sums.
+    `donate`: z is the caller's to overwrite, and z's gradient is written into z's storage, a chunk's
+    channels once they have been read, so the unit's backward never holds z and its gradient at once."""
     c, v_th, v_reset, charge, surrogate, alpha, detach = lif_args
     g = gain.to(z.dtype).view(steps, 1)
-    gz = torch.empty(z.shape, dtype=z.dtype, device=z.device)
+    gz = z.detach() if donate else torch.empty(z.shape, dtype=z.dtype, device=z.device)
     gw, gb = torch.empty_like(weight), torch.empty_like(weight)
     ggain = torch.zeros(steps, dtype=torch.float32, device=z.device)
     for c0, c1 in _channel_chunks(z):
@@ -1141,23 +1152,26 @@ class _BNGainLIF(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, z, gain, weight, bias, running_mean, running_var, steps, momentum, eps, lif_args, impl,
-                spike_dtype):
+                spike_dtype, donate, spikes):
         with torch._C.DisableTorchFunction():  # modes see the call, not its insides (as the ops)
             out, stats = _gain_forward(z, steps, gain, weight, bias, running_mean, running_var, momentum, eps,
-                                       lif_args, impl, spike_dtype)
+                                       lif_args, impl, spike_dtype, spikes)
         ctx.save_for_backward(z, gain, weight, bias, stats)
-        ctx.steps, ctx.eps, ctx.lif_args, ctx.impl = steps, eps, lif_args, impl
+        ctx.steps, ctx.eps, ctx.lif_args, ctx.impl, ctx.donate = steps, eps, lif_args, impl, donate
         ctx.set_materialize_grads(False)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         if grad is None:
-            return (None,) * 12
-        gz, ggain, gw, gb = _gain_backward(grad, *ctx.saved_tensors, ctx.steps, ctx.eps, ctx.lif_args, ctx.impl)
+            return (None,) * 14
+        # a donated z is overwritten in place: its version moves on, so a second backward through
+        # this graph (retain_graph) fails autograd's saved-tensor check instead of reading gradients
+        gz, ggain, gw, gb = _gain_backward(grad, *ctx.saved_tensors, ctx.steps, ctx.eps, ctx.lif_args, ctx.impl,
+                                           donate=ctx.donate and ctx.needs_input_grad[0])
         need = ctx.needs_input_grad
         return (gz if need[0] else None, ggain if need[1] else None, gw if need[2] else None,
-                gb if need[3] else None) + (None,) * 8
+                gb if need[3] else None) + (None,) * 10
 
 
 # the same pair as custom ops, for compiled regions (functional: the new running statistics are outputs)
@@ -1241,6 +1255,8 @@ def bn_gain_lif(
     alpha: Optional[float] = None,
     spike_dtype: Optional[torch.dtype] = None,
     backend: str = "auto",
+    donate: bool = False,
+    spikes: bool = True,
 ) -> Optional[Tensor]:
     """Training spikes of BatchNorm(z) * gain[t] -> LIF with leak (the stable-SNN's DLIF: hard reset to 0,
     not detached) over a conv unit's z [T*R, C, ...], computed a chunk of channels at a time in forward
@@ -1251,7 +1267,14 @@ def bn_gain_lif(
     updated in place. Returns None where this path does not apply and the caller runs the separate
     calls: the "torch" backend (the reference), an eager call that a dispatch or function mode must
     see as ops. Under torch.compile it runs as the op pair `efficient::bn_gain_lif_forward` / `_backward`
-    (the same code; the new running statistics come back as outputs and are stored in the buffers)."""
+    (the same code; the new running statistics come back as outputs and are stored in the buffers).
+
+    `donate=True` says nothing else reads z once this call has it (a convolution's fresh output): the
+    eager backward then writes z's gradient into z's storage, the unit's largest saving in backward.
+    `spikes=False` says the caller never reads the spikes (a recomputed unit's rerun, which serves only
+    its backward): the eager call computes BatchNorm's statistics alone and returns zeros of the
+    spikes' shape that own no memory; its backward is the same. The compiled op pair is functional and
+    ignores both."""
     _check_z(z, steps, weight, bias)
     if gain.shape != (steps,):
         raise ValueError(f"bn_gain_lif: gain must have one value per step ({steps}), got {tuple(gain.shape)}")
@@ -1270,4 +1293,5 @@ def bn_gain_lif(
         _store_running([running_mean, running_var], new_mean, new_var)
         return out
     return _BNGainLIF.apply(z, gain, weight, bias, running_mean, running_var, int(steps), float(momentum), float(eps),
-                            _dlif_args(leak, v_threshold, sid, a), impl, spike_dtype or z.dtype)
+                            _dlif_args(leak, v_threshold, sid, a), impl, spike_dtype or z.dtype, bool(donate),
+                            bool(spikes))

@@ -352,7 +352,8 @@ def _recorded(module: nn.Module) -> bool:
     return torch.is_grad_enabled() or (not torch.compiler.is_compiling() and in_region())
 
 
-def gain_fire(bn: nn.Module, neuron: nn.Module, z: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
+def gain_fire(bn: nn.Module, neuron: nn.Module, z: torch.Tensor, shape: tuple[int, ...],
+              donate: bool = False, spikes: bool = True) -> torch.Tensor | None:
     """`neuron(bn(z).reshape(shape))` for a DLIF after an affine BatchNorm with running statistics, over
     z [T*R, C, ...] (`shape`: the time-major shape the neuron would take, concrete), inside a unit memory
     level `recompute` reruns in backward (training, eager or compiled): one call by chunks of channels
@@ -360,20 +361,24 @@ def gain_fire(bn: nn.Module, neuron: nn.Module, z: torch.Tensor, shape: tuple[in
     a time, where the separate calls keep them whole for the rerun's backward. With BatchNorm's
     bookkeeping; spike observers see the spikes returned. None where it does not apply (outside a
     region, a watched module, autocast, a DLIF that stores its membrane, the reference backend): the
-    caller runs the two modules."""
+    caller runs the two modules. `donate`: z is a fresh output nothing else reads, so backward may
+    write z's gradient into it (`bn_gain_lif(donate=True)`). `spikes` False: nothing reads the spikes
+    (a unit's rerun that only its backward needs): they are not computed, and observers are not called."""
     steps = shape[0]
     if not (type(neuron) is DLIF and bn.training and _recorded(neuron) and rebuild_membrane(neuron)
             and _tracked_bn(bn) and neuron.gain.shape == (steps,) and _one_call_allowed(neuron, bn)):
         return None
     s = bn_gain_lif(z, steps, neuron.gain, bn.weight, bn.bias, bn.running_mean, bn.running_var,
                     _update_factor(bn, counted=False), bn.eps, leak=neuron.leak, v_threshold=neuron.v_threshold,
-                    surrogate=neuron.surrogate, alpha=neuron.alpha, backend=neuron.backend_for_shape(shape, z.device))
+                    surrogate=neuron.surrogate, alpha=neuron.alpha, backend=neuron.backend_for_shape(shape, z.device),
+                    donate=donate, spikes=spikes)
     if s is None:
         return None
     if bn.num_batches_tracked is not None:  # BatchNorm's batch count, as its forward keeps it
         bn.num_batches_tracked.add_(1)
     s = s.view(shape)
-    _notify_observers(neuron, s)
+    if spikes:
+        _notify_observers(neuron, s)
     return s
 
 

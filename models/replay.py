@@ -21,13 +21,25 @@ def replaying() -> bool:
 
 
 @contextlib.contextmanager
-def replay() -> Iterator[None]:
-    """Mark the code inside as a replay of a forward that already ran."""
+def replay(unit: nn.Module | None = None) -> Iterator[None]:
+    """Mark the code inside as a replay of a forward that already ran: the rerun of `unit`, whose
+    outputs the rerun does not read (`replays_whole`)."""
     _state.depth = getattr(_state, "depth", 0) + 1
+    units = _state.__dict__.setdefault("units", [])
+    units.append(unit)
     try:
         yield
     finally:
+        units.pop()
         _state.depth -= 1
+
+
+def replays_whole(unit: nn.Module) -> bool:
+    """Whether the running code is the rerun of `unit` itself (the innermost replay): a recomputed
+    region's rerun serves only its backward, so values `unit` returns are never read (its outputs
+    root the rerun's graph), and an op producing them may leave them uncomputed."""
+    units = getattr(_state, "units", None)
+    return bool(units) and units[-1] is unit
 
 
 region_state = threading.local()  # how deep the running code is inside recomputed regions (`recompute.py`)

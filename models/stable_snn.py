@@ -16,7 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from efficient.memory.conv_backward import region_conv2d
+from efficient.memory.spikes import is_neuron
 from efficient.models import neurons
+from efficient.models.replay import replays_whole
 from efficient.zoo import InputSpec, Variant, register_variants
 
 PAPER = "Robust Stable Spiking Neural Networks (Ding et al., ICML 2024)"
@@ -69,11 +72,24 @@ class Normalize(nn.Module):
         return (x - self.mean) / self.std
 
 
-def _norm_fire(bn: nn.Module, neuron: nn.Module, z: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+def _norm_fire(bn: nn.Module, neuron: nn.Module, z: torch.Tensor, shape: tuple[int, ...],
+               made_by: nn.Module | None = None, unit: nn.Module | None = None) -> torch.Tensor:
     """`neuron(bn(z).view(shape))` for z [T*B, C, ...] and the neuron's time-major `shape`; inside a
-    recomputed region a DLIF's BatchNorm, gain and neuron run by chunks of channels (`gain_fire`)."""
-    s = neurons.gain_fire(bn, neuron, z, shape)
+    recomputed region a DLIF's BatchNorm, gain and neuron run by chunks of channels (`gain_fire`).
+    `made_by`: the convolution z is the fresh output of; where no hook of it could keep z, backward
+    writes z's gradient into z (`gain_fire(donate=True)`). `unit`: the module whose output these spikes
+    are; its rerun in backward reads nothing of them, so there they are not computed."""
+    rerun = unit is not None and not torch.compiler.is_compiling() and replays_whole(unit)
+    s = neurons.gain_fire(bn, neuron, z, shape, donate=made_by is not None and _output_unkept(made_by),
+                          spikes=not rerun)
     return neuron(bn(z).view(shape)) if s is None else s
+
+
+def _output_unkept(module: nn.Module) -> bool:
+    """No forward hook, the module's or a global one, sees the module's output (none could keep it)."""
+    from torch.nn.modules import module as M
+
+    return not (module._forward_hooks or M._global_forward_hooks)
 
 
 class ConvUnit(nn.Module):
@@ -87,9 +103,20 @@ class ConvUnit(nn.Module):
         self.bn = nn.BatchNorm2d(c_out)
         self.neuron = neuron
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        z = self.conv(x.flatten(0, 1))
-        return _norm_fire(self.bn, self.neuron, z, (*x.shape[:2], *z.shape[1:]))
+    def recompute_spike_input(self) -> bool:
+        """Whether the unit's input is the spikes of the conv unit before it (`follows`), which
+        efficient.memory then keeps as bits."""
+        before = self.__dict__.get("_follows")
+        return before is not None and is_neuron(before.neuron)
+
+    def follows(self, unit: "ConvUnit") -> None:
+        """Say that this unit's input is `unit`'s output (no pool between); not a submodule."""
+        self.__dict__["_follows"] = unit
+
+    def forward(self, x: torch.Tensor, spike_bits: torch.Tensor | None = None) -> torch.Tensor:
+        """`spike_bits`: x's bits, which a compiled recomputed region keeps (efficient.memory)."""
+        z = region_conv2d(self.conv, x.flatten(0, 1), spikes=self.recompute_spike_input(), bits=spike_bits)
+        return _norm_fire(self.bn, self.neuron, z, (*x.shape[:2], *z.shape[1:]), made_by=self.conv, unit=self)
 
 
 class ConvexCombination(nn.Module):
@@ -217,7 +244,10 @@ class SpikingVGG(_SpikingNet):
                 layers.append(nn.AvgPool2d(2))
                 side //= 2
             else:
-                layers.append(ConvUnit(c, int(item), neuron_fn()))
+                unit = ConvUnit(c, int(item), neuron_fn())
+                if layers and isinstance(layers[-1], ConvUnit):
+                    unit.follows(layers[-1])
+                layers.append(unit)
                 c = int(item)
         self.features = nn.ModuleList(layers)
         self.fc1 = nn.Linear(c * side * side, fc_dim)
@@ -267,7 +297,7 @@ class WideBlock(nn.Module):
         # Equal shapes: identity on the raw input; otherwise a 1x1 conv on the activated input.
         skip = x if self.shortcut is None else _per_sample(self.shortcut, a)
         z = self.conv1(a.flatten(0, 1))
-        h = _norm_fire(self.bn2, self.neuron2, z, (*a.shape[:2], *z.shape[1:]))
+        h = _norm_fire(self.bn2, self.neuron2, z, (*a.shape[:2], *z.shape[1:]), made_by=self.conv1)
         if self.drop > 0:
             h = F.dropout(h, p=self.drop, training=self.training)
         h = _per_sample(self.conv2, h)

@@ -55,6 +55,58 @@ def test_it_equals_batchnorm_then_dlif(chunk: int, leak: float, thr: float, monk
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def _gain_call(z: torch.Tensor, bn: torch.nn.BatchNorm2d, neuron: DLIF, T: int, **kwargs) -> torch.Tensor:
+    return bn_lif.bn_gain_lif(z, T, neuron.gain, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.momentum, bn.eps,
+                              leak=neuron.leak, v_threshold=neuron.v_threshold, **kwargs)
+
+
+def test_a_donated_z_receives_its_own_gradient_and_a_second_backward_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`donate=True`: backward writes z's gradient into z's storage (the values of the call that
+    allocates it, bit for bit); z's version moves on, so a second backward through the same graph
+    fails autograd's check rather than reading gradients as z."""
+    monkeypatch.setattr(bn_lif, "RECOMPUTE_CHUNK", 4 * 3 * 3 * 2)
+    torch.manual_seed(0)
+    T, B, C = 3, 4, 5
+    bn, neuron = _unit(C, T, 0.9, 0.5)
+    base = torch.randn(T * B, C, 3, 3)
+    g = torch.randn_like(base)
+    w = torch.randn(C, C, 1, 1, requires_grad=True)
+    grads = {}
+    for donate in (False, True):
+        z = torch.nn.functional.conv2d(base, w)  # a fresh output, as a conv unit's
+        b2, n2 = copy.deepcopy(bn), copy.deepcopy(neuron)
+        out = _gain_call(z, b2, n2, T, donate=donate)
+        (gz,) = torch.autograd.grad(out, [z], g, retain_graph=True)
+        assert (gz.data_ptr() == z.data_ptr()) is donate
+        grads[donate] = gz.clone()
+        if donate:
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                torch.autograd.grad(out, [z], g)
+    assert torch.equal(grads[True], grads[False])
+
+
+def test_without_spikes_the_call_keeps_what_backward_needs_and_its_backward_is_the_same() -> None:
+    """`spikes=False` (a rerun nobody reads the spikes of): the result owns no memory and is zeros, the
+    running statistics move as with spikes, and the gradients are the spiking call's bit for bit."""
+    torch.manual_seed(1)
+    T, B, C = 2, 3, 4
+    bn, neuron = _unit(C, T, 0.8, 0.4)
+    z0 = torch.randn(T * B, C, 2, 2)
+    g = torch.randn_like(z0)
+    got = {}
+    for spikes in (True, False):
+        z = z0.clone().requires_grad_(True)
+        b2, n2 = copy.deepcopy(bn), copy.deepcopy(neuron)
+        out = _gain_call(z, b2, n2, T, spikes=spikes)
+        got[spikes] = (out, b2.running_mean, b2.running_var, torch.autograd.grad(out, [z, n2.gain, b2.weight, b2.bias], g))
+    out, mean, var, grads = got[False]
+    assert out.shape == z0.shape and out.stride() == (0, 0, 0, 0) and not out.any()
+    assert 0 < float(got[True][0].detach().mean()) < 1
+    assert torch.equal(mean, got[True][1]) and torch.equal(var, got[True][2])
+    for a, b in zip(grads, got[True][3]):
+        assert torch.equal(a, b)
+
+
 def test_a_gain_of_the_wrong_length_is_named() -> None:
     bn, neuron = _unit(2, 3, 0.9, 1.0)
     with pytest.raises(ValueError, match="gain must have one value per step"):
@@ -76,10 +128,12 @@ def test_a_recomputed_vgg_reruns_its_units_by_chunks_and_trains_as_level_none(mo
     as a module."""
     monkeypatch.setattr(bn_lif, "RECOMPUTE_CHUNK", 1 << 12)
     calls: list[int] = []
+    how: list[tuple[bool, bool]] = []
     real = neurons.bn_gain_lif
 
     def counted(z, *args, **kwargs):
         calls.append(z.shape[1])
+        how.append((kwargs["spikes"], kwargs["donate"]))
         return real(z, *args, **kwargs)
 
     monkeypatch.setattr(neurons, "bn_gain_lif", counted)
@@ -94,6 +148,14 @@ def test_a_recomputed_vgg_reruns_its_units_by_chunks_and_trains_as_level_none(mo
     got = _step(rec, x, y)
     convs = [m for m in rec.modules() if type(m).__name__ == "ConvUnit"]
     assert len(calls) == 2 * len(convs)  # each unit's forward and its rerun
+    # the forward's spikes are computed; the reruns (in backward, last unit first) only serve their
+    # backward, which writes z's gradient into z, a convolution's fresh output
+    assert how == [(True, True)] * len(convs) + [(False, True)] * len(convs)
+    # a unit right after another keeps that unit's spikes as bits; after a pool (or first) it does not
+    layers = list(rec.features)
+    assert [u.recompute_spike_input() for u in convs] == [
+        i > 0 and type(layers[i - 1]).__name__ == "ConvUnit" for i in (layers.index(u) for u in convs)]
+    assert sum(u.recompute_spike_input() for u in convs) == 4  # VGG-11: 8 convs, 4 right after another
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     for (k, a), b in zip(rec.state_dict().items(), none.state_dict().values()):
@@ -102,6 +164,43 @@ def test_a_recomputed_vgg_reruns_its_units_by_chunks_and_trains_as_level_none(mo
     convs[0].neuron.register_forward_hook(lambda m, i, o: None)
     _step(rec, x, y)
     assert len(calls) == 2 * (len(convs) - 1)
+
+
+def test_conv_units_inside_a_larger_recomputed_unit_compute_their_spikes_in_its_rerun() -> None:
+    """A rerun leaves spikes uncomputed only for the unit being rerun itself: conv units inside a larger
+    unit feed each other in that unit's rerun, so its step trains as level none."""
+    from efficient.models.stable_snn import ConvUnit
+
+    class Pair(torch.nn.Module):
+        recompute_unit = True
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = ConvUnit(3, 4, DLIF(2, leak=0.9, v_threshold=0.3)), ConvUnit(4, 6, DLIF(2, leak=0.9, v_threshold=0.3))
+            self.b.follows(self.a)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x))
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pair, self.head = Pair(), torch.nn.Linear(6 * 4 * 4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.pair(x.unsqueeze(0).expand(2, -1, -1, -1, -1)).mean(0).flatten(1))
+
+    torch.manual_seed(0)
+    base = Net().train()
+    x, y = torch.rand(3, 3, 4, 4), torch.tensor([0, 2, 1])
+    ref = _step(copy.deepcopy(base), x, y)
+    rec = copy.deepcopy(base)
+    plan = memory.optimize(rec, "recompute")
+    assert "pair" in plan.units and "pair.a" not in plan.units
+    got = _step(rec, x, y)
+    assert any(float(t.abs().sum()) > 0 for t in got[:-2])  # the convolutions learn: their spikes were real
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.slow

@@ -255,7 +255,7 @@ class _BufferReplay:
         after = _copies(buffers)
         _copy_into(buffers, self.before)
         try:
-            with replay():
+            with replay(self.module):
                 yield
         finally:
             _copy_into(buffers, after)
