@@ -6,12 +6,17 @@
   (`--step ARCH --compare bn-statistics`) whole training steps at memory levels with the one path or the other.
 - `--compare chunk`: chunks of at most 1/16 of a tensor (`bn_lif.chunk_limit`) against a fixed chunk of
   `RECOMPUTE_CHUNK` elements, whole training steps.
+- `--compare rerun`: the stable-SNN VGG's recomputed conv units as they run now (the rerun computes no
+  spikes, backward writes z's gradient into z, the convolution's backward by batch slices with a spike
+  input kept as bits) against their rerun computing the spikes, a separate gradient buffer and aten's
+  convolution, whole training steps.
 
 The cases alternate in each round; ratios are geometric means of the per-round ratios with a 95 % interval.
 
     python bench/rebuild_paths.py
     python bench/rebuild_paths.py --step sdt-2-512 --impls none bits recompute --rounds 5
     python bench/rebuild_paths.py --step stable-snn-vgg11 --impls none recompute --compare chunk --rounds 6
+    python bench/rebuild_paths.py --step stable-snn-vgg11 --impls none recompute --compare rerun --rounds 10
 """
 
 from __future__ import annotations
@@ -63,15 +68,22 @@ def calls(repeats: int) -> None:
 @contextmanager
 def _before(compare: str):
     """The path as it was before the change `compare` names."""
+    from efficient.models import stable_snn as V
+
     new, lo = K._bn_rebuild, K.RECOMPUTE_CHUNK_MIN
+    unit_calls = V.replays_whole, V._output_unkept, V.region_conv2d
     if compare == "bn-statistics":
         K._bn_rebuild = _training_call
-    else:
+    elif compare == "chunk":
         K.RECOMPUTE_CHUNK_MIN = K.RECOMPUTE_CHUNK  # every chunk RECOMPUTE_CHUNK elements
+    else:  # the rerun computes the spikes, backward allocates z's gradient, aten's convolution
+        V.replays_whole = V._output_unkept = lambda m: False
+        V.region_conv2d = lambda conv, x, spikes=False, bits=None: conv(x)
     try:
         yield
     finally:
         K._bn_rebuild, K.RECOMPUTE_CHUNK_MIN = new, lo
+        V.replays_whole, V._output_unkept, V.region_conv2d = unit_calls
 
 
 def steps(arch: str, impls: list[str], rounds: int, compare: str) -> None:
@@ -116,7 +128,7 @@ def main() -> int:
     ap.add_argument("--step", default=None, help="an architecture of bench/memory.py: time whole steps instead")
     ap.add_argument("--impls", nargs="+", default=["none", "bits", "recompute"])
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--compare", default="bn-statistics", choices=["bn-statistics", "chunk"])
+    ap.add_argument("--compare", default="bn-statistics", choices=["bn-statistics", "chunk", "rerun"])
     args = ap.parse_args()
     print(f"# bench/rebuild_paths.py -- {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f} before\n")
