@@ -87,6 +87,32 @@ def test_outside_stepping_backward_accumulates_and_step_applies() -> None:
         assert torch.equal(p, q)
 
 
+def test_a_frozen_parameter_is_accepted_and_updated_by_step_once_unfrozen() -> None:
+    """A parameter that does not require gradients when the optimizer is made (as plain optimizers
+    accept) gets no hook; the others update inside backward, and once it is unfrozen `step()`
+    applies its gradient after backward: the weights stay a plain optimizer's bit for bit."""
+    make = OPTIMIZERS["adamw"]
+    a, b = _net(), _net()
+    for net in (a, b):
+        net[0].bias.requires_grad_(False)
+    oa, ob = make(_groups(a)), InBackwardOptimizer(make(_groups(b)))
+    for i, (x, y) in enumerate(_batches(4)):
+        if i == 2:
+            a[0].bias.requires_grad_(True)
+            b[0].bias.requires_grad_(True)
+        oa.zero_grad(set_to_none=True)
+        F.cross_entropy(a(x), y).backward()
+        oa.step()
+        ob.zero_grad(set_to_none=True)
+        with ob.stepping():
+            F.cross_entropy(b(x), y).backward()
+        assert [n for n, p in b.named_parameters() if p.grad is not None] == (["0.bias"] if i >= 2 else [])
+        ob.step()
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+    assert not torch.equal(a[0].bias, _net()[0].bias)  # it did move once unfrozen
+
+
 def test_state_dict_resumes_the_same_trajectory() -> None:
     """A fresh optimizer loaded from the state dict of step 3 goes on as the uninterrupted one."""
     make = OPTIMIZERS["adamw"]

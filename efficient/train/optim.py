@@ -72,7 +72,8 @@ class InBackwardOptimizer(torch.optim.Optimizer):
 
     Updates happen only inside `stepping()` (the trainer wraps its `loss.backward()` in it); any other
     backward (an attack's, a measurement's) accumulates gradients as usual, and `step()` then applies
-    them as a plain optimizer would."""
+    them as a plain optimizer would; so does a parameter that did not require gradients when this
+    optimizer was made (it has no hook) and was unfrozen since."""
 
     def __init__(self, base: torch.optim.Optimizer) -> None:
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [p]}
@@ -85,7 +86,8 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         self._link()
         self._armed = False
         self._stepped: set[torch.Tensor] = set()
-        self._handles = [p.register_post_accumulate_grad_hook(self._update) for p in self._inner]
+        # a frozen parameter gets no hook: should it get a gradient later, `step()` applies it after backward
+        self._handles = [p.register_post_accumulate_grad_hook(self._update) for p in self._inner if p.requires_grad]
 
     def _link(self) -> None:
         """Point each inner optimizer at this one's group dict of its parameter and at the shared state
