@@ -104,14 +104,18 @@ class ConvUnit(nn.Module):
         self.neuron = neuron
 
     def recompute_spike_input(self) -> bool:
-        """Whether the unit's input is the spikes of the conv unit before it (`follows`), which
-        efficient.memory then keeps as bits."""
-        before = self.__dict__.get("_follows")
-        return before is not None and is_neuron(before.neuron)
+        """Whether the unit's input is a spiking conv unit's output: the layer before it in the
+        sequence it was placed in (`placed`) is one, read at each call, so a layer swapped since
+        counts as what it is now. efficient.memory then keeps the input as bits."""
+        seq, i = self.__dict__.get("_placed", (None, 0))
+        if seq is None or i == 0 or i >= len(seq) or seq[i] is not self:
+            return False
+        before = seq[i - 1]
+        return isinstance(before, ConvUnit) and is_neuron(before.neuron)
 
-    def follows(self, unit: "ConvUnit") -> None:
-        """Say that this unit's input is `unit`'s output (no pool between); not a submodule."""
-        self.__dict__["_follows"] = unit
+    def placed(self, seq: nn.ModuleList, i: int) -> None:
+        """Say that this unit is layer `i` of `seq`, the layers its model calls in order (not a submodule)."""
+        self.__dict__["_placed"] = (seq, i)
 
     def forward(self, x: torch.Tensor, spike_bits: torch.Tensor | None = None) -> torch.Tensor:
         """`spike_bits`: x's bits, which a compiled recomputed region keeps (efficient.memory)."""
@@ -244,12 +248,12 @@ class SpikingVGG(_SpikingNet):
                 layers.append(nn.AvgPool2d(2))
                 side //= 2
             else:
-                unit = ConvUnit(c, int(item), neuron_fn())
-                if layers and isinstance(layers[-1], ConvUnit):
-                    unit.follows(layers[-1])
-                layers.append(unit)
+                layers.append(ConvUnit(c, int(item), neuron_fn()))
                 c = int(item)
         self.features = nn.ModuleList(layers)
+        for i, layer in enumerate(self.features):
+            if isinstance(layer, ConvUnit):
+                layer.placed(self.features, i)
         self.fc1 = nn.Linear(c * side * side, fc_dim)
         self.neuron1 = neuron_fn()
         self.fc2 = nn.Linear(fc_dim, fc_dim)

@@ -156,6 +156,16 @@ def test_a_recomputed_vgg_reruns_its_units_by_chunks_and_trains_as_level_none(mo
     assert [u.recompute_spike_input() for u in convs] == [
         i > 0 and type(layers[i - 1]).__name__ == "ConvUnit" for i in (layers.index(u) for u in convs)]
     assert sum(u.recompute_spike_input() for u in convs) == 4  # VGG-11: 8 convs, 4 right after another
+    # a layer swapped since counts as what it is now: a unit after a non-spiking layer keeps its input dense
+    after = next(u for u in convs if u.recompute_spike_input())
+    i = layers.index(after)
+    swapped = rec.features[i - 1]
+    rec.features[i - 1] = torch.nn.Identity()
+    assert not after.recompute_spike_input()
+    rec.features[i - 1] = swapped
+    swapped.neuron, kept = torch.nn.ReLU(), swapped.neuron
+    assert not after.recompute_spike_input()
+    swapped.neuron = kept
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     for (k, a), b in zip(rec.state_dict().items(), none.state_dict().values()):
@@ -176,11 +186,13 @@ def test_conv_units_inside_a_larger_recomputed_unit_compute_their_spikes_in_its_
 
         def __init__(self) -> None:
             super().__init__()
-            self.a, self.b = ConvUnit(3, 4, DLIF(2, leak=0.9, v_threshold=0.3)), ConvUnit(4, 6, DLIF(2, leak=0.9, v_threshold=0.3))
-            self.b.follows(self.a)
+            self.units = torch.nn.ModuleList([ConvUnit(3, 4, DLIF(2, leak=0.9, v_threshold=0.3)),
+                                              ConvUnit(4, 6, DLIF(2, leak=0.9, v_threshold=0.3))])
+            for i, u in enumerate(self.units):
+                u.placed(self.units, i)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.b(self.a(x))
+            return self.units[1](self.units[0](x))
 
     class Net(torch.nn.Module):
         def __init__(self) -> None:
@@ -196,7 +208,8 @@ def test_conv_units_inside_a_larger_recomputed_unit_compute_their_spikes_in_its_
     ref = _step(copy.deepcopy(base), x, y)
     rec = copy.deepcopy(base)
     plan = memory.optimize(rec, "recompute")
-    assert "pair" in plan.units and "pair.a" not in plan.units
+    assert "pair" in plan.units and "pair.units.0" not in plan.units
+    assert [u.recompute_spike_input() for u in rec.pair.units] == [False, True]
     got = _step(rec, x, y)
     assert any(float(t.abs().sum()) > 0 for t in got[:-2])  # the convolutions learn: their spikes were real
     for a, b in zip(got, ref):
