@@ -71,19 +71,19 @@ def _before(compare: str):
     from efficient.models import stable_snn as V
 
     new, lo = K._bn_rebuild, K.RECOMPUTE_CHUNK_MIN
-    unit_calls = V.replays_whole, V._output_unkept, V.region_conv2d
+    unit_calls = V.replays_whole, V.plain_conv, V.region_conv2d
     if compare == "bn-statistics":
         K._bn_rebuild = _training_call
     elif compare == "chunk":
         K.RECOMPUTE_CHUNK_MIN = K.RECOMPUTE_CHUNK  # every chunk RECOMPUTE_CHUNK elements
     else:  # the rerun computes the spikes, backward allocates z's gradient, aten's convolution
-        V.replays_whole = V._output_unkept = lambda m: False
+        V.replays_whole = V.plain_conv = lambda m: False
         V.region_conv2d = lambda conv, x, spikes=False, bits=None: conv(x)
     try:
         yield
     finally:
         K._bn_rebuild, K.RECOMPUTE_CHUNK_MIN = new, lo
-        V.replays_whole, V._output_unkept, V.region_conv2d = unit_calls
+        V.replays_whole, V.plain_conv, V.region_conv2d = unit_calls
 
 
 def steps(arch: str, impls: list[str], rounds: int, compare: str) -> None:

@@ -1096,25 +1096,21 @@ def _gain_forward(z, steps, gain, weight, bias, running_mean, running_var, momen
     memory (stride 0) in place of the spikes."""
     c, v_th, v_reset, charge = lif_args[:4]
     stats = torch.empty((2, z.shape[1]), dtype=weight.dtype, device=z.device)
-    if not spikes:
-        for c0, c1 in _channel_chunks(z):
-            _, stats[0, c0:c1], stats[1, c0:c1] = torch.native_batch_norm(
-                z[:, c0:c1].contiguous(), weight[c0:c1], bias[c0:c1], running_mean[c0:c1], running_var[c0:c1], True,
-                momentum, eps)
-        return z.new_zeros((), dtype=spike_dtype).expand(z.shape), stats
-    out = torch.empty(z.shape, dtype=spike_dtype, device=z.device)
+    out = torch.empty(z.shape, dtype=spike_dtype, device=z.device) if spikes else None
     g = gain.to(z.dtype).view(steps, 1)
     for c0, c1 in _channel_chunks(z):
         zc = z[:, c0:c1].contiguous()
         y, mean, invstd = torch.native_batch_norm(zc, weight[c0:c1], bias[c0:c1], running_mean[c0:c1],
                                                   running_var[c0:c1], True, momentum, eps)
         stats[0, c0:c1], stats[1, c0:c1] = mean, invstd
+        if out is None:
+            continue
         # the DLIF's x * gain[t], then the LIF's own loop: the separate calls' values
         s, _ = _lif._run_forward(y.view(steps, -1) * g, None, c, v_th, v_reset, charge, spike_dtype, impl,
                                  membrane=False)
         del y
         out[:, c0:c1] = s.view(zc.shape)
-    return out, stats
+    return (z.new_zeros((), dtype=spike_dtype).expand(z.shape) if out is None else out), stats
 
 
 def _gain_backward(grad, z, gain, weight, bias, stats, steps, eps, lif_args, impl, donate=False):

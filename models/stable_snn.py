@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from efficient.memory.conv_backward import region_conv2d
+from efficient.memory.conv_backward import plain_conv, region_conv2d
 from efficient.memory.spikes import is_neuron
 from efficient.models import neurons
 from efficient.models.replay import replays_whole
@@ -76,20 +76,13 @@ def _norm_fire(bn: nn.Module, neuron: nn.Module, z: torch.Tensor, shape: tuple[i
                made_by: nn.Module | None = None, unit: nn.Module | None = None) -> torch.Tensor:
     """`neuron(bn(z).view(shape))` for z [T*B, C, ...] and the neuron's time-major `shape`; inside a
     recomputed region a DLIF's BatchNorm, gain and neuron run by chunks of channels (`gain_fire`).
-    `made_by`: the convolution z is the fresh output of; where no hook of it could keep z, backward
-    writes z's gradient into z (`gain_fire(donate=True)`). `unit`: the module whose output these spikes
+    `made_by`: the convolution z is the fresh output of; where it is a plain one (no hook could keep
+    z), backward writes z's gradient into z (`gain_fire(donate=True)`). `unit`: the module whose output these spikes
     are; its rerun in backward reads nothing of them, so there they are not computed."""
     rerun = unit is not None and not torch.compiler.is_compiling() and replays_whole(unit)
-    s = neurons.gain_fire(bn, neuron, z, shape, donate=made_by is not None and _output_unkept(made_by),
+    s = neurons.gain_fire(bn, neuron, z, shape, donate=made_by is not None and plain_conv(made_by),
                           spikes=not rerun)
     return neuron(bn(z).view(shape)) if s is None else s
-
-
-def _output_unkept(module: nn.Module) -> bool:
-    """No forward hook, the module's or a global one, sees the module's output (none could keep it)."""
-    from torch.nn.modules import module as M
-
-    return not (module._forward_hooks or M._global_forward_hooks)
 
 
 class ConvUnit(nn.Module):

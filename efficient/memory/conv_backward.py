@@ -154,7 +154,7 @@ class _BitsKeptConv2d(torch.autograd.Function):
                 None, None, None, None)
 
 
-def _plain(conv: nn.Module) -> bool:
+def plain_conv(conv: nn.Module) -> bool:
     """An nn.Conv2d with zero padding given as numbers and nothing watching it (a hook, such as the
     profiler's, must see the module called)."""
     from torch.nn.modules import module as M
@@ -174,7 +174,7 @@ def region_conv2d(conv: nn.Module, x: torch.Tensor, spikes: bool = False,
     takes this path: `bits` are x's bits (`pack_spikes`) the region keeps, which the backward reads."""
     compiling = torch.compiler.is_compiling()
     if not (rebuild_membrane(conv) and (bits is not None or not compiling) and torch.is_grad_enabled()
-            and x.dim() == 4 and x.shape[0] > 0 and _plain(conv)):
+            and x.dim() == 4 and x.shape[0] > 0 and plain_conv(conv)):
         return conv(x)
     w, b = conv.weight, conv.bias
     dev = x.device.type
