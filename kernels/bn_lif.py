@@ -555,7 +555,9 @@ def _setup_context(ctx, inputs, output) -> None:
     z, steps, weight, bias, rm, rv, training, momentum, eps, c, v_th, v_reset, charge, surrogate, alpha, detach, sd, impl = inputs[:18]
     keep = inputs[18] if len(inputs) > 18 else True
     ctx.whole = bool(inputs[19]) if len(inputs) > 19 else False
-    _, h, stats, _, _ = output
+    _, h, stats, new_mean, new_var = output
+    # only the spikes carry a gradient: marking the rest spares autograd a detach each way per saved output
+    ctx.mark_non_differentiable(h, stats, new_mean, new_var)
     ctx.keep_membrane, ctx.steps = keep, steps
     if keep:
         ctx.save_for_backward(z, h, weight, stats)  # what BatchNorm and the LIF keep, no more
@@ -703,7 +705,8 @@ def _linear_setup_context(ctx, inputs, output) -> None:
     x, lw, lb, steps, weight, bias, rm, rv, training, momentum, eps, c, v_th, v_reset, charge, surrogate, alpha, detach, sd, impl = inputs[:20]
     keep = inputs[20] if len(inputs) > 20 else True
     ctx.whole = bool(inputs[21]) if len(inputs) > 21 else False
-    _, h, stats, _, _, z = output
+    _, h, stats, new_mean, new_var, z = output
+    ctx.mark_non_differentiable(h, stats, new_mean, new_var, z)  # only the spikes carry a gradient
     ctx.keep_membrane, ctx.steps = keep, steps
     # what Linear, BatchNorm and the LIF keep; without H, BatchNorm's bias to rebuild it
     ctx.save_for_backward(x, lw, z, h if keep else bias, weight, stats)
@@ -1000,7 +1003,8 @@ def _(grad, z, weight, bias, stats, offsets, steps, training, eps, c, v_threshol
 def _pooled_setup_context(ctx, inputs, output) -> None:
     z, steps, weight, bias, _rm, _rv, training, _momentum, eps, c, v_th, v_reset, charge, surrogate, alpha, detach, sd, \
         impl, *pool = inputs
-    _, offsets, stats, _, _ = output
+    _, offsets, stats, new_mean, new_var = output
+    ctx.mark_non_differentiable(offsets, stats, new_mean, new_var)  # only the pooled spikes carry a gradient
     ctx.save_for_backward(z, weight, bias, stats, offsets)
     ctx.rest = (steps, training, eps, c, v_th, v_reset, charge, surrogate, alpha, detach, sd, impl, *pool)
     ctx.set_materialize_grads(False)
@@ -1214,6 +1218,7 @@ def _(grad, z, gain, weight, bias, stats, steps, eps, leak, v_threshold, surroga
 
 def _gain_setup_context(ctx, inputs, output) -> None:
     z, steps, gain, weight, bias, _rm, _rv, _momentum, eps, leak, v_th, surrogate, alpha, _sd, impl = inputs
+    ctx.mark_non_differentiable(*output[1:])  # only the spikes carry a gradient
     ctx.save_for_backward(z, gain, weight, bias, output[1])
     ctx.rest = (steps, eps, leak, v_th, surrogate, alpha, impl)
     ctx.set_materialize_grads(False)

@@ -153,6 +153,7 @@ def _(hidden, weight, target, ignore_index, confidence_weighted, chunk_size, bac
 
 def _setup_context(ctx, inputs, output) -> None:
     _, dh, dw = output
+    ctx.mark_non_differentiable(dh, dw)  # gradients computed in forward: only the loss carries one
     ctx.save_for_backward(dh, dw)
 
 

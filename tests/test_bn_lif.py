@@ -97,6 +97,37 @@ def test_the_unit_op_with_its_linear_is_the_three_calls_bit_for_bit(training: bo
         assert torch.equal(a, c), f"output {i} differs"
 
 
+def test_only_the_spikes_carry_a_gradient() -> None:
+    """The ops' statistics, membrane trace and z are marked non-differentiable: they do not require
+    grad, and autograd saves them without a detach each way (a dispatched op per saved output, which
+    a launch-bound step pays), so a unit's step detaches only for each leaf's gradient."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from efficient.kernels.bn_lif import _EagerLinearBNLIF, _lif_args
+
+    class Detaches(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Detaches.n += func.__name__.startswith("detach")
+            return func(*args, **(kwargs or {}))
+
+    bn, _ = _pair((40, 6), 6, seed=5)
+    lin = nn.Linear(7, 6)
+    x = torch.randn(40, 7, requires_grad=True)
+    with Detaches():  # a dispatch mode: the call goes through the custom op and its autograd wrapper
+        out = norm_fire(bn, LIF(backend="loop"), x, (4, 2, 5, 6), linear=lin)
+        out.sum().backward()
+    leaves = [x, lin.weight, lin.bias, bn.weight, bn.bias]
+    assert all(t.grad is not None for t in leaves)
+    assert Detaches.n <= len(leaves)  # AccumulateGrad's, one per leaf; none for the saved outputs
+    # the eager path (no modes) runs the same setup: only the spikes require grad
+    outs = _EagerLinearBNLIF.apply(x, lin.weight, lin.bias, 4, bn.weight, bn.bias, bn.running_mean.clone(),
+                                   bn.running_var.clone(), True, 0.1, 1e-5,
+                                   *_lif_args(2.0, 1.0, 0.0, True, True, "sigmoid", None), torch.float32, "loop")
+    assert outs[0].requires_grad and not any(t.requires_grad for t in outs[1:])
+
+
 def test_momentum_none_is_the_cumulative_average() -> None:
     zshape, nshape = LAYOUTS["linear"]
     bn, z = _pair(zshape, 6, seed=2)
