@@ -18,7 +18,8 @@
 #                                                                                (bench/step.py)
 #  memory          levels none/bits/recompute (and recompute with reruns keeping their membranes, as
 #                  before bn_lif(keep_membrane=False), and with the stem convolutions' backward over the
-#                  whole batch, as before region_conv2d; and with an SGD update inside backward, which frees
+#                  whole batch, as before region_conv2d; with a quarter as many chunks and batch slices per rebuilt
+#                  unit, fewer launches for a higher peak; and with an SGD update inside backward, which frees
 #                  each parameter gradient there) vs spikingjelly memopt 1-4 (its GPU search bounded),
 #                  spikformer-4-384, sdt-2-512 and stable-snn-vgg11 at b64, T=4: step peak and time
 #                  (bench/memory.py)

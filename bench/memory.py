@@ -107,7 +107,9 @@ LABEL = {"none": "ours none", "bits": "ours bits", "recompute": "ours recompute"
          "bits-keep-membrane": "ours bits, fused units keep H",
          "recompute-whole-conv": "ours recompute, stem convolutions' backward whole",
          "recompute-checkpoint": "ours recompute, every unit under torch's checkpoint",
-         "recompute-in-backward": "ours recompute, SGD update inside backward"}
+         "recompute-in-backward": "ours recompute, SGD update inside backward",
+         "recompute-wide-chunks": "ours recompute, a quarter as many chunks"}
+WIDE_CHUNK_PARTS = 4  # recompute-wide-chunks (GPU rows): z in chunks of up to a quarter, not a sixteenth
 MiB, GiB = 2**20, 2**30
 RESULT = "RESULT "  # a child's last line: RESULT <json>
 
@@ -761,6 +763,7 @@ def run_cuda_ours(spec: dict) -> dict:
     import torch
     import efficient
     from efficient import memory
+    from efficient.kernels import bn_lif
 
     arch = spec["arch"]
     x, y, dev = _dev_inputs(arch, spec)
@@ -769,8 +772,15 @@ def run_cuda_ours(spec: dict) -> dict:
     m = m.train().to(dev)
     rows, ref = {}, None
     hooks: list = []
-    for level in (*LEVELS, "bits-keep-membrane", "recompute-keep-membrane", "recompute-whole-conv"):
+    parts = bn_lif.RECOMPUTE_PARTS
+    for level in (*LEVELS, "bits-keep-membrane", "recompute-keep-membrane", "recompute-whole-conv",
+                  "recompute-wide-chunks"):
+        for h in hooks:  # the whole-batch convolutions are that level's alone
+            h.remove()
+        hooks = []
         plan = memory.optimize(m, level if level in LEVELS else level.split("-")[0])
+        # a quarter as many chunks (and batch slices) per rebuilt unit: fewer launches for a higher peak
+        bn_lif.RECOMPUTE_PARTS = WIDE_CHUNK_PARTS if level == "recompute-wide-chunks" else parts
         if level == "bits-keep-membrane":  # the level as before its fused units rebuilt membranes
             m._efficient_memory.rebuild = False
         if level == "recompute-keep-membrane":  # the level as before its reruns rebuilt membranes
@@ -792,6 +802,7 @@ def run_cuda_ours(spec: dict) -> dict:
         if row["check"] != "MISMATCH":
             row.update(_dev_measure(m, x, y, dev, spec["steps"]))
         rows[level] = row
+    bn_lif.RECOMPUTE_PARTS = parts
     for h in hooks:
         h.remove()
     rows["recompute-in-backward"] = _in_backward_row(m, x, y, dev, spec["steps"], ref)
@@ -1004,6 +1015,12 @@ def _cuda_targets(arch: str, rows: dict, judged: bool) -> dict:
         out["in_backward_time_vs_none"] = ib["step_ms"] / none["step_ms"]
         print(f"  with the update inside backward ({arch}): peak {out['in_backward_peak_vs_none']:.1%} of none, "
               f"time {out['in_backward_time_vs_none']:.2f}x")
+    wc = rows.get("recompute-wide-chunks", {})
+    if wc.get("step_peak_bytes") is not None:  # the launches the chunks cost against the memory they save
+        out["wide_chunks_peak_vs_none"] = wc["step_peak_bytes"] / none["step_peak_bytes"]
+        out["wide_chunks_time_vs_none"] = wc["step_ms"] / none["step_ms"]
+        print(f"  with a quarter as many chunks ({arch}): peak {out['wide_chunks_peak_vs_none']:.1%} of none, "
+              f"time {out['wide_chunks_time_vs_none']:.2f}x")
     return out
 
 
