@@ -420,7 +420,28 @@ def validate(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
         fixed[s] = build_dataclass(cls, raw, source, s)
     recipe = Recipe(model=model, data=dataset, objective=objective, source=source, **fixed)
     check_parallel(recipe)
+    check_optimizer_in_backward(recipe, 1, parallel=recipe.train.parallel.enabled)
     return recipe
+
+
+def check_optimizer_in_backward(recipe: Recipe, world_size: int, parallel: bool = False) -> None:
+    """`train.optimizer_in_backward` needs each parameter's final gradient when backward accumulates it:
+    not with a clip over all gradients' norm, gradients averaged across processes, pipeline stages or
+    FSDP shards."""
+    t = recipe.train
+    if not t.optimizer_in_backward:
+        return
+    if t.grad_clip:
+        raise ConfigError(
+            f"{recipe.source}: train.optimizer_in_backward updates each parameter inside backward, before the norm of all "
+            f"gradients that train.grad_clip={t.grad_clip} clips by exists; turn one of them off"
+        )
+    if world_size > 1 or parallel:
+        raise ConfigError(
+            f"{recipe.source}: train.optimizer_in_backward runs in one process only (here {world_size}"
+            f"{' with pipeline stages or FSDP' if parallel else ''}): data-parallel gradients are averaged after backward, "
+            "when the update would already have used this process's own; set it false for multi-process runs"
+        )
 
 
 PARALLEL_FAMILIES = ("ee-gpt",)  # models whose layers split into pipeline stages / FSDP units

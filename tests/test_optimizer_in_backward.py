@@ -211,9 +211,9 @@ def test_resume_of_a_run_updating_in_backward_equals_an_uninterrupted_one(tmp_pa
 
 def test_what_it_cannot_serve_is_refused_by_name() -> None:
     recipe = ROOT / "recipes" / "stata_digits.yaml"
-    clip = load_recipe(recipe, ["train.optimizer_in_backward=true", "train.grad_clip=1.0"])
+    # the clip is refused when the recipe is read (so `efficient validate` says so too)
     with pytest.raises(ConfigError, match=r"train.optimizer_in_backward .* train.grad_clip=1.0 .* turn one of them off"):
-        check_optimizer_in_backward(clip, 1)
+        load_recipe(recipe, ["train.optimizer_in_backward=true", "train.grad_clip=1.0"])
     plain = load_recipe(recipe, ["train.optimizer_in_backward=true"])
     with pytest.raises(ConfigError, match=r"one process only \(here 2\).*set it false for multi-process runs"):
         check_optimizer_in_backward(plain, 2)
@@ -221,3 +221,27 @@ def test_what_it_cannot_serve_is_refused_by_name() -> None:
         check_optimizer_in_backward(plain, 1, parallel=True)
     check_optimizer_in_backward(plain, 1)  # one process, no clip: accepted
     check_optimizer_in_backward(load_recipe(recipe, ["train.grad_clip=1.0"]), 4)  # the option off: nothing to check
+
+
+def test_the_cli_refuses_it_before_anything_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`efficient validate` names the clip; `efficient train --nproc 2` refuses before launching processes."""
+    import contextlib
+    import io
+
+    from efficient import cli
+    from efficient.train import distributed
+
+    def run(*args: str) -> tuple[int, str]:
+        err = io.StringIO()
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            code = cli.main(list(args))
+        return code, err.getvalue()
+
+    recipe = str(ROOT / "recipes" / "stata_digits.yaml")
+    code, err = run("validate", recipe, "train.optimizer_in_backward=true", "train.grad_clip=1.0")
+    assert code != 0 and "turn one of them off" in err
+    monkeypatch.setattr(distributed, "launch", lambda *a: pytest.fail("processes were launched"))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    code, err = run("train", recipe, "--out", str(tmp_path / "r"), "--nproc", "2", "train.optimizer_in_backward=true")
+    assert code != 0 and "one process only (here 2)" in err
+    assert not (tmp_path / "r").exists()

@@ -42,6 +42,10 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--out {run_dir} already holds a run; pick another directory or continue it with --resume {run_dir}")
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
+    if recipe.train.optimizer_in_backward:  # one process only: refused before any process starts
+        from efficient.config import check_optimizer_in_backward
+
+        check_optimizer_in_backward(recipe, int(os.environ.get("WORLD_SIZE", args.nproc)), recipe.train.parallel.enabled)
     if recipe.train.parallel.enabled:
         from efficient.config import check_parallel
 

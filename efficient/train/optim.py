@@ -9,7 +9,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from efficient.config import OptimConfig, Recipe, ScheduleConfig
+from efficient.config import OptimConfig, Recipe, ScheduleConfig, check_optimizer_in_backward  # noqa: F401 - re-exported
 from efficient.errors import ConfigError
 
 
@@ -24,26 +24,6 @@ def param_groups(model: nn.Module, weight_decay: float, decay_1d: bool) -> list[
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
     return groups
-
-
-def check_optimizer_in_backward(recipe: Recipe, world_size: int, parallel: bool = False) -> None:
-    """`train.optimizer_in_backward` needs each parameter's final gradient when backward accumulates it:
-    not with a clip over all gradients' norm, gradients averaged across processes, pipeline stages or
-    FSDP shards."""
-    t = recipe.train
-    if not t.optimizer_in_backward:
-        return
-    if t.grad_clip:
-        raise ConfigError(
-            f"{recipe.source}: train.optimizer_in_backward updates each parameter inside backward, before the norm of all "
-            f"gradients that train.grad_clip={t.grad_clip} clips by exists; turn one of them off"
-        )
-    if world_size > 1 or parallel:
-        raise ConfigError(
-            f"{recipe.source}: train.optimizer_in_backward runs in one process only (here {world_size}"
-            f"{' with pipeline stages or FSDP' if parallel else ''}): data-parallel gradients are averaged after backward, "
-            "when the update would already have used this process's own; set it false for multi-process runs"
-        )
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, in_backward: bool = False) -> torch.optim.Optimizer:
