@@ -382,12 +382,16 @@ def _measure(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tenso
 def measure_levels(model: nn.Module, inputs: Any, levels: Any = LEVELS, loss_fn: Callable[[Any], torch.Tensor] | None = None,
                    backward: bool = True, warmup: bool = True) -> dict[str, ActivationMemory]:
     """`activation_memory` at each of `levels`, in that order; the model keeps the level it had.
-    `warmup` runs one unmeasured step first, so that one-time costs (a kernel's compile, lazy
-    initialisation) do not land in the first level's `step_time_s`."""
+    `warmup` runs one unmeasured step at each level before its measured one, so that one-time costs
+    (a kernel's compile, lazy initialisation: a level's own paths pay theirs on their first step)
+    do not land in its `step_time_s`."""
     levels = [check_level(lv) for lv in levels]
-    if warmup:
-        activation_memory(model, inputs, loss_fn, backward=backward)
-    return {lv: activation_memory(model, inputs, loss_fn, lv, backward=backward) for lv in levels}
+    out = {}
+    for lv in levels:
+        if warmup:
+            activation_memory(model, inputs, loss_fn, lv, backward=backward)
+        out[lv] = activation_memory(model, inputs, loss_fn, lv, backward=backward)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
