@@ -252,6 +252,10 @@ class RepConvBN(nn.Module):
     `BNAndPadLayer`), without gradient. A block recomputed in backward (`efficient.memory`) reruns
     from the buffers its forward started with, so it pads with the same value."""
 
+    # efficient.memory: its output reads bn1's running statistics after this step's update, which a compiled
+    # checkpoint's rerun would read updated once more, so a compiled step does not rerun a unit holding it
+    reads_updated_buffers = True
+
     def __init__(self, dim: int) -> None:
         super().__init__()
         self.conv1, self.bn1 = nn.Linear(dim, dim, bias=False), nn.BatchNorm1d(dim)

@@ -120,6 +120,8 @@ def apply(model: nn.Module, level: Level | str = "bits", *, keep: dict[str, Sequ
     if not neurons and not regions:
         return MemoryPlan(level, note=f"nothing to do: {type(model).__name__} has no spiking neuron this toolkit knows "
                                       "(ours, spikingjelly's, snntorch's) and no recompute unit")
+    if regions:
+        _record_once_under_compile()
     tracker = SpikeTracker()
     tracker.watch(model)
     hooks = BitsHooks(tracker)
@@ -135,6 +137,18 @@ def apply(model: nn.Module, level: Level | str = "bits", *, keep: dict[str, Sequ
     state.handles.append(model.register_forward_hook(state.exit, always_call=True))
     model._efficient_memory = state  # type: ignore[assignment]
     return plan
+
+
+def _record_once_under_compile() -> None:
+    """A recomputed region's forward may record things outside itself (STATA's scores and kept counts, a
+    firing-rate observer), which a rerun must not record again (eager regions mark their reruns as replays).
+    Under torch.compile dynamo refuses such a side effect inside a checkpoint (a graph break, after which the
+    region runs as eager checkpoint that replays it, BatchNorm's updates included) unless told that backward
+    does not replay it, which is the regions' own rule: so it is told, process-wide."""
+    import torch._dynamo
+
+    if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
 def restore(model: nn.Module, plan: MemoryPlan) -> MemoryPlan:

@@ -551,6 +551,8 @@ def recomputed_forward(module: nn.Module, forward: Callable[..., Any], *args: An
     if not (module.training and torch.is_grad_enabled()):
         return forward(*args, **kwargs)
     if torch.compiler.is_compiling():
+        if module.__dict__.get("_efficient_compiled_plain", False):  # see `wrap`: its rerun would read updated buffers
+            return forward(*args, **kwargs)
         if kept_ops is not None and kept_ops.keep:  # dynamo cannot trace a policy closure as context_fn
             raise RuntimeError("a memory budget's kept outputs cannot be compiled yet: optimize with level recompute "
                                "and no budget before torch.compile, or run eager")
@@ -601,14 +603,22 @@ def wrap(module: nn.Module, kept: KeptOps | None = None, lean: bool = True, ligh
     module.__dict__["_efficient_kept"] = kept
     module.__dict__["_efficient_lean"] = lean
     module.__dict__["_efficient_light"] = light
-    for m in region_modules(module):  # what a compiled step reads to know it is inside a region (`rebuild_membrane`)
+    inside = region_modules(module)
+    for m in inside:  # what a compiled step reads to know it is inside a region (`rebuild_membrane`)
         m.__dict__[REGION_MARK] = lean
+    # a compiled checkpoint recomputes everything inside the region in backward, reading buffers from the
+    # step's inputs, which the forward has since updated in place: a unit whose output reads a running
+    # statistic after its own update (Meta-SpikeFormer's RepConv pads with its BatchNorm's) would rerun
+    # on other values than its forward's. Such a unit runs as a plain call in a compiled step.
+    module.__dict__["_efficient_compiled_plain"] = any(
+        getattr(m, "reads_updated_buffers", False) for m in inside)
 
 
 def unwrap(module: nn.Module) -> None:
     if is_wrapped(module):
         del module.__dict__["forward"]
-    for key in ("_efficient_kept", "_efficient_lean", "_efficient_light", _OUT_NUMEL, "_efficient_light_checked"):
+    for key in ("_efficient_kept", "_efficient_lean", "_efficient_light", _OUT_NUMEL, "_efficient_light_checked",
+                "_efficient_compiled_plain"):
         module.__dict__.pop(key, None)
     for m in region_modules(module):
         m.__dict__.pop(REGION_MARK, None)
