@@ -248,7 +248,7 @@ def test_compiled_regions_update_buffers_once_and_rerun_what_forward_ran(name: s
             loss.backward()
             grads.append({k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
             opt.step()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
         torch._dynamo.reset()
         return losses, grads, {k: v.clone() for k, v in model.state_dict().items()}
 
