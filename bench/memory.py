@@ -1009,18 +1009,17 @@ def _cuda_targets(arch: str, rows: dict, judged: bool) -> dict:
           f"time {tim:.2f}x, {_mib(rec['step_peak_bytes'])} MiB vs spikingjelly memopt best {sj_txt} "
           f"{'PASS' if ok and best_sj is not None else 'FAIL'}")
     out = {"met": ok and best_sj is not None, "peak_vs_none": mem, "time_vs_none": tim, "sj_best_bytes": best_sj}
-    ib = rows.get("recompute-in-backward", {})
-    if ib.get("step_peak_bytes") is not None:  # the same target with the parameter gradients freed in backward
-        out["in_backward_peak_vs_none"] = ib["step_peak_bytes"] / none["step_peak_bytes"]
-        out["in_backward_time_vs_none"] = ib["step_ms"] / none["step_ms"]
-        print(f"  with the update inside backward ({arch}): peak {out['in_backward_peak_vs_none']:.1%} of none, "
-              f"time {out['in_backward_time_vs_none']:.2f}x")
-    wc = rows.get("recompute-wide-chunks", {})
-    if wc.get("step_peak_bytes") is not None:  # the launches the chunks cost against the memory they save
-        out["wide_chunks_peak_vs_none"] = wc["step_peak_bytes"] / none["step_peak_bytes"]
-        out["wide_chunks_time_vs_none"] = wc["step_ms"] / none["step_ms"]
-        print(f"  with a quarter as many chunks ({arch}): peak {out['wide_chunks_peak_vs_none']:.1%} of none, "
-              f"time {out['wide_chunks_time_vs_none']:.2f}x")
+    # the same target with the parameter gradients freed in backward, and with fewer, larger chunks (the
+    # launches the chunks cost against the memory they save)
+    for key, prefix, what in (("recompute-in-backward", "in_backward", "the update inside backward"),
+                              ("recompute-wide-chunks", "wide_chunks", "a quarter as many chunks")):
+        r = rows.get(key, {})
+        if r.get("step_peak_bytes") is None:
+            continue
+        out[f"{prefix}_peak_vs_none"] = r["step_peak_bytes"] / none["step_peak_bytes"]
+        out[f"{prefix}_time_vs_none"] = r["step_ms"] / none["step_ms"]
+        print(f"  with {what} ({arch}): peak {out[f'{prefix}_peak_vs_none']:.1%} of none, "
+              f"time {out[f'{prefix}_time_vs_none']:.2f}x")
     return out
 
 
