@@ -220,7 +220,8 @@ def test_a_compiled_recompute_run_trains_as_the_eager_one(tmp_path) -> None:
     assert kept(c) == kept(e)
 
 
-@pytest.mark.parametrize("name", ["spikformer-tiny-stata", "sdt-v2-tiny"])
+@pytest.mark.parametrize("name", ["spikformer-tiny-stata", "sdt-v2-tiny", "sdt-v2-tiny-stata", "qkformer-tiny-stata",
+                                  "spikingformer-tiny-stata"])
 def test_compiled_regions_update_buffers_once_and_rerun_what_forward_ran(name: str) -> None:
     """Two SGD steps at level recompute, compiled (aot_eager: the graphs as traced, no code generated),
     against eager level none: the same losses and gradients, and BatchNorm's running statistics and batch
