@@ -17,21 +17,19 @@ _state = threading.local()
 
 
 def replaying() -> bool:
-    return getattr(_state, "depth", 0) > 0
+    return bool(getattr(_state, "units", None))
 
 
 @contextlib.contextmanager
 def replay(unit: nn.Module | None = None) -> Iterator[None]:
     """Mark the code inside as a replay of a forward that already ran: the rerun of `unit`, whose
     outputs the rerun does not read (`replays_whole`)."""
-    _state.depth = getattr(_state, "depth", 0) + 1
-    units = _state.__dict__.setdefault("units", [])
+    units = _state.__dict__.setdefault("units", [])  # the reruns enclosing the running code, innermost last
     units.append(unit)
     try:
         yield
     finally:
         units.pop()
-        _state.depth -= 1
 
 
 def replays_whole(unit: nn.Module) -> bool:
