@@ -319,6 +319,9 @@ def _forward_impl(z, steps, weight, bias, running_mean, running_var, training, m
                                v_threshold, v_reset, charge, spike_dtype, inplace, keep_membrane)
     # aten's own BatchNorm (what nn.BatchNorm calls), then the LIF's loop: bit for bit the separate calls
     z = z.contiguous()  # BatchNorm's sums in one order whatever layout inductor gave z
+    if not keep_membrane and z.dim() > 2 and len(chunks := _channel_chunks(z)) > 1:
+        return _chunked_forward(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c,
+                                v_threshold, v_reset, charge, spike_dtype, impl, inplace, chunks)
     if training:  # updated in place by native_batch_norm: the buffers, or the op's new statistics
         new_mean, new_var = (running_mean, running_var) if inplace else (running_mean.clone(), running_var.clone())
         y, mean, invstd = torch.native_batch_norm(z, weight, bias, new_mean, new_var, True, momentum, eps)
@@ -333,6 +336,35 @@ def _forward_impl(z, steps, weight, bias, running_mean, running_var, training, m
                              membrane=keep_membrane)
     del y
     return s.view(z.shape), (h if keep_membrane else _no_membrane(z)), stats, new_mean, new_var
+
+
+def _chunked_forward(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c, v_threshold,
+                     v_reset, charge, spike_dtype, impl, inplace, chunks):
+    """`_forward_impl` without H for a conv unit's z, a chunk of channels at a time (BatchNorm's
+    statistics and the LIF are per channel, so each chunk's values are the whole call's bit for bit):
+    beside z and the spikes, BatchNorm's output and the LIF's temporaries exist for one chunk only,
+    where whole they would take 2.5x z at once (a stem stage's rerun sets a step's peak there)."""
+    if training:  # native_batch_norm updates each chunk's slice of the buffers (or of copies) in place
+        new_mean, new_var = (running_mean, running_var) if inplace else (running_mean.clone(), running_var.clone())
+        stats = torch.empty((2, z.shape[1]), dtype=weight.dtype, device=z.device)
+    else:
+        new_mean, new_var = running_mean, running_var
+        stats = torch.stack([running_mean, running_var]).to(weight.dtype)
+    s = torch.empty(z.shape, dtype=spike_dtype, device=z.device)
+    for c0, c1 in chunks:
+        zc = z[:, c0:c1].contiguous()
+        y, mean, invstd = torch.native_batch_norm(zc, weight[c0:c1], bias[c0:c1], new_mean[c0:c1], new_var[c0:c1],
+                                                  training, momentum, eps)
+        if training:
+            stats[0, c0:c1], stats[1, c0:c1] = mean, invstd
+        sc, _ = _lif._run_forward(y.view(steps, -1), None, c, v_threshold, v_reset, charge, spike_dtype, impl,
+                                  membrane=False)
+        del y
+        s[:, c0:c1] = sc.view(zc.shape)
+        del sc
+    if inplace or not training:
+        new_mean, new_var = _no_running(running_mean)
+    return s, _no_membrane(z), stats, new_mean, new_var
 
 
 def _no_membrane(z: Tensor) -> Tensor:
@@ -489,16 +521,19 @@ def _recompute_chunk(gs, z, steps, weight, bias, stats, training, eps, c, v_thre
     return _bn_backward(gy.view(z.shape), z, weight, stats, training, eps)
 
 
-def _chunked_recompute(grad_of, z, steps, weight, bias, stats, *args, whole: bool = False):
+def _chunked_recompute(grad_of, z, steps, weight, bias, stats, *args, whole: bool = False, donate: bool = False):
     """(grad z, grad weight, grad bias), H rebuilt a chunk of channels at a time (`whole`: in one piece,
     the very calls of a backward from a kept H on the same shapes, so its results bit for bit);
     `grad_of(c0, c1, shape)` gives the spikes' gradient of channels [c0, c1) (contiguous, `shape`: the
-    chunk's z)."""
+    chunk's z). `donate`: z is the caller's to overwrite, and z's gradient is written into z's storage,
+    each chunk's channels once they have been read (the returned gradient is z), so the backward never
+    holds z and its gradient whole at once."""
     chunks = [(0, z.shape[1])] if whole else _channel_chunks(z)
     if len(chunks) == 1:
         zc = z.contiguous()
-        return _recompute_chunk(grad_of(0, z.shape[1], zc.shape), zc, steps, weight, bias, stats, *args)
-    gz = torch.empty(z.shape, dtype=z.dtype, device=z.device)
+        gz, gw, gb = _recompute_chunk(grad_of(0, z.shape[1], zc.shape), zc, steps, weight, bias, stats, *args)
+        return (z.detach().copy_(gz), gw, gb) if donate else (gz, gw, gb)
+    gz = z.detach() if donate else torch.empty(z.shape, dtype=z.dtype, device=z.device)
     gw, gb = torch.empty_like(weight), torch.empty_like(weight)
     for c0, c1 in chunks:
         zc = z[:, c0:c1].contiguous()
@@ -915,13 +950,13 @@ class _BNLIFMaxPool(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, z, weight, bias, running_mean, running_var, steps, training, momentum, eps, c, v_threshold,
-                v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl, pool):
+                v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl, pool, donate):
         with torch._C.DisableTorchFunction():  # as the op would: modes see the call, not its insides
             out, offsets, stats = _pooled_forward(z, steps, weight, bias, running_mean, running_var, training, momentum,
                                                   eps, c, v_threshold, v_reset, charge, surrogate, alpha, detach_reset,
                                                   spike_dtype, impl, pool)
         ctx.save_for_backward(z, weight, bias, stats, offsets)
-        ctx.steps, ctx.pool, ctx.spike_dtype = steps, pool, spike_dtype
+        ctx.steps, ctx.pool, ctx.spike_dtype, ctx.donate = steps, pool, spike_dtype, donate
         ctx.params = (training, eps, c, v_threshold, v_reset, charge, surrogate, alpha, detach_reset, impl)
         ctx.set_materialize_grads(False)
         return out
@@ -929,23 +964,26 @@ class _BNLIFMaxPool(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         if grad is None:
-            return (None,) * 19
+            return (None,) * 20
         z, weight, bias, stats, offsets = ctx.saved_tensors
-        gz, gw, gb = _pooled_backward(grad, z, weight, bias, stats, offsets, ctx.steps, ctx.pool, ctx.spike_dtype,
-                                      *ctx.params)
         need = ctx.needs_input_grad
-        return (gz if need[0] else None, gw if need[1] else None, gb if need[2] else None) + (None,) * 16
+        # a donated z is overwritten in place: its version moves on, so a second backward through
+        # this graph (retain_graph) fails autograd's saved-tensor check instead of reading gradients
+        gz, gw, gb = _pooled_backward(grad, z, weight, bias, stats, offsets, ctx.steps, ctx.pool, ctx.spike_dtype,
+                                      *ctx.params, donate=ctx.donate and need[0])
+        return (gz if need[0] else None, gw if need[1] else None, gb if need[2] else None) + (None,) * 17
 
 
-def _pooled_backward(grad, z, weight, bias, stats, offsets, steps, pool, spike_dtype, *params):
+def _pooled_backward(grad, z, weight, bias, stats, offsets, steps, pool, spike_dtype, *params, donate=False):
     """(grad z, grad weight, grad bias) of `bn_lif_max_pool`: the pooled gradient routed back to a chunk
-    of channels' spikes, that chunk's H rebuilt, its LIF and BatchNorm backward run (`_chunked_recompute`)."""
+    of channels' spikes, that chunk's H rebuilt, its LIF and BatchNorm backward run (`_chunked_recompute`;
+    `donate`: z's gradient written into z)."""
 
     def grad_of(c0: int, c1: int, shape) -> Tensor:
         return max_pool_offsets_backward(grad[:, c0:c1].contiguous(), offsets[:, c0:c1].contiguous(), pool, shape,
                                          dtype=spike_dtype)
 
-    return _chunked_recompute(grad_of, z, steps, weight, bias, stats, *params)
+    return _chunked_recompute(grad_of, z, steps, weight, bias, stats, *params, donate=donate)
 
 
 # the same pair as custom ops, for compiled steps (a compiled region of memory level `recompute` runs
@@ -956,9 +994,10 @@ def bn_lif_max_pool_forward_op(
     z: Tensor, steps: int, weight: Tensor, bias: Tensor, running_mean: Tensor, running_var: Tensor, training: bool,
     momentum: float, eps: float, c: float, v_threshold: float, v_reset: Optional[float], charge: int, surrogate: int,
     alpha: float, detach_reset: bool, spike_dtype: torch.dtype, impl: str, kernel: Sequence[int], stride: Sequence[int],
-    padding: Sequence[int], dilation: Sequence[int], ceil_mode: bool,
+    padding: Sequence[int], dilation: Sequence[int], ceil_mode: bool, donate: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(pooled spikes, argmax offsets, BatchNorm's statistics, new running mean, new running variance)."""
+    """(pooled spikes, argmax offsets, BatchNorm's statistics, new running mean, new running variance).
+    `donate` tells the backward that nothing else reads z (`bn_lif_max_pool_backward_into`)."""
     weight, bias, running_mean, running_var = _dense(weight, bias, running_mean, running_var)
     # in training the chunks update copies of the running statistics in place, which are returned
     running = (running_mean.clone(), running_var.clone()) if training else (running_mean, running_var)
@@ -970,7 +1009,7 @@ def bn_lif_max_pool_forward_op(
 
 @bn_lif_max_pool_forward_op.register_fake
 def _(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c, v_threshold, v_reset, charge,
-      surrogate, alpha, detach_reset, spike_dtype, impl, kernel, stride, padding, dilation, ceil_mode):
+      surrogate, alpha, detach_reset, spike_dtype, impl, kernel, stride, padding, dilation, ceil_mode, donate=False):
     _check_z(z, steps, weight, bias)
     out = torch.ops.aten.max_pool2d_with_indices(z.new_empty(z.shape, dtype=spike_dtype), kernel, stride, padding,
                                                  dilation, ceil_mode)[0]
@@ -1000,13 +1039,37 @@ def _(grad, z, weight, bias, stats, offsets, steps, training, eps, c, v_threshol
     return z.new_empty(z.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape)
 
 
+@torch.library.custom_op("efficient::bn_lif_max_pool_backward_into", mutates_args=("z",), **_ANY_LAYOUT)
+def bn_lif_max_pool_backward_into_op(
+    grad: Tensor, z: Tensor, weight: Tensor, bias: Tensor, stats: Tensor, offsets: Tensor, steps: int, training: bool,
+    eps: float, c: float, v_threshold: float, v_reset: Optional[float], charge: int, surrogate: int, alpha: float,
+    detach_reset: bool, spike_dtype: torch.dtype, impl: str, kernel: Sequence[int], stride: Sequence[int],
+    padding: Sequence[int], dilation: Sequence[int], ceil_mode: bool,
+) -> tuple[Tensor, Tensor]:
+    """(grad weight, grad bias) of `bn_lif_max_pool_forward`, z's gradient written into z, each chunk of
+    channels once it has been read: for a z nothing else reads (a convolution's fresh output, which a
+    compiled region reruns in backward), so the backward never holds z and its gradient whole at once."""
+    weight, bias, stats = _dense(weight, bias, stats)
+    _, gw, gb = _pooled_backward(grad, z, weight, bias, stats, offsets, steps, (kernel, stride, padding, dilation,
+                                 ceil_mode), spike_dtype, training, eps, c, v_threshold, v_reset, charge, surrogate,
+                                 alpha, detach_reset, impl, donate=True)
+    return gw, gb
+
+
+@bn_lif_max_pool_backward_into_op.register_fake
+def _(grad, z, weight, bias, stats, offsets, steps, training, eps, c, v_threshold, v_reset, charge, surrogate, alpha,
+      detach_reset, spike_dtype, impl, kernel, stride, padding, dilation, ceil_mode):
+    return weight.new_empty(weight.shape), weight.new_empty(weight.shape)
+
+
 def _pooled_setup_context(ctx, inputs, output) -> None:
     z, steps, weight, bias, _rm, _rv, training, _momentum, eps, c, v_th, v_reset, charge, surrogate, alpha, detach, sd, \
         impl, *pool = inputs
+    ctx.donate = bool(pool[5]) if len(pool) > 5 else False
     _, offsets, stats, new_mean, new_var = output
     ctx.mark_non_differentiable(offsets, stats, new_mean, new_var)  # only the pooled spikes carry a gradient
     ctx.save_for_backward(z, weight, bias, stats, offsets)
-    ctx.rest = (steps, training, eps, c, v_th, v_reset, charge, surrogate, alpha, detach, sd, impl, *pool)
+    ctx.rest = (steps, training, eps, c, v_th, v_reset, charge, surrogate, alpha, detach, sd, impl, *pool[:5])
     ctx.set_materialize_grads(False)
 
 
@@ -1014,13 +1077,19 @@ def _pooled_op_backward(ctx, grad, *_grads_of_the_rest):
     need = ctx.needs_input_grad
     if grad is None:
         return (None,) * len(need)
-    gz, gw, gb = torch.ops.efficient.bn_lif_max_pool_backward(grad, *ctx.saved_tensors, *ctx.rest)
+    if ctx.donate and need[0]:  # z's gradient in z's storage: the op mutates z, which is then the gradient
+        z = ctx.saved_tensors[0]
+        gw, gb = torch.ops.efficient.bn_lif_max_pool_backward_into(grad, *ctx.saved_tensors, *ctx.rest)
+        gz = z
+    else:
+        gz, gw, gb = torch.ops.efficient.bn_lif_max_pool_backward(grad, *ctx.saved_tensors, *ctx.rest)
     return (gz if need[0] else None, None, gw if need[2] else None, gb if need[3] else None) + (None,) * (len(need) - 4)
 
 
 bn_lif_max_pool_forward_op.register_autograd(_pooled_op_backward, setup_context=_pooled_setup_context)
 _register_flops(torch.ops.efficient.bn_lif_max_pool_forward, 6)  # as `bn_lif_forward` (the pool's compares aside)
 _register_flops(torch.ops.efficient.bn_lif_max_pool_backward, 19)  # as `bn_lif_backward_recompute`
+_register_flops(torch.ops.efficient.bn_lif_max_pool_backward_into, 19)
 
 
 def bn_lif_max_pool(
@@ -1045,6 +1114,7 @@ def bn_lif_max_pool(
     spike_dtype: Optional[torch.dtype] = None,
     backend: str = "auto",
     impl: Optional[str] = None,
+    donate: bool = False,
 ) -> Optional[Tensor]:
     """`max_pool2d(bn_lif(z, ...), *pool)` for a conv stage's z [T*R, C, H, W] (`pool`: aten's kernel,
     stride, padding, dilation, ceil_mode), computed a chunk of channels at a time in forward and in
@@ -1056,6 +1126,11 @@ def bn_lif_max_pool(
 
     Under torch.compile it runs as the op pair `efficient::bn_lif_max_pool_forward` / `_backward`
     (the same code; the new running statistics come back as outputs and are stored as `bn_lif` does).
+
+    `donate=True` says nothing else reads z once this call has it (a convolution's fresh output): the
+    backward then writes z's gradient into z's storage, a chunk of channels at a time, so it holds z
+    and its gradient as one tensor (compiled: `efficient::bn_lif_max_pool_backward_into`, which
+    mutates z).
 
     Returns None where this path does not apply, and the caller runs `bn_lif` and its pool: the
     "torch" backend (the reference), an eager call that a dispatch or function mode must see as ops
@@ -1074,12 +1149,12 @@ def bn_lif_max_pool(
     if compiling:  # the op pair: the compiler sees one op each way
         out, _, _, new_mean, new_var = torch.ops.efficient.bn_lif_max_pool_forward(
             z, int(steps), weight, bias, running_mean, running_var, bool(training), float(momentum), float(eps),
-            *lif_args, spike_dtype or z.dtype, impl, *pool_args(*pool))
+            *lif_args, spike_dtype or z.dtype, impl, *pool_args(*pool), bool(donate))
         if training:
             _store_running([running_mean, running_var], new_mean, new_var)
         return out
     return _BNLIFMaxPool.apply(z, weight, bias, running_mean, running_var, int(steps), bool(training), float(momentum),
-                               float(eps), *lif_args, spike_dtype or z.dtype, impl, pool_args(*pool))
+                               float(eps), *lif_args, spike_dtype or z.dtype, impl, pool_args(*pool), bool(donate))
 
 
 # ---------------------------------------------------------------------------------------------

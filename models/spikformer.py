@@ -22,7 +22,7 @@ from efficient.errors import ConfigError
 from efficient.kernels.lif import COMPILE_MIN_NUMEL
 from efficient.kernels.ssa import attention_ref, spiking_attention
 from efficient.kernels.token_select import gather_tokens
-from efficient.memory.conv_backward import region_conv2d
+from efficient.memory.conv_backward import plain_conv, region_conv2d
 from efficient.memory.spikes import is_neuron, region_max_pool
 from efficient.models.neurons import bn_fire, fusable, norm_fire, pooled_fire
 from efficient.models.spiking_transformer import (  # noqa: F401 - ModelLIF, share_neuron_backend: public here too
@@ -111,7 +111,8 @@ class StemStage(nn.Module):
         if pool_first:
             x = pool(bn(x))
             return lif(x.reshape(T, -1, *x.shape[1:])).flatten(0, 1)
-        if pool is not None and (pooled := pooled_fire(bn, lif, pool, x, T)) is not None:
+        # a plain convolution's output is fresh and read by nothing else: its gradient may take its storage
+        if pool is not None and (pooled := pooled_fire(bn, lif, pool, x, T, donate=plain_conv(conv))) is not None:
             return pooled  # inside a recomputed region: the stage's spikes never exist whole
         x = norm_fire(bn, lif, x, (T, x.shape[0] // T, *x.shape[1:])).flatten(0, 1)
         return x if pool is None else region_max_pool(pool, x)

@@ -276,6 +276,42 @@ def test_without_the_membrane_the_backward_rebuilds_it(training: bool, neuron_kw
         assert peak_lean < peak_keep, (channels, peak_lean, peak_keep)
 
 
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_without_the_membrane_the_forward_runs_by_chunks_of_channels(training: bool, monkeypatch) -> None:
+    """Without H the forward of a conv unit takes a chunk of channels at a time: the spikes, BatchNorm's
+    statistics and the running statistics of the whole call bit for bit (in place or as new tensors),
+    and a lower peak of live tensor bytes (BatchNorm's output and the LIF's temporaries for one chunk)."""
+    from efficient.kernels import bn_lif as K
+    from efficient.memory.measure import step_peak_bytes
+
+    bn, z = _pair((4 * 4, 8, 16, 16), 8, seed=12)
+    w, b = bn.weight.detach(), bn.bias.detach()
+    rm0, rv0 = torch.rand(8), torch.rand(8) + 0.5  # away from the defaults
+
+    def run(channels: int, inplace: bool) -> tuple[list[torch.Tensor], int]:
+        monkeypatch.setattr(K, "RECOMPUTE_CHUNK", channels * z.numel() // 8)
+        rm, rv = rm0.clone(), rv0.clone()
+        out = []
+        peak = step_peak_bytes(lambda: out.append(K._forward_impl(
+            z, 4, w, b, rm, rv, training, 0.1, 1e-5, 2.0, 1.0, 0.0, 0, 0, 4.0, True, torch.float32, "loop",
+            keep_membrane=False, inplace=inplace)))
+        s, h, stats, new_mean, new_var = out[0]
+        assert h.numel() == 0
+        return [s, stats, new_mean, new_var, rm, rv], peak
+
+    for inplace in (False, True):
+        whole, peak_whole = run(8, inplace)
+        assert len(K._channel_chunks(z)) == 1
+        for channels, chunks in ((4, 2), (3, 3)):  # 4 channels each; 3 then 3 then 2
+            got, peak = run(channels, inplace)
+            assert len(K._channel_chunks(z)) == chunks
+            for a, c in zip(whole, got):
+                assert torch.equal(a, c), (inplace, chunks)
+            assert peak < peak_whole, (inplace, chunks, peak, peak_whole)
+    if training:
+        assert not torch.equal(whole[4], rm0)  # the statistics did move (the last runs update in place)
+
+
 def test_the_rebuilt_membrane_is_the_forwards_bit_for_bit() -> None:
     """The op's backward without H, in one piece, is the backward from the kept H bit for bit."""
     from efficient.kernels import bn_lif as K
@@ -541,10 +577,52 @@ def test_the_pooled_stage_is_bn_lif_then_its_max_pool(training: bool, neuron_kw:
     assert peak_pooled < peak_lean, (peak_pooled, peak_lean)
 
 
-def test_the_pooled_stage_compiled_runs_as_its_op_pair_with_the_eager_values(monkeypatch) -> None:
+def test_the_pooled_stage_writes_z_gradient_into_a_donated_z(monkeypatch) -> None:
+    """`bn_lif_max_pool(donate=True)` on a fresh z (a convolution's output): z's gradient is written into
+    z's storage, so backward never holds the two whole. The gradients are the undonated call's bit for
+    bit, the peak is lower, and a second backward through the graph fails autograd's saved-tensor check."""
+    from efficient.kernels import bn_lif as K
+    from efficient.kernels.bn_lif import bn_lif_max_pool
+    from efficient.memory.measure import step_peak_bytes
+
+    bn, z0 = _pair((4 * 4, 8, 16, 16), 8, seed=13)
+    w = torch.randn(8, 8, 1, 1, generator=torch.Generator().manual_seed(4))
+    monkeypatch.setattr(K, "RECOMPUTE_CHUNK", 3 * z0.numel() // 8)  # 3 chunks, the last short
+
+    def run(donate: bool, retain: bool = False):
+        b, x, cw = copy.deepcopy(bn), z0.clone().requires_grad_(), w.clone().requires_grad_()
+        out = []
+
+        def step() -> None:
+            z = torch.nn.functional.conv2d(x, cw)  # fresh: nothing else reads it
+            p = bn_lif_max_pool(z, 4, b.weight, b.bias, b.running_mean, b.running_var, POOL, True, 0.1, 1e-5,
+                                backend="loop", donate=donate)
+            (p * torch.linspace(-1, 1, p.numel()).view(p.shape)).sum().backward(retain_graph=retain)
+            out.append(p)
+
+        peak = step_peak_bytes(step)
+        return [out[0], x.grad, cw.grad, b.weight.grad, b.bias.grad, b.running_mean, b.running_var], peak
+
+    kept, peak_kept = run(False)
+    donated, peak_donated = run(True)
+    for a, c in zip(kept, donated):
+        assert torch.equal(a, c)
+    assert peak_donated < peak_kept, (peak_donated, peak_kept)
+    b, x = copy.deepcopy(bn), z0.clone().requires_grad_()
+    p = bn_lif_max_pool(x * 1, 4, b.weight, b.bias, b.running_mean, b.running_var, POOL, True, 0.1, 1e-5,
+                        backend="loop", donate=True)
+    loss = p.sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("donate", [False, True], ids=["kept", "donated"])
+def test_the_pooled_stage_compiled_runs_as_its_op_pair_with_the_eager_values(donate: bool, monkeypatch) -> None:
     """Under torch.compile `bn_lif_max_pool` runs as `efficient::bn_lif_max_pool_forward` / `_backward`
     (the eager path's autograd.Function is not traced): the pooled spikes, running statistics and
-    batch-count bookkeeping of the eager call, gradients within rounding, the op in the graph."""
+    batch-count bookkeeping of the eager call, gradients within rounding, the op in the graph. With a
+    donated z (a convolution's output), backward is `_backward_into`, which writes z's gradient into z."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
@@ -556,15 +634,21 @@ def test_the_pooled_stage_compiled_runs_as_its_op_pair_with_the_eager_values(mon
     seen: list = []
 
     def grab(gm: torch.fx.GraphModule, _inputs):
-        seen.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        # a mutating op reaches the graph functionalized: auto_functionalized(op, ...)
+        seen.extend(n.args[0] if "auto_functionalized" in str(n.target) else n.target
+                    for n in gm.graph.nodes if n.op == "call_function")
         return make_boxed_func(gm)
 
+    cw0 = torch.randn(8, 8, 1, 1, generator=torch.Generator().manual_seed(3))
+
     def run(compiled: bool) -> list[torch.Tensor]:
-        b, z = copy.deepcopy(bn), z0.clone().requires_grad_()
+        b, z, cw = copy.deepcopy(bn), z0.clone().requires_grad_(), cw0.clone().requires_grad_()
 
         def f(z: torch.Tensor) -> torch.Tensor:
+            if donate:  # a convolution's fresh output, which nothing else reads
+                z = torch.nn.functional.conv2d(z, cw)
             return bn_lif_max_pool(z, 4, b.weight, b.bias, b.running_mean, b.running_var, POOL, True, 0.1, 1e-5,
-                                   backend="loop")
+                                   backend="loop", donate=donate)
 
         if compiled:
             torch._dynamo.reset()
@@ -572,11 +656,12 @@ def test_the_pooled_stage_compiled_runs_as_its_op_pair_with_the_eager_values(mon
         p = f(z)
         (p * torch.linspace(-1, 1, p.numel()).view(p.shape)).sum().backward()
         torch._dynamo.reset()
-        return [p, z.grad, b.weight.grad, b.bias.grad, b.running_mean, b.running_var]
+        return [p, z.grad, b.weight.grad, b.bias.grad, b.running_mean, b.running_var] + ([cw.grad] if donate else [])
 
     eager, compiled = run(False), run(True)
     assert torch.ops.efficient.bn_lif_max_pool_forward.default in seen
-    assert torch.ops.efficient.bn_lif_max_pool_backward.default in seen
+    backward = torch.ops.efficient.bn_lif_max_pool_backward_into if donate else torch.ops.efficient.bn_lif_max_pool_backward
+    assert backward.default in seen, seen
     assert torch.equal(eager[0], compiled[0])
     for a, b in zip(eager[1:], compiled[1:]):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

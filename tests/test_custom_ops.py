@@ -121,6 +121,12 @@ def op_cases(dtype):
           _randn(3, dtype=dtype, seed=44), torch.stack([torch.zeros(3), torch.ones(3)]).to(dtype),
           max_pool_offsets(_spikes(4, 3, 4, 4, dtype=torch.float32, seed=45, grad=False), POOL)[1], 2, True, 1e-5, 2.0, 1.0,
           0.0, K.CHARGE_DECAY_INPUT, 0, 4.0, True, dtype, "loop", *POOL)),
+        # the same backward writing z's gradient into z (a convolution's fresh output nothing else reads)
+        ("bn_lif_max_pool_backward_into", torch.ops.efficient.bn_lif_max_pool_backward_into,
+         (_randn(4, 3, 2, 2, dtype=dtype, seed=61), _randn(4, 3, 4, 4, dtype=dtype, seed=62), _randn(3, dtype=dtype, seed=63),
+          _randn(3, dtype=dtype, seed=64), torch.stack([torch.zeros(3), torch.ones(3)]).to(dtype),
+          max_pool_offsets(_spikes(4, 3, 4, 4, dtype=torch.float32, seed=65, grad=False), POOL)[1], 2, True, 1e-5, 2.0, 1.0,
+          0.0, K.CHARGE_DECAY_INPUT, 0, 4.0, True, dtype, "loop", *POOL)),
         # BatchNorm -> the DLIF's per-step gain -> LIF by chunks (a recomputed stable-SNN unit): z [T*B, C, 2, 2], T=2
         ("bn_gain_lif_forward", torch.ops.efficient.bn_gain_lif_forward,
          (_randn(4, 3, 2, 2, dtype=dtype, seed=52, grad=True), 2, _randn(2, dtype=dtype, seed=53, grad=True),

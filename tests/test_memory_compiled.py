@@ -127,8 +127,10 @@ def _ops_of_compiled_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tens
 
     def grab(key: str):
         def compiler(gm: torch.fx.GraphModule, _inputs) -> torch.fx.GraphModule:
-            graphs[key].extend((n.target, n.args) for n in gm.graph.nodes
-                               if n.op == "call_function" and "efficient" in str(n.target))
+            for n in gm.graph.nodes:  # a mutating op reaches the graph functionalized: auto_functionalized(op, ...)
+                target = n.args[0] if "auto_functionalized" in str(n.target) else n.target
+                if n.op == "call_function" and "efficient" in str(target):
+                    graphs[key].append((target, n.args))
             return gm
         return compiler
 
@@ -160,7 +162,9 @@ def test_compiled_regions_run_the_fused_unit_that_rebuilds_its_trace(monkeypatch
     assert not [t for t, _ in bw if t is torch.ops.efficient.bn_lif_backward.default]
     # the stem stages that max-pool their spikes run BatchNorm, LIF and pool as one chunked op pair
     assert any(t is torch.ops.efficient.bn_lif_max_pool_forward.default for t, _ in fw), fw
-    assert any(t is torch.ops.efficient.bn_lif_max_pool_backward.default for t, _ in bw), bw
+    # ... whose backward writes z's gradient into the rerun's z (a plain convolution's output)
+    assert any(t is torch.ops.efficient.bn_lif_max_pool_backward_into.default for t, _ in bw), bw
+    assert not [t for t, _ in bw if t is torch.ops.efficient.bn_lif_max_pool_backward.default], bw
     # the units whose input is spikes (the stem's after its first, stages 0 and 1 together) run their
     # convolution's backward from the bits the region keeps, a slice of the batch at a time, not from
     # the rerun's fp32 input

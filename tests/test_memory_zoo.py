@@ -126,15 +126,19 @@ def test_bits_rebuilds_membranes_and_keeps_nones_gradients(name: str, monkeypatc
 # stages 0 and 1 rerun together: their reruns hold less than stage 2's alone (`group_stages`)
 STEM_PARTS = {"spikformer-4-384": ["stage0-1", "stage2", "stage3", "rpe"],
               "sdt-2-512": ["stage0-1", "stage2", "tail"]}
+# where the stem's rerun, not a block's, sets the step's peak at these shapes. Spikformer's stem rerun whole
+# writes its widest stage's gradient into that stage's z (`bn_lif_max_pool(donate=True)`), and its block's
+# rerun now sets the peak staged or whole (as at CIFAR size: BENCHMARKS.md `## memory`)
+STEM_SETS_PEAK = {"sdt-2-512"}
 
 
 @pytest.mark.parametrize("name", sorted(STEM_PARTS))
 def test_the_stem_is_recomputed_stage_by_stage(name: str, monkeypatch) -> None:
     """At level recompute the SPS stem (Spikformer's; the Spike-driven Transformer's MS-SPS) is a
     unit per stage, not one: the same gradients and running statistics as the stem rerun whole and
-    as `none`, the same state dict, and a lower peak of live tensor bytes in the step (backward
-    holds one stage's rerun at a time), lower again where the reruns rebuild their membrane traces
-    and pool with window offsets (the default) than where they keep them."""
+    as `none`, the same state dict, and a lower peak of live tensor bytes in the step than the
+    stem rerun whole where the stem sets the peak (backward holds one stage's rerun at a time), and
+    lower than reruns that keep their membrane traces and pool inputs."""
     import copy
 
     import torch
@@ -184,8 +188,10 @@ def test_the_stem_is_recomputed_stage_by_stage(name: str, monkeypatch) -> None:
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
         for k in base.state_dict():
             torch.testing.assert_close(staged[1][k], other[1][k], rtol=1e-5, atol=1e-6)
-    assert staged[2] < min(kept[2], whole[2]) and max(kept[2], whole[2]) < none[2], \
-        f"peaks staged {staged[2]}, staged keeping H {kept[2]}, whole stem {whole[2]}, none {none[2]}"
+    peaks = f"peaks staged {staged[2]}, staged keeping H {kept[2]}, whole stem {whole[2]}, none {none[2]}"
+    assert staged[2] < kept[2] and max(kept[2], whole[2]) < none[2], peaks
+    if name in STEM_SETS_PEAK:
+        assert staged[2] < whole[2], peaks
 
 
 def test_a_folded_stem_stays_folded_in_its_stages() -> None:
