@@ -10,6 +10,9 @@
   spikes, backward writes z's gradient into z, the convolution's backward by batch slices with a spike
   input kept as bits) against their rerun computing the spikes, a separate gradient buffer and aten's
   convolution, whole training steps.
+- `--compare unit-chunks`: a conv unit's forward without its membrane trace a chunk of channels at a time
+  (`bn_lif.FORWARD_BY_CHUNKS`) and a stem stage's pooled backward writing z's gradient into z
+  (`bn_lif_max_pool(donate=True)`), against the forward in one piece and a separate gradient buffer.
 
 The cases alternate in each round; ratios are geometric means of the per-round ratios with a 95 % interval.
 
@@ -17,6 +20,7 @@ The cases alternate in each round; ratios are geometric means of the per-round r
     python bench/rebuild_paths.py --step sdt-2-512 --impls none bits recompute --rounds 5
     python bench/rebuild_paths.py --step stable-snn-vgg11 --impls none recompute --compare chunk --rounds 6
     python bench/rebuild_paths.py --step stable-snn-vgg11 --impls none recompute --compare rerun --rounds 10
+    python bench/rebuild_paths.py --step sdt-2-512 --impls bits recompute --compare unit-chunks --rounds 10
 """
 
 from __future__ import annotations
@@ -70,19 +74,22 @@ def _before(compare: str):
     """The path as it was before the change `compare` names."""
     from efficient.models import stable_snn as V
 
-    new, lo = K._bn_rebuild, K.RECOMPUTE_CHUNK_MIN
+    new, lo, pooled = K._bn_rebuild, K.RECOMPUTE_CHUNK_MIN, K._pooled_backward
     unit_calls = V.replays_whole, V.plain_conv, V.region_conv2d
     if compare == "bn-statistics":
         K._bn_rebuild = _training_call
     elif compare == "chunk":
         K.RECOMPUTE_CHUNK_MIN = K.RECOMPUTE_CHUNK  # every chunk RECOMPUTE_CHUNK elements
+    elif compare == "unit-chunks":  # the forward without H in one piece, the pooled backward's own gradient buffer
+        K.FORWARD_BY_CHUNKS = False
+        K._pooled_backward = lambda *args, donate=False: pooled(*args, donate=False)
     else:  # the rerun computes the spikes, backward allocates z's gradient, aten's convolution
         V.replays_whole = V.plain_conv = lambda m: False
         V.region_conv2d = lambda conv, x, spikes=False, bits=None: conv(x)
     try:
         yield
     finally:
-        K._bn_rebuild, K.RECOMPUTE_CHUNK_MIN = new, lo
+        K._bn_rebuild, K.RECOMPUTE_CHUNK_MIN, K._pooled_backward, K.FORWARD_BY_CHUNKS = new, lo, pooled, True
         V.replays_whole, V.plain_conv, V.region_conv2d = unit_calls
 
 
@@ -128,7 +135,7 @@ def main() -> int:
     ap.add_argument("--step", default=None, help="an architecture of bench/memory.py: time whole steps instead")
     ap.add_argument("--impls", nargs="+", default=["none", "bits", "recompute"])
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--compare", default="bn-statistics", choices=["bn-statistics", "chunk", "rerun"])
+    ap.add_argument("--compare", default="bn-statistics", choices=["bn-statistics", "chunk", "rerun", "unit-chunks"])
     args = ap.parse_args()
     print(f"# bench/rebuild_paths.py -- {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f} before\n")

@@ -25,10 +25,11 @@ Parts (as `efficient.kernels.lif`):
 4. `bn_lif`: the public entry, `backend=` as `lif`'s ("torch" runs the reference).
 5. `bn_lif_max_pool`: a conv stage's BatchNorm -> LIF -> 2-D max-pool a chunk of channels at a
    time, forward and backward, so the stage's spikes and membrane trace never exist whole (memory
-   level `recompute` runs a stem stage's rerun with it).
+   level `recompute` runs a stem stage's rerun with it); given a fresh z (`donate`), the backward writes
+   z's gradient into z (compiled: `efficient::bn_lif_max_pool_backward_into`, which mutates z).
 6. `bn_gain_lif`: BatchNorm -> a learnable per-step gain -> LIF with leak (the stable-SNN's DLIF) a
    chunk of channels at a time each way, from the LIF's own implementations (memory level
-   `recompute` reruns the stable-SNN VGG's and WRN's units with it).
+   `recompute` reruns the stable-SNN VGG's and WRN's units with it), donating a fresh z as 5.
 
 `bn_lif` updates the running statistics in place, as BatchNorm does in training (`momentum` is
 the factor BatchNorm would use; its batch counter stays with the caller); the op itself returns
@@ -319,7 +320,7 @@ def _forward_impl(z, steps, weight, bias, running_mean, running_var, training, m
                                v_threshold, v_reset, charge, spike_dtype, inplace, keep_membrane)
     # aten's own BatchNorm (what nn.BatchNorm calls), then the LIF's loop: bit for bit the separate calls
     z = z.contiguous()  # BatchNorm's sums in one order whatever layout inductor gave z
-    if not keep_membrane and z.dim() > 2 and len(chunks := _channel_chunks(z)) > 1:
+    if FORWARD_BY_CHUNKS and not keep_membrane and z.dim() > 2 and len(chunks := _channel_chunks(z)) > 1:
         return _chunked_forward(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c,
                                 v_threshold, v_reset, charge, spike_dtype, impl, inplace, chunks)
     if training:  # updated in place by native_batch_norm: the buffers, or the op's new statistics
@@ -467,6 +468,8 @@ def _(grad_spikes, z, h, weight, stats, training, eps, c, v_threshold, v_reset, 
 RECOMPUTE_CHUNK = 1 << 22  # at most this many elements of z per chunk of channels (at least one channel)
 RECOMPUTE_PARTS = 16  # and at most this fraction of z ...
 RECOMPUTE_CHUNK_MIN = 1 << 20  # ... down to this many elements
+# a conv unit's forward without H takes the same chunks (`_chunked_forward`; bench/rebuild_paths.py times it whole)
+FORWARD_BY_CHUNKS = True
 
 
 def chunk_limit(numel: int) -> int:
@@ -1255,10 +1258,11 @@ class _BNGainLIF(torch.autograd.Function):
 def bn_gain_lif_forward_op(
     z: Tensor, steps: int, gain: Tensor, weight: Tensor, bias: Tensor, running_mean: Tensor, running_var: Tensor,
     momentum: float, eps: float, leak: float, v_threshold: float, surrogate: int, alpha: float,
-    spike_dtype: torch.dtype, impl: str,
+    spike_dtype: torch.dtype, impl: str, donate: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(spikes, BatchNorm's statistics, new running mean, new running variance) of training-mode
-    BatchNorm -> x * gain[t] -> DLIF over z [T*R, C, ...], by chunks of channels."""
+    BatchNorm -> x * gain[t] -> DLIF over z [T*R, C, ...], by chunks of channels. `donate` tells the
+    backward that nothing else reads z (`bn_gain_lif_backward_into`)."""
     _check_z(z, steps, weight, bias)
     gain, weight, bias, running_mean, running_var = _dense(gain, weight, bias, running_mean, running_var)
     new_mean, new_var = running_mean.clone(), running_var.clone()  # updated in place by the chunks
@@ -1269,7 +1273,7 @@ def bn_gain_lif_forward_op(
 
 @bn_gain_lif_forward_op.register_fake
 def _(z, steps, gain, weight, bias, running_mean, running_var, momentum, eps, leak, v_threshold, surrogate, alpha,
-      spike_dtype, impl):
+      spike_dtype, impl, donate=False):
     _check_z(z, steps, weight, bias)
     return (z.new_empty(z.shape, dtype=spike_dtype), weight.new_empty((2, z.shape[1])),
             running_mean.new_empty(running_mean.shape), running_var.new_empty(running_var.shape))
@@ -1291,8 +1295,28 @@ def _(grad, z, gain, weight, bias, stats, steps, eps, leak, v_threshold, surroga
     return z.new_empty(z.shape), gain.new_empty(gain.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape)
 
 
+@torch.library.custom_op("efficient::bn_gain_lif_backward_into", mutates_args=("z",), **_ANY_LAYOUT)
+def bn_gain_lif_backward_into_op(
+    grad: Tensor, z: Tensor, gain: Tensor, weight: Tensor, bias: Tensor, stats: Tensor, steps: int, eps: float,
+    leak: float, v_threshold: float, surrogate: int, alpha: float, impl: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad gain, grad weight, grad bias) of `bn_gain_lif_forward`, z's gradient written into z, each chunk of
+    channels once it has been read: for a z nothing else reads (a convolution's fresh output, which a compiled
+    region reruns in backward)."""
+    gain, weight, bias, stats = _dense(gain, weight, bias, stats)
+    _, ggain, gw, gb = _gain_backward(grad, z, gain, weight, bias, stats, steps, eps,
+                                      _dlif_args(leak, v_threshold, surrogate, alpha), impl, donate=True)
+    return ggain, gw, gb
+
+
+@bn_gain_lif_backward_into_op.register_fake
+def _(grad, z, gain, weight, bias, stats, steps, eps, leak, v_threshold, surrogate, alpha, impl):
+    return gain.new_empty(gain.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape)
+
+
 def _gain_setup_context(ctx, inputs, output) -> None:
-    z, steps, gain, weight, bias, _rm, _rv, _momentum, eps, leak, v_th, surrogate, alpha, _sd, impl = inputs
+    z, steps, gain, weight, bias, _rm, _rv, _momentum, eps, leak, v_th, surrogate, alpha, _sd, impl, *donate = inputs
+    ctx.donate = bool(donate[0]) if donate else False
     ctx.mark_non_differentiable(*output[1:])  # only the spikes carry a gradient
     ctx.save_for_backward(z, gain, weight, bias, output[1])
     ctx.rest = (steps, eps, leak, v_th, surrogate, alpha, impl)
@@ -1304,7 +1328,11 @@ def _gain_op_backward(ctx, grad, *_grads_of_the_rest):
     if grad is None:
         return (None,) * len(need)
     z, gain, weight, bias, stats = ctx.saved_tensors
-    gz, ggain, gw, gb = torch.ops.efficient.bn_gain_lif_backward(grad, z, gain, weight, bias, stats, *ctx.rest)
+    if ctx.donate and need[0]:  # z's gradient in z's storage: the op mutates z, which is then the gradient
+        ggain, gw, gb = torch.ops.efficient.bn_gain_lif_backward_into(grad, z, gain, weight, bias, stats, *ctx.rest)
+        gz = z
+    else:
+        gz, ggain, gw, gb = torch.ops.efficient.bn_gain_lif_backward(grad, z, gain, weight, bias, stats, *ctx.rest)
     return (gz if need[0] else None, None, ggain if need[2] else None, gw if need[3] else None,
             gb if need[4] else None) + (None,) * (len(need) - 5)
 
@@ -1312,6 +1340,7 @@ def _gain_op_backward(ctx, grad, *_grads_of_the_rest):
 bn_gain_lif_forward_op.register_autograd(_gain_op_backward, setup_context=_gain_setup_context)
 _register_flops(torch.ops.efficient.bn_gain_lif_forward, 7)  # `bn_lif_forward`'s and the gain's multiply
 _register_flops(torch.ops.efficient.bn_gain_lif_backward, 22)  # `bn_lif_backward_recompute`'s, the gain's two
+_register_flops(torch.ops.efficient.bn_gain_lif_backward_into, 22)
 
 
 def bn_gain_lif(
@@ -1346,11 +1375,11 @@ def bn_gain_lif(
     (the same code; the new running statistics come back as outputs and are stored in the buffers).
 
     `donate=True` says nothing else reads z once this call has it (a convolution's fresh output): the
-    eager backward then writes z's gradient into z's storage, the unit's largest saving in backward.
-    `spikes=False` says the caller never reads the spikes (a recomputed unit's rerun, which serves only
-    its backward): the eager call computes BatchNorm's statistics alone and returns zeros of the
-    spikes' shape that own no memory; its backward is the same. The compiled op pair is functional and
-    ignores both."""
+    backward then writes z's gradient into z's storage, the unit's largest saving in backward (compiled:
+    `efficient::bn_gain_lif_backward_into`, which mutates z). `spikes=False` says the caller never reads
+    the spikes (a recomputed unit's rerun, which serves only its backward): the eager call computes
+    BatchNorm's statistics alone and returns zeros of the spikes' shape that own no memory; its backward
+    is the same. The compiled op pair computes the spikes regardless."""
     _check_z(z, steps, weight, bias)
     if gain.shape != (steps,):
         raise ValueError(f"bn_gain_lif: gain must have one value per step ({steps}), got {tuple(gain.shape)}")
@@ -1365,7 +1394,7 @@ def bn_gain_lif(
     if compiling:  # the op pair: the compiler sees one op each way
         out, _, new_mean, new_var = torch.ops.efficient.bn_gain_lif_forward(
             z, int(steps), gain, weight, bias, running_mean, running_var, float(momentum), float(eps), float(leak),
-            float(v_threshold), sid, a, spike_dtype or z.dtype, impl)
+            float(v_threshold), sid, a, spike_dtype or z.dtype, impl, bool(donate))
         _store_running([running_mean, running_var], new_mean, new_var)
         return out
     return _BNGainLIF.apply(z, gain, weight, bias, running_mean, running_var, int(steps), float(momentum), float(eps),

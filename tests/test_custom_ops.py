@@ -137,6 +137,11 @@ def op_cases(dtype):
          (_randn(4, 3, 2, 2, dtype=dtype, seed=56), _randn(4, 3, 2, 2, dtype=dtype, seed=57), _randn(2, dtype=dtype, seed=58),
           _randn(3, dtype=dtype, seed=59), _randn(3, dtype=dtype, seed=60), torch.stack([torch.zeros(3), torch.ones(3)]).to(dtype),
           2, 1e-5, 0.99, 0.5, K.SURROGATES["triangle"], 1.0, "loop")),
+        # the same backward writing z's gradient into z (a convolution's fresh output nothing else reads)
+        ("bn_gain_lif_backward_into", torch.ops.efficient.bn_gain_lif_backward_into,
+         (_randn(4, 3, 2, 2, dtype=dtype, seed=66), _randn(4, 3, 2, 2, dtype=dtype, seed=67), _randn(2, dtype=dtype, seed=68),
+          _randn(3, dtype=dtype, seed=69), _randn(3, dtype=dtype, seed=70), torch.stack([torch.zeros(3), torch.ones(3)]).to(dtype),
+          2, 1e-5, 0.99, 0.5, K.SURROGATES["triangle"], 1.0, "loop")),
         # a compiled region's stem convolution of spikes: x [3, 2, 4, 4] kept as bits, weight [5, 2, 3, 3]
         ("conv2d_backward_from_bits", torch.ops.efficient.conv2d_backward_from_bits,
          (_randn(3, 5, 4, 4, dtype=dtype, seed=46), pack_spikes(_spikes(3, 2, 4, 4, dtype=dtype, seed=47, grad=False)),
