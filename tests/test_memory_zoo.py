@@ -152,7 +152,7 @@ def test_the_stem_is_recomputed_stage_by_stage(name: str, monkeypatch) -> None:
     # chunks of channels as small as these units (2^19 elements in the largest stage) make those of a full-size model
     monkeypatch.setattr(bn_lif, "RECOMPUTE_CHUNK", 1 << 15)
     torch.manual_seed(0)
-    # mlp_ratio 1: the stem's reruns, not a block's, set these small models' peaks (as the stem does at full size)
+    # mlp_ratio 1: blocks as small as they go, so the stem's reruns can set the peak (`STEM_SETS_PEAK`)
     base = create(name, embed_dim=64, depth=1, num_heads=2, img_size=32, mlp_ratio=1).train()
     x, y = torch.rand(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])
 
