@@ -237,3 +237,50 @@ def test_stem_stages_group_while_their_reruns_fit_the_largest() -> None:
             assert sum(sizes[i] for i in g) <= peak
     plan = memory.optimize(create("spikformer-2-256-dvs", embed_dim=64, num_heads=4), "recompute")
     assert [u for u in plan.units if "patch_embed" in u] == ["patch_embed.stage0", "patch_embed.stage1-3", "patch_embed.rpe"]
+
+
+@pytest.mark.parametrize("name,kw", [
+    ("spikformer-4-384", {"embed_dim": 64, "depth": 1, "num_heads": 2, "img_size": 32, "mlp_ratio": 1}),
+    ("sdt-2-512", {"embed_dim": 64, "depth": 1, "num_heads": 2, "img_size": 32, "mlp_ratio": 1}),
+    ("stable-snn-vgg11", {"width": 0.125, "fc_dim": 64, "timesteps": 2}),
+], ids=["spikformer", "sdt", "vgg"])
+@pytest.mark.parametrize("budget", [None, 0.2], ids=["rerun-whole", "budget"])
+def test_a_retained_graph_backpropagates_twice_at_recompute(name: str, kw: dict, budget: float | None,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second backward through a retained graph (`retain_graph=True`) reruns every unit again and adds
+    the same gradients, as at level `none`: the reruns' contexts are entered afresh, and a unit whose
+    backward writes z's gradient into z (a stem stage, a VGG unit) writes into the rerun's own z. With a
+    budget the units that keep outputs are torch's selective checkpoints, which refuse a second
+    backward by name."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+
+    from efficient.kernels import bn_lif
+    from efficient.zoo import create
+
+    monkeypatch.setattr(bn_lif, "RECOMPUTE_CHUNK", 1 << 15)  # the chunked, donating paths of a full-size model
+    torch.manual_seed(0)
+    base = create(name, **kw).train()
+    x, y = torch.rand(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])
+
+    def twice(model: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        loss = F.cross_entropy(model(x), y)
+        loss.backward(retain_graph=True)
+        once = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        loss.backward()
+        return once, [p.grad for p in model.parameters() if p.grad is not None]
+
+    none_once, none_twice = twice(copy.deepcopy(base))
+    model = copy.deepcopy(base)
+    memory.optimize(model, "recompute", **({} if budget is None else {"budget": budget, "example": x}))
+    if budget is not None:
+        with pytest.raises(RuntimeError, match="only allowed to backward once"):
+            twice(model)
+        return
+    once, both = twice(model)
+    assert len(once) == len(none_once)
+    for a, b, c in zip(once, both, none_twice):
+        torch.testing.assert_close(b, 2 * a, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(b, c, rtol=1e-4, atol=1e-6)

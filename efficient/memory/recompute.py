@@ -325,15 +325,31 @@ def _both(outer: contextlib.AbstractContextManager, inner: contextlib.AbstractCo
         yield
 
 
+class _EachRerun(contextlib.AbstractContextManager):
+    """A rerun's context made afresh each time it is entered: checkpoint enters it once per backward
+    through the region, and a retained graph's second backward enters it again."""
+
+    def __init__(self, make: Callable[[], contextlib.AbstractContextManager]) -> None:
+        self.make, self.entered = make, []
+
+    def __enter__(self) -> Any:
+        cm = self.make()
+        self.entered.append(cm)
+        return cm.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self.entered.pop().__exit__(*exc)
+
+
 def _contexts(module: nn.Module, kept: KeptOps | None) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
     r = _BufferReplay(module)
     if kept is None or not kept.selective:
-        return r.forward(), r.rerun()
+        return r.forward(), _EachRerun(r.rerun)
     caching, cached = create_selective_checkpoint_contexts(kept.policy())
     # kept outputs go through the saved-tensor hooks around the region (counted, packed if spikes);
     # checkpoint() sets this itself only on a context it is handed bare
     caching.respect_saved_tensors_hooks = True
-    return _both(r.forward(), caching), _both(r.rerun(), cached)
+    return _both(r.forward(), caching), _EachRerun(lambda: _both(r.rerun(), cached))
 
 
 def _inside(forward: Callable[..., Any], *args: Any, lean: bool = True, **kwargs: Any) -> Any:
