@@ -310,19 +310,21 @@ def bn_lif_forward_op(
 
 def _forward_impl(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c, v_threshold, v_reset,
                   charge, surrogate, alpha, detach_reset, spike_dtype, impl, keep_membrane=True, rebuild_whole=False,
-                  inplace=False):
+                  inplace=False, by_chunks=True):
     """The op's implementation (`rebuild_whole` is for the backward: the autograd context reads it).
     `inplace` (the eager path, which need not be functional): the running statistics are updated in
-    the caller's buffers, as BatchNorm does, and the two running-statistics outputs are empty; no copies."""
+    the caller's buffers, as BatchNorm does, and the two running-statistics outputs are empty; no copies.
+    `by_chunks` False: z is already a caller's chunk of channels, run in one piece."""
     _check_op(z, steps, weight, bias, impl)
     if impl == "triton":
         return _triton_forward(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c,
                                v_threshold, v_reset, charge, spike_dtype, inplace, keep_membrane)
     # aten's own BatchNorm (what nn.BatchNorm calls), then the LIF's loop: bit for bit the separate calls
     z = z.contiguous()  # BatchNorm's sums in one order whatever layout inductor gave z
-    if FORWARD_BY_CHUNKS and not keep_membrane and z.dim() > 2 and len(chunks := _channel_chunks(z)) > 1:
+    if by_chunks and FORWARD_BY_CHUNKS and not keep_membrane and z.dim() > 2 and len(chunks := _channel_chunks(z)) > 1:
         return _chunked_forward(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c,
-                                v_threshold, v_reset, charge, spike_dtype, impl, inplace, chunks)
+                                v_threshold, v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl, inplace,
+                                chunks)
     if training:  # updated in place by native_batch_norm: the buffers, or the op's new statistics
         new_mean, new_var = (running_mean, running_var) if inplace else (running_mean.clone(), running_var.clone())
         y, mean, invstd = torch.native_batch_norm(z, weight, bias, new_mean, new_var, True, momentum, eps)
@@ -340,29 +342,21 @@ def _forward_impl(z, steps, weight, bias, running_mean, running_var, training, m
 
 
 def _chunked_forward(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c, v_threshold,
-                     v_reset, charge, spike_dtype, impl, inplace, chunks):
+                     v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl, inplace, chunks):
     """`_forward_impl` without H for a conv unit's z, a chunk of channels at a time (BatchNorm's
     statistics and the LIF are per channel, so each chunk's values are the whole call's bit for bit):
     beside z and the spikes, BatchNorm's output and the LIF's temporaries exist for one chunk only,
     where whole they would take 2.5x z at once (a stem stage's rerun sets a step's peak there)."""
-    if training:  # native_batch_norm updates each chunk's slice of the buffers (or of copies) in place
-        new_mean, new_var = (running_mean, running_var) if inplace else (running_mean.clone(), running_var.clone())
-        stats = torch.empty((2, z.shape[1]), dtype=weight.dtype, device=z.device)
-    else:
-        new_mean, new_var = running_mean, running_var
-        stats = torch.stack([running_mean, running_var]).to(weight.dtype)
+    # each chunk updates its slice of the buffers (or of copies) in place
+    new_mean, new_var = (running_mean.clone(), running_var.clone()) if training and not inplace else (running_mean,
+                                                                                                     running_var)
     s = torch.empty(z.shape, dtype=spike_dtype, device=z.device)
+    stats = torch.empty((2, z.shape[1]), dtype=weight.dtype, device=z.device)
     for c0, c1 in chunks:
-        zc = z[:, c0:c1].contiguous()
-        y, mean, invstd = torch.native_batch_norm(zc, weight[c0:c1], bias[c0:c1], new_mean[c0:c1], new_var[c0:c1],
-                                                  training, momentum, eps)
-        if training:
-            stats[0, c0:c1], stats[1, c0:c1] = mean, invstd
-        sc, _ = _lif._run_forward(y.view(steps, -1), None, c, v_threshold, v_reset, charge, spike_dtype, impl,
-                                  membrane=False)
-        del y
-        s[:, c0:c1] = sc.view(zc.shape)
-        del sc
+        s[:, c0:c1], _, stats[:, c0:c1], _, _ = _forward_impl(
+            z[:, c0:c1].contiguous(), steps, weight[c0:c1], bias[c0:c1], new_mean[c0:c1], new_var[c0:c1], training,
+            momentum, eps, c, v_threshold, v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl,
+            keep_membrane=False, inplace=True, by_chunks=False)
     if inplace or not training:
         new_mean, new_var = _no_running(running_mean)
     return s, _no_membrane(z), stats, new_mean, new_var
@@ -936,7 +930,7 @@ def _pooled_forward(z, steps, weight, bias, running_mean, running_var, training,
         s, _, st, _, _ = _forward_impl(z[:, c0:c1].contiguous(), steps, weight[c0:c1], bias[c0:c1], running_mean[c0:c1],
                                        running_var[c0:c1], training, momentum, eps, c, v_threshold, v_reset, charge,
                                        surrogate, alpha, detach_reset, spike_dtype, impl, keep_membrane=False,
-                                       inplace=True)
+                                       inplace=True, by_chunks=False)
         o, off = max_pool_offsets(s, pool)
         del s
         if out is None:
@@ -1080,12 +1074,12 @@ def _pooled_op_backward(ctx, grad, *_grads_of_the_rest):
     need = ctx.needs_input_grad
     if grad is None:
         return (None,) * len(need)
+    saved = ctx.saved_tensors  # unpacked once
     if ctx.donate and need[0]:  # z's gradient in z's storage: the op mutates z, which is then the gradient
-        z = ctx.saved_tensors[0]
-        gw, gb = torch.ops.efficient.bn_lif_max_pool_backward_into(grad, *ctx.saved_tensors, *ctx.rest)
-        gz = z
+        gw, gb = torch.ops.efficient.bn_lif_max_pool_backward_into(grad, *saved, *ctx.rest)
+        gz = saved[0]
     else:
-        gz, gw, gb = torch.ops.efficient.bn_lif_max_pool_backward(grad, *ctx.saved_tensors, *ctx.rest)
+        gz, gw, gb = torch.ops.efficient.bn_lif_max_pool_backward(grad, *saved, *ctx.rest)
     return (gz if need[0] else None, None, gw if need[2] else None, gb if need[3] else None) + (None,) * (len(need) - 4)
 
 
