@@ -256,16 +256,16 @@ def _leaky_loop_backward(gs, gm, m, m0, beta, thr, alpha, one, zero, *, reset: i
     a = gsg if gm is None else gsg + (gm if gm.dtype == torch.float32 else gm.float())
     mp = torch.cat([(m0 if m0 is not None else zero.expand(m.shape[1]))[None], m[:-1]])  # membrane before each step
     r = mp > thr  # step t reset (its membrane crossed at t - 1)
-    ghs = [None] * T
+    ghs = []  # from the last step back (appended: torch 2.11's dynamo cannot trace a list's item assignment)
     a_t, r_t = a.unbind(0), r.unbind(0)
     for t in range(T - 1, -1, -1):
         # the carry into the last step is +0.0: a + 0.0 without making the zeros
         gh = a_t[t] + (zero if t == T - 1 else carry)
-        ghs[t] = gh
+        ghs.append(gh)
         if t == 0 and m0 is None:  # the carry past step 0 is m0's gradient, and there is no m0
             break
         carry = torch.where(r_t[t], zero, gh * beta) if reset == RESET_ZERO else gh * beta
-    GH = torch.stack(ghs)
+    GH = torch.stack(ghs[::-1])
     gb = gt = None
     if need_beta:
         gb = torch.where(r, zero, GH * mp).sum(0) if reset == RESET_ZERO else (GH * mp).sum(0)

@@ -389,7 +389,7 @@ def _loop_backward(
         r = None  # the carry passes unchanged
     else:
         r = torch.sub(one, v_th * sg)
-    ghs = [None] * T
+    ghs = []  # from the last step back (appended: torch 2.11's dynamo cannot trace a list's item assignment)
     a_t = a.unbind(0)
     r_t = r.unbind(0) if r is not None else None
     for t in range(T - 1, -1, -1):
@@ -399,7 +399,7 @@ def _loop_backward(
             gh = torch.add(a_t[t], one if r_t is None else r_t[t], alpha=0.0)
         else:
             gh = a_t[t] + (carry if r_t is None else carry * r_t[t])
-        ghs[t] = gh
+        ghs.append(gh)
         if t == 0 and v0 is None:  # the carry past step 0 is v0's gradient, and there is no v0
             break
         if charge == CHARGE_LEAK:
@@ -407,7 +407,7 @@ def _loop_backward(
         else:
             # gh - gh / c as one addcdiv: gh + (-gh) / c rounds as the two ops do
             carry = gh - gh * rate if rate is not None else torch.addcdiv(gh, gh, c, value=-1.0)
-    GH = torch.stack(ghs)
+    GH = torch.stack(ghs[::-1])
     if charge == CHARGE_DECAY_INPUT:
         gx = GH * rate if rate is not None else GH / c
     else:

@@ -60,6 +60,7 @@ from efficient.models.spikformer import (
     Spikformer,
 )
 from efficient.models.stata import PruneStep, StataConfig, TokenPruner, keep_anchor_key, residual_block
+from efficient.models.weight_init import trunc_normal_
 from efficient.zoo import InputSpec, Variant, config_from_options, register_variants
 
 PAPER = "QKFormer: Hierarchical Spiking Transformer using Q-K Attention (Zhou et al., NeurIPS 2024)"
@@ -328,7 +329,7 @@ class QKFormer(SpikingTransformer):
                                              cfg.stata_score == "token") for _ in range(cfg.ssa_depth))
         self.head = nn.Linear(cfg.embed_dim, cfg.num_classes)
         # the reference code's init: PyTorch's defaults (its 1x1 projections are convolutions), the head trunc-normal
-        nn.init.trunc_normal_(self.head.weight, std=0.02)
+        trunc_normal_(self.head.weight, std=0.02)
         nn.init.zeros_(self.head.bias)
         peak = max([stem.neuron_peak()] + [s.downsample.neuron_peak() for s in self.stages]
                    + [int(dims[i] * cfg.mlp_ratio) * grids[i] ** 2 for i in range(n)]

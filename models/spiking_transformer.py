@@ -22,6 +22,7 @@ from efficient.kernels.lif import resolve_backend
 from efficient.models.neurons import LIF
 from efficient.models.progress import inform_progress
 from efficient.models.stata import StataConfig, StataOutputs, TokenPruner, keep_anchor_key
+from efficient.models.weight_init import trunc_normal_
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 
@@ -152,7 +153,7 @@ class SpikingTransformer(nn.Module):
     @staticmethod
     def _init_weights(m: nn.Module) -> None:
         if isinstance(m, nn.Linear):
-            nn.init.trunc_normal_(m.weight, std=0.02)
+            trunc_normal_(m.weight, std=0.02)
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
         elif isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):

@@ -28,6 +28,7 @@ from efficient.kernels.ssa import scores_ref
 from efficient.kernels.token_select import gather_tokens, select_tokens, topk_lower_index
 from efficient.models.replay import replaying
 from efficient.models.progress import TracksProgress
+from efficient.models.weight_init import trunc_normal_
 
 Anchor = Literal["per_timestep", "shared", "off"]
 PrunePoint = Literal["after_attn", "after_block"]
@@ -144,7 +145,7 @@ class TokenPruner(nn.Module, TracksProgress):
         """Draw the anchor (truncated normal at `anchor_init_std`)."""
         if self.n_prefix:
             std = self.cfg.anchor_init_std
-            nn.init.trunc_normal_(self.anchor, std=std, a=-2 * std, b=2 * std)
+            trunc_normal_(self.anchor, std=std, a=-2 * std, b=2 * std)
 
     def train(self, mode: bool = True) -> TokenPruner:
         self._eval_rng = None  # the next inference pass draws again from `random_seed`
