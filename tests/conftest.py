@@ -35,6 +35,12 @@ from efficient.kernels._backend import have_cxx_compiler  # noqa: E402
 # Tests that compile with inductor on CPU need a C++ compiler; without one they skip, saying so.
 needs_cxx = pytest.mark.skipif(not have_cxx_compiler(), reason="no C++ compiler (g++/clang++): inductor cannot compile on CPU")
 
+from efficient.memory.recompute import budget_supported  # noqa: E402
+
+# Memory budgets (kept matmul/convolution outputs) need torch's checkpoint to pass them to saved-tensor hooks.
+needs_budget = pytest.mark.skipif(not budget_supported(), reason=f"torch {torch.__version__}: torch.utils.checkpoint has no "
+                                  "respect_saved_tensors_hooks, which memory budgets need (they raise a ConfigError)")
+
 try:  # property tests draw the same examples on every machine and keep no local database
     from hypothesis import settings
 

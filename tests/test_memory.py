@@ -6,11 +6,12 @@ test_memory_recipes.py."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, needs_budget
 from safetensors.torch import load_file
 from test_engine import _interrupt_after
 from torch import nn
@@ -57,7 +58,8 @@ def test_twenty_steps_of_the_digits_stata_recipe_per_level(tmp_path: Path) -> No
     assert bn and all(torch.equal(w_none[k], w_rec[k]) or torch.allclose(w_none[k].double(), w_rec[k].double(), rtol=1e-4, atol=1e-6) for k in bn)
 
 
-@pytest.mark.parametrize("budget", [[], ["train.memory_budget=0.5"]], ids=["every-unit-whole", "budget"])
+@pytest.mark.parametrize("budget", [[], pytest.param(["train.memory_budget=0.5"], marks=needs_budget)],
+                         ids=["every-unit-whole", "budget"])
 def test_resume_of_a_recompute_run_equals_an_uninterrupted_one(tmp_path: Path, budget: list[str]) -> None:
     overrides = [*STATA_DIGITS, "train.max_steps=6", "train.memory=recompute", *budget]
     recipe = ROOT / "recipes" / "stata_digits.yaml"
@@ -217,6 +219,7 @@ def _budget_step(net: nn.Module, x: torch.Tensor) -> tuple[dict[str, torch.Tenso
     return {k: p.grad for k, p in net.named_parameters()}, {k: b.clone() for k, b in net.named_buffers()}
 
 
+@needs_budget
 def test_a_budget_keeps_the_outputs_that_save_most_rerun_flops_per_byte() -> None:
     """Under a budget the narrow convolutions of 32 channels (288 MACs per output value) keep their
     outputs before the wide one of 2 channels (18), as many as fit; the step keeps at most the
@@ -247,6 +250,7 @@ def test_a_budget_keeps_the_outputs_that_save_most_rerun_flops_per_byte() -> Non
     assert all(torch.equal(b1[k], b0[k]) for k in b0) and int(b1["0.bn.num_batches_tracked"]) == 1
 
 
+@needs_budget
 def test_budget_extremes_and_a_plan_kept_across_measurements() -> None:
     """Budget 0 keeps no output (every unit reruns whole, as with no budget), budget 1 every one;
     measuring another level (as a run's memory record does) puts the same plan back."""
@@ -282,3 +286,21 @@ def test_budget_errors_name_what_is_wrong(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not work with train.compile"):
         Trainer(load_recipe(ROOT / "recipes" / "stata_digits.yaml",
                             ["train.memory=recompute", "train.memory_budget=0.2", "train.compile=true"]), tmp_path / "c").setup()
+
+
+def test_a_torch_without_hooked_checkpoints_refuses_a_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where torch's checkpoint cannot hand kept outputs to the saved-tensor hooks (they would be neither
+    counted nor packed), a budget or a plan's kept outputs stop with what to do; rerunning every unit whole
+    still works. The user's own mistakes are named first."""
+    import efficient.memory.recompute as rc
+
+    monkeypatch.setattr(rc, "budget_supported", lambda: False)
+    net, x = _budget_net(), torch.rand(3, 2, 2, 16, 16)
+    for kw in ({"budget": 0.2, "example": x}, {"keep": {"0": [0]}}):
+        with pytest.raises(ConfigError, match=rf"torch {re.escape(torch.__version__)} cannot count or pack.*drop the budget"):
+            memory.optimize(net, "recompute", **kw)
+    with pytest.raises(ConfigError, match="example inputs"):
+        memory.optimize(net, "recompute", budget=0.2)
+    with pytest.raises(ConfigError, match=r"'9' not a recompute unit"):
+        memory.optimize(net, "recompute", keep={"9": [0]})
+    assert memory.optimize(net, "recompute").units == ["0", "2", "3"]

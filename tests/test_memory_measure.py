@@ -11,6 +11,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import needs_budget
 from torch import nn
 
 import efficient
@@ -189,6 +190,7 @@ def test_profile_memory_json_and_table_at_80_columns(capsys: pytest.CaptureFixtu
     assert all(_whole(lv, out) for lv in d["levels"]) and "1.000x" in out
 
 
+@needs_budget
 def test_profile_memory_with_a_budget(capsys: pytest.CaptureFixture[str]) -> None:
     """--memory-budget measures level recompute at the planned outputs: within the budget, above
     recompute without one, and the plan is in the JSON."""

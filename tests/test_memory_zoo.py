@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 import zoo_reference as zr
+from conftest import needs_budget
 from efficient import memory
 
 # every model with neurons, but not the ImageNet-size variants (8 or 10 blocks): their units are
@@ -244,7 +245,7 @@ def test_stem_stages_group_while_their_reruns_fit_the_largest() -> None:
     ("sdt-2-512", {"embed_dim": 64, "depth": 1, "num_heads": 2, "img_size": 32, "mlp_ratio": 1}),
     ("stable-snn-vgg11", {"width": 0.125, "fc_dim": 64, "timesteps": 2}),
 ], ids=["spikformer", "sdt", "vgg"])
-@pytest.mark.parametrize("budget", [None, 0.2], ids=["rerun-whole", "budget"])
+@pytest.mark.parametrize("budget", [None, pytest.param(0.2, marks=needs_budget)], ids=["rerun-whole", "budget"])
 def test_a_retained_graph_backpropagates_twice_at_recompute(name: str, kw: dict, budget: float | None,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """A second backward through a retained graph (`retain_graph=True`) reruns every unit again and adds

@@ -179,10 +179,12 @@ def _memory(args: argparse.Namespace) -> int:
     levels = _memory_levels(args.memory_level)
     if args.memory_budget is not None:
         from efficient.memory.plan import check_budget
+        from efficient.memory.recompute import require_budget_support
 
         check_budget(args.memory_budget)
         if "recompute" not in levels:
             raise ConfigError("--memory-budget applies to level recompute; add it to --memory-level")
+        require_budget_support()
     for flag, given in (("--compare", args.compare), ("--plot", args.plot), ("--exit-threshold", args.exit_threshold is not None),
                         ("--convention", args.convention), ("--neurobench", args.neurobench), ("--memory-access", args.memory_access)):
         if given:

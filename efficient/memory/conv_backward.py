@@ -133,24 +133,26 @@ def _(grad, bits, x_shape, x_dtype, weight, bias, stride, padding, dilation, gro
 
 
 class _BitsKeptConv2d(torch.autograd.Function):
-    """F.conv2d of a compiled region's spike input `x`, whose bits (`bits`, what the region keeps
-    of its input) serve its backward, `conv2d_backward_from_bits`: x itself is not kept."""
+    """`out`, F.conv2d of a compiled region's spike input `x` (computed by the caller from detached
+    operands), with x's, the weight's and the bias's gradients from `bits` (what the region keeps of its
+    input, `conv2d_backward_from_bits`): x itself is not kept. The convolution runs outside this function
+    so that the compiler tags it as the region's to rerun (torch 2.11 left an op inside an
+    autograd.Function nested in a checkpoint region untagged, and kept its output instead)."""
 
     @staticmethod
-    def forward(ctx, x, bits, weight, bias, stride, padding, dilation, groups):
-        out = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+    def forward(ctx, out, x, bits, weight, bias, stride, padding, dilation, groups):
         ctx.save_for_backward(bits, weight)
         ctx.meta = (list(x.shape), x.dtype, bias is not None, stride, padding, dilation, groups)
-        return out
+        return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad):
         bits, weight = ctx.saved_tensors
         shape, dtype, bias, stride, padding, dilation, groups = ctx.meta
-        need = [bool(ctx.needs_input_grad[i]) for i in (0, 2, 3)]
+        need = [bool(ctx.needs_input_grad[i]) for i in (1, 3, 4)]
         gx, gw, gb = torch.ops.efficient.conv2d_backward_from_bits(grad, bits, shape, dtype, weight, bias, stride,
                                                                     padding, dilation, groups, need)
-        return (gx if need[0] else None, None, gw if need[1] else None, gb if need[2] and bias else None,
+        return (None, gx if need[0] else None, None, gw if need[1] else None, gb if need[2] and bias else None,
                 None, None, None, None)
 
 
@@ -183,5 +185,7 @@ def region_conv2d(conv: nn.Module, x: torch.Tensor, spikes: bool = False,
         x, w, b = x.to(dtype), w.to(dtype), None if b is None else b.to(dtype)
     with torch.autocast(dev, enabled=False):
         if compiling:
-            return _BitsKeptConv2d.apply(x, bits, w, b, conv.stride, conv.padding, conv.dilation, conv.groups)
+            out = F.conv2d(x.detach(), w.detach(), None if b is None else b.detach(), conv.stride, conv.padding,
+                           conv.dilation, conv.groups)
+            return _BitsKeptConv2d.apply(out, x, bits, w, b, conv.stride, conv.padding, conv.dilation, conv.groups)
         return _BatchSlicedConv2d.apply(x, w, b, conv.stride, conv.padding, conv.dilation, conv.groups, spikes)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from efficient.errors import ConfigError
-from efficient.memory.recompute import KeptOps, is_wrapped, units, unwrap, wrap
+from efficient.memory.recompute import KeptOps, is_wrapped, require_budget_support, units, unwrap, wrap
 from efficient.memory.spikes import BitsHooks, SpikePropagation, SpikeTracker, iter_neurons
 from efficient.models.replay import memory_level_step
 
@@ -117,6 +117,8 @@ def apply(model: nn.Module, level: Level | str = "bits", *, keep: dict[str, Sequ
     if unknown:
         raise ConfigError(f"memory: {', '.join(map(repr, unknown))} not a recompute unit of {type(model).__name__} "
                           f"(its units: {', '.join(n for n, _ in regions) or 'none'})")
+    if keep:
+        require_budget_support()
     if not neurons and not regions:
         return MemoryPlan(level, note=f"nothing to do: {type(model).__name__} has no spiking neuron this toolkit knows "
                                       "(ours, spikingjelly's, snntorch's) and no recompute unit")

@@ -16,18 +16,16 @@ chosen plan) and one more per correction, once, before training.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from efficient.errors import ConfigError
 from efficient.memory.levels import apply
 from efficient.memory.measure import activation_memory
-from efficient.memory.recompute import KeptOps, units
+from efficient.memory.recompute import KeptOps, require_budget_support, units
 
 
 @dataclass
@@ -50,12 +48,10 @@ class BudgetChoice:
 
 
 def check_budget(budget: Any) -> float:
+    """The budget as a float, or a ConfigError saying what a budget is."""
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget <= 1:
         raise ConfigError(f"memory budget: {budget!r} is not a fraction in [0, 1] of level none's activation bytes "
                           "(0: every unit reruns whole; 1: every matmul and convolution output is kept)")
-    if "respect_saved_tensors_hooks" not in inspect.signature(checkpoint).parameters:
-        raise ConfigError(f"memory budget: torch {torch.__version__} cannot count or pack the outputs selective "
-                          "checkpointing keeps (no respect_saved_tensors_hooks); upgrade torch or drop the budget")
     return float(budget)
 
 
@@ -64,6 +60,7 @@ def choose_kept(model: nn.Module, example: Any, budget: float,
     """The costly-op outputs to keep so that a step keeps at most `budget` x level none's bytes on
     `example` (none when even every unit rerun whole does not fit). Leaves `model` at level none."""
     budget = check_budget(budget)
+    require_budget_support()
 
     def measure(level: str = "recompute", keep: dict[str, list[int]] | None = None) -> int:
         apply(model, level, keep=keep)

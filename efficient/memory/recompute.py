@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 from typing import Any, Callable, Iterator
 
@@ -58,6 +59,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selecti
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 from torch.utils.flop_counter import flop_registry
 
+from efficient.errors import ConfigError
 from efficient.kernels import bn_lif
 from efficient.kernels.spike_pack import pack_spikes, unpack_spikes_ref
 from efficient.memory.spikes import active_tracker, is_neuron, propagation_suspended
@@ -83,15 +85,16 @@ def _pass_through(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
 region_input.register_autograd(_pass_through)
 
 
-class _FromBits(torch.autograd.Function):
-    """A compiled region's spike input rebuilt from its bits, as the region's first op: plain
-    shifts of `bits` only (x gives the shape and dtype, never its values), so the partitioner reruns
-    them in backward from the bits it keeps; x's gradient is the rebuilt input's. Exact for 0/1
-    values only, which the unit vouches for (`recompute_spike_input`)."""
+class _GradientTo(torch.autograd.Function):
+    """`values` (a view of them) carrying `x`'s gradient: a compiled region's input rebuilt from what the
+    region keeps (bits, counts) as its first ops, whose gradient is the input's. The rebuilding ops run
+    before this function, not inside it: torch 2.11 left the ops inside an autograd.Function nested in a
+    checkpoint region without the region's tags, and the partitioner then kept their outputs (the region's
+    fp32 input) instead of rerunning them."""
 
     @staticmethod
-    def forward(ctx: Any, bits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return unpack_spikes_ref(bits, x.shape, x.dtype)  # shifts and masks: plain ops the compiler fuses
+    def forward(ctx: Any, values: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return values.view_as(values)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
@@ -99,8 +102,10 @@ class _FromBits(torch.autograd.Function):
 
 
 def _from_bits(forward: Callable[..., Any], bits: torch.Tensor, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-    # the unit gets the bits too: its convolution's backward reads them rather than the rebuilt input
-    return forward(_FromBits.apply(bits, x), *args, spike_bits=bits, **kwargs)
+    """A region over spikes: its input rebuilt from the bits by plain shifts and masks, which the compiler fuses
+    and reruns in backward from the bits it keeps (exact for 0/1 values, which the unit vouches for,
+    `recompute_spike_input`); the unit gets the bits too, which its convolution's backward reads."""
+    return forward(_GradientTo.apply(unpack_spikes_ref(bits, x.shape, x.dtype), x), *args, spike_bits=bits, **kwargs)
 
 
 @torch.library.custom_op("efficient::region_counts", mutates_args=())
@@ -129,21 +134,9 @@ def _(counts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty_like(counts, dtype=dtype)
 
 
-class _FromCounts(torch.autograd.Function):
-    """The region's input rebuilt from its counts as the region's first op (x gives the dtype, never
-    its values); x's gradient is the rebuilt input's."""
-
-    @staticmethod
-    def forward(ctx: Any, counts: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return counts_to(counts, x.dtype)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
-        return None, grad
-
-
 def _from_counts(forward: Callable[..., Any], counts: torch.Tensor, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-    return forward(_FromCounts.apply(counts, x), *args, **kwargs)
+    """A region over a count of spikes: its input cast back from the uint8 counts it keeps."""
+    return forward(_GradientTo.apply(counts_to(counts, x.dtype), x), *args, **kwargs)
 
 
 def _tracked(t: torch.Tensor) -> bool:
@@ -286,6 +279,21 @@ def is_costly(func: Any) -> bool:
 
 def op_flops(func: Any, out: Any, args: tuple, kwargs: dict) -> int:
     return int(flop_registry[func._overloadpacket](*args, **kwargs, out_val=out))
+
+
+def budget_supported() -> bool:
+    """Whether this torch's checkpoint can hand the outputs selective checkpointing keeps (`KeptOps`) to the
+    saved-tensor hooks around it (`respect_saved_tensors_hooks`), which count them and pack them where they
+    are spikes."""
+    return "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters
+
+
+def require_budget_support() -> None:
+    """A ConfigError on a torch whose kept outputs would pass the hooks by: not counted, spikes not packed."""
+    if not budget_supported():
+        raise ConfigError(f"memory budget: torch {torch.__version__} cannot count or pack the outputs selective "
+                          "checkpointing keeps (its checkpoint has no respect_saved_tensors_hooks); upgrade torch, "
+                          "or drop the budget to rerun every unit whole")
 
 
 class KeptOps:
