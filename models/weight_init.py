@@ -36,8 +36,8 @@ def trunc_normal_(tensor: Tensor, mean: float = 0.0, std: float = 1.0, a: float 
     lo_cdf, hi_cdf = _normal_cdf((a - mean) / std), _normal_cdf((b - mean) / std)
     with torch.no_grad():
         if hi_cdf - lo_cdf > 0.3:
-            # the bounds as the tensor's dtype holds them, so a value equal to a bound is inside
-            lo, hi = (torch.tensor(v, dtype=tensor.dtype).item() for v in (a, b))
+            # the bounds as the tensor's dtype holds them (so a value equal to a bound is inside), on its device
+            lo, hi = (torch.tensor(v, dtype=tensor.dtype, device=tensor.device) for v in (a, b))
             result = tensor.normal_(mean, std, generator=generator)
             while True:
                 outside = (result < lo) | (result > hi)
