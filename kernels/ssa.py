@@ -9,7 +9,8 @@ scores need no N x N map. Without an anchor (`anchor=False`) s is c. Layout `[T,
 Parts: torch reference (the spec), a Triton forward kernel, and a `torch.library` custom op with a
 fake implementation and an analytic backward (plain torch matmuls). The public function runs the
 reference as plain aten ops on the torch backend (so profilers count its matmuls) and the custom op
-on the Triton backend.
+on the Triton backend. `spiking_attention_unit` is the attention as one op each way with the heads
+merged on output (`efficient::ssa_unit`), what the zoo's eager training steps run.
 """
 
 from __future__ import annotations
@@ -210,6 +211,172 @@ _ssa_op.register_autograd(_ssa_backward, setup_context=_ssa_setup)
 _EagerSSA = eager_function("_EagerSSA", _ssa_impl, _ssa_setup, _ssa_backward)  # eager calls: no op dispatch
 
 
+# ------------------------------------------------------------------- the attention as one unit op
+# `efficient::ssa_unit` is the attention between Q, K, V with their heads merged, `[T, B, N, H d]` as the
+# Q/K/V units give them, and returns y the same way, what the projection reads: forward and backward
+# are one op each, where the plain path dispatches some twenty reshapes, copies and matmuls each way. It
+# keeps only its inputs (the spikes) and reruns the small product (K^T V, or Q K^T for N <= d) in
+# backward. Its matmuls are those torch.matmul forms from the heads-split views (contiguous
+# `[T B H, ., .]` copies, then bmm), so on the torch backend the output and every gradient of the
+# attention equal the plain path's bit for bit (the scores' gradients to rounding).
+
+
+def _split(x: Tensor, heads: int) -> Tensor:
+    """`[T, B, N, H d]` -> the `[T, B, H, N, d]` view."""
+    T, B, N, C = x.shape
+    return x.reshape(T, B, N, heads, C // heads).transpose(2, 3)
+
+
+def _merge(y: Tensor) -> Tensor:
+    """`[T, B, H, N, d]` -> `[T, B, N, H d]` (a copy unless y is such a view)."""
+    T, B, H, n, d = y.shape
+    return y.transpose(2, 3).reshape(T, B, n, H * d)
+
+
+def _bmm_operands(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The 3-D operands torch.matmul forms from `[T, B, H, N, d]` views: Q and V as `[T B H, N, d]`,
+    K^T as `[T B H, d, N]` (copies where the views are strided, as matmul's own reshape makes them)."""
+    n, d = q.shape[-2:]
+    return q.reshape(-1, n, d), k.transpose(-2, -1).reshape(-1, d, n), v.reshape(-1, n, d)
+
+
+@torch.library.custom_op("efficient::ssa_unit", mutates_args=())
+def _ssa_unit_op(q: Tensor, k: Tensor, v: Tensor, heads: int, scale: float, anchor: bool, scores: bool,
+                 backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    return _ssa_unit_impl(q, k, v, heads, scale, anchor, scores, backend)
+
+
+def _ssa_unit_impl(q: Tensor, k: Tensor, v: Tensor, heads: int, scale: float, anchor: bool, scores: bool,
+                   backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    y, s, c = _ssa_impl(_split(q, heads), _split(k, heads), _split(v, heads), scale, anchor, scores, backend)
+    return _merge(y), s, c
+
+
+@_ssa_unit_op.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, heads: int, scale: float, anchor: bool, scores: bool, backend: str):
+    T, B, N, C = q.shape
+    shape = (T, B, N - int(anchor)) if scores else (0,)
+    return q.new_empty(q.shape), q.new_empty(shape), q.new_empty(shape)
+
+
+@torch.library.custom_op("efficient::ssa_unit_backward", mutates_args=())
+def _ssa_unit_backward_op(gy: Tensor, gs: Tensor | None, gc: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
+                          heads: int, scale: float, anchor: bool) -> tuple[Tensor, Tensor, Tensor]:
+    return _ssa_unit_backward_impl(gy, gs, gc, q, k, v, heads, scale, anchor)
+
+
+def _ssa_unit_backward_impl(gy: Tensor, gs: Tensor | None, gc: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
+                            heads: int, scale: float, anchor: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """dQ, dK, dV `[T, B, N, H d]` from y's gradient `gy` (and the scores' `gs`, `gc`, None when they get
+    none) with autograd's own matmuls of the plain path: y = (Q (K^T V)) * scale for N > d,
+    ((Q K^T) V) * scale otherwise."""
+    q, k, v = _split(q, heads), _split(k, heads), _split(v, heads)
+    T, B, H, n, d = q.shape
+    g3 = (_split(gy, heads) * scale).reshape(-1, n, d)
+    q3, kt3, v3 = _bmm_operands(q, k, v)
+    if n > d:
+        m3 = torch.bmm(kt3, v3)
+        dq3 = g3.bmm(m3.transpose(1, 2))
+        dm3 = q3.transpose(1, 2).bmm(g3)
+        dkt3 = dm3.bmm(v3.transpose(1, 2))
+        dv3 = kt3.transpose(1, 2).bmm(dm3)
+    else:
+        a3 = torch.bmm(q3, kt3)
+        da3 = g3.bmm(v3.transpose(1, 2))
+        dv3 = a3.transpose(1, 2).bmm(g3)
+        dq3 = da3.bmm(kt3.transpose(1, 2))
+        dkt3 = q3.transpose(1, 2).bmm(da3)
+    dq, dk, dv = dq3.view(q.shape), dkt3.view(T, B, H, d, n).transpose(-2, -1), dv3.view(q.shape)
+    if gs is not None or gc is not None:
+        dq, dk = _score_grads(dq, dk, q, k, gs, gc, anchor)
+    return _merge(dq), _merge(dk), _merge(dv)
+
+
+def _score_grads(dq: Tensor, dk: Tensor, q: Tensor, k: Tensor, gs: Tensor | None, gc: Tensor | None,
+                 anchor: bool) -> tuple[Tensor, Tensor]:
+    """dQ, dK `[T, B, H, N, d]` plus the gradients of the anchor and mean-query scores (module docstring)."""
+    p = int(anchor)
+    kp = k[..., p:, :]
+    if not anchor and gs is not None:  # s is c: their gradients add
+        gc, gs = (gs if gc is None else gc + gs), None
+    dq, dk = dq.clone(), dk.clone()
+    if gc is not None:
+        qbar = q[..., p:, :].mean(-2)
+        dq[..., p:, :] += torch.einsum("tbm,tbhmd->tbhd", gc, kp).unsqueeze(-2) / (q.shape[-2] - p)
+        dk[..., p:, :] += torch.einsum("tbm,tbhd->tbhmd", gc, qbar)
+    if gs is not None:
+        dq[..., 0, :] += torch.einsum("tbm,tbhmd->tbhd", gs, kp)
+        dk[..., p:, :] += torch.einsum("tbm,tbhd->tbhmd", gs, q[..., 0, :])
+    return dq, dk
+
+
+@_ssa_unit_backward_op.register_fake
+def _(gy: Tensor, gs: Tensor | None, gc: Tensor | None, q: Tensor, k: Tensor, v: Tensor, heads: int, scale: float,
+      anchor: bool):
+    T, B, n, C = q.shape
+    d = C // heads
+    # dK leaves its matmul as (dK)^T, `[T, B, H, d, N]`; merged back, the heads fold into a strided view
+    dk = _merge(q.new_empty(T, B, heads, d, n).transpose(-2, -1))
+    return q.new_empty(q.shape), dk, q.new_empty(q.shape)
+
+
+def _ssa_unit_setup(ctx, inputs, output) -> None:
+    q, k, v, heads, scale, anchor, scores, backend = inputs
+    ctx.save_for_backward(q, k, v)
+    ctx.heads, ctx.scale, ctx.anchor, ctx.scores = heads, scale, anchor, scores
+    ctx.set_materialize_grads(False)
+
+
+def _ssa_unit_backward(ctx, gy: Tensor | None, gs: Tensor | None, gc: Tensor | None, backward_fn=_ssa_unit_backward_op):
+    q, k, v = ctx.saved_tensors
+    if gy is None:
+        gy = torch.zeros_like(q, memory_format=torch.contiguous_format)
+    if not ctx.scores:
+        gs = gc = None
+    dq, dk, dv = backward_fn(gy.contiguous(), gs, gc, q, k, v, ctx.heads, ctx.scale, ctx.anchor)
+    return dq, dk, dv, None, None, None, None, None
+
+
+_ssa_unit_op.register_autograd(_ssa_unit_backward, setup_context=_ssa_unit_setup)
+_EagerSSAUnit = eager_function(
+    "_EagerSSAUnit", _ssa_unit_impl, _ssa_unit_setup,
+    lambda ctx, gy, gs, gc: _ssa_unit_backward(ctx, gy, gs, gc, backward_fn=_ssa_unit_backward_impl))
+
+
+def _register_unit_flops() -> None:
+    """The unit ops' flops: the matmuls the plain path runs (2 per multiply-add, as bmm counts), the
+    backward's rerun of the small product included."""
+    try:
+        from torch.utils.flop_counter import register_flop_formula
+    except ImportError:  # pragma: no cover - older torch
+        return
+
+    def _one_product(x_shape, heads: int) -> int:  # one [n, d] x [d, d] (or [n, d] x [d, n]) product, all heads
+        T, B, n, C = x_shape
+        return 2 * T * B * n * C * min(n, C // heads)
+
+    def _score_flops(x_shape, anchor: bool) -> int:  # each score is a dot product over the H d channels
+        T, B, n, C = x_shape
+        return 2 * T * B * C * (n - int(anchor))
+
+    def fwd(q_shape, k_shape, v_shape, heads, scale, anchor, scores, *args, out_shape=None, **kwargs) -> int:
+        return 2 * _one_product(q_shape, heads) + (1 + int(anchor)) * _score_flops(q_shape, anchor) * int(scores)
+
+    def bwd(gy_shape, gs_shape, gc_shape, q_shape, k_shape, v_shape, heads, scale, anchor, *args, out_shape=None,
+            **kwargs) -> int:
+        score_grads = sum(2 * _score_flops(q_shape, anchor) for g in (gs_shape, gc_shape) if g is not None)
+        return 5 * _one_product(q_shape, heads) + score_grads
+
+    try:
+        register_flop_formula(torch.ops.efficient.ssa_unit)(fwd)
+        register_flop_formula(torch.ops.efficient.ssa_unit_backward)(bwd)
+    except RuntimeError:  # pragma: no cover - re-import of the module
+        pass
+
+
+_register_unit_flops()
+
+
 # ------------------------------------------------------------------------------------ public API
 
 
@@ -242,6 +409,35 @@ def spiking_attention(
         # plain aten ops: autograd differentiates the reference and op counters see its matmuls
         return ssa_ref(q, k, v, float(scale), bool(anchor), bool(scores))
     y, s, c = (_EagerSSA.apply if eager_call(q, op="ssa") else _ssa_op)(q, k, v, float(scale), bool(anchor), bool(scores), "triton")
+    if not scores:
+        return y, None, None
+    return y, s, c
+
+
+def spiking_attention_unit(
+    q: Tensor, k: Tensor, v: Tensor, heads: int, scale: float = 0.125, anchor: bool = False, scores: bool = False,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """`spiking_attention` on Q, K, V with their `heads` merged, `[T, B, N, H d]`: `(y [T, B, N, H d],
+    s, c)`, one op forward and one backward on every backend (`efficient::ssa_unit`)."""
+    dims = "T, B, N, H*d"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [{dims}] (heads merged), got {t.dim()}-D shape {list(t.shape)}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating tensor (spikes as 0/1 values), got {t.dtype}")
+    for name, t in (("k", k), ("v", v)):
+        if t.shape != q.shape:
+            raise ValueError(f"{name} has shape {list(t.shape)} but q has {list(q.shape)}: q, k, v must share a [{dims}] shape")
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name} is {t.dtype} but q is {q.dtype}: q, k, v must share a dtype")
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or q.shape[-1] % heads:
+        raise ValueError(f"heads must be a positive int dividing the {q.shape[-1]} channels of q, got {heads!r}")
+    if scores and q.shape[-2] <= int(anchor):
+        raise ValueError("scores need at least one token besides the anchor")
+    impl = resolve_backend(backend, q, "ssa")
+    y, s, c = (_EagerSSAUnit.apply if eager_call(q, op="ssa_unit") else _ssa_unit_op)(
+        q, k, v, int(heads), float(scale), bool(anchor), bool(scores), impl)
     if not scores:
         return y, None, None
     return y, s, c

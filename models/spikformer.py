@@ -20,11 +20,11 @@ from torch import nn
 
 from efficient.errors import ConfigError
 from efficient.kernels.lif import COMPILE_MIN_NUMEL
-from efficient.kernels.ssa import attention_ref, spiking_attention
+from efficient.kernels.ssa import attention_ref, spiking_attention, spiking_attention_unit
 from efficient.kernels.token_select import gather_tokens
 from efficient.memory.conv_backward import plain_conv, region_conv2d
 from efficient.memory.spikes import is_neuron, region_max_pool
-from efficient.models.neurons import bn_fire, fusable, norm_fire, pooled_fire
+from efficient.models.neurons import _one_call_allowed, bn_fire, fusable, norm_fire, pooled_fire
 from efficient.models.spiking_transformer import (  # noqa: F401 - ModelLIF, share_neuron_backend: public here too
     CIFAR_MEAN,
     check_stem_grid,
@@ -258,12 +258,15 @@ class SSA(nn.Module):
         T, B, N, C = x.shape
         return x.reshape(T, B, N, self.heads, C // self.heads).transpose(2, 3)  # [T, B, H, N, d]
 
-    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qkv(self, x: torch.Tensor, split: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Q, K, V spikes `[T, B, H, N, d]`, or with `split=False` `[T, B, N, D]` (what `attend` takes too)."""
         # the fused unit pays off for large inputs only; on small ones the separate units keep the
         # training trajectory bit for bit (the fused backward sums the input gradient in another order)
         if self.training and 3 * x.numel() >= COMPILE_MIN_NUMEL and self._fusable():
-            return tuple(self.split_heads(t) for t in self.qkv_fused(x))
-        return self.split_heads(self.q(x)), self.split_heads(self.k(x)), self.split_heads(self.v(x))
+            q, k, v = self.qkv_fused(x)
+        else:
+            q, k, v = self.q(x), self.k(x), self.v(x)
+        return (self.split_heads(q), self.split_heads(k), self.split_heads(v)) if split else (q, k, v)
 
     def _fusable(self) -> bool:
         units = (self.q, self.k, self.v)
@@ -305,7 +308,16 @@ class SSA(nn.Module):
         return s.split(C, dim=-1)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, anchor: bool = False, scores: bool = False):
-        """Output `[T, B, N, D]` and, if `scores`, STATA's anchor / mean-query scores (one fused pass)."""
+        """Output `[T, B, N, D]` and, if `scores`, STATA's anchor / mean-query scores (one fused pass), from
+        Q, K, V `[T, B, H, N, d]` or `[T, B, N, D]` (`qkv(x, split=False)`)."""
+        if q.dim() == 4:
+            if not torch.compiler.is_compiling() and _one_call_allowed(self.attn_lif):
+                # eager: one op each way (inductor sees the plain ops; a profiler's hooks, autocast's
+                # per-op casts and `separate_units()` get them too)
+                y, s, c = spiking_attention_unit(q, k, v, self.heads, self.scale, anchor=anchor, scores=scores,
+                                                 backend=self.kernel_backend)
+                return self.proj(self.attn_lif(y)), s, c
+            q, k, v = self.split_heads(q), self.split_heads(k), self.split_heads(v)
         y, s, c = spiking_attention(q, k, v, self.scale, anchor=anchor, scores=scores, backend=self.kernel_backend)
         return self.output(y), s, c
 
@@ -327,7 +339,7 @@ class SSA(nn.Module):
         return self.output(attention_ref(q, k, v, self.scale))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.attend(*self.qkv(x))[0]
+        return self.attend(*self.qkv(x, split=False))[0]
 
 
 class MLP(nn.Module):
@@ -365,7 +377,7 @@ class Block(nn.Module):
                 last: bool = False) -> torch.Tensor:
         if lean:
             return self.forward_lean(x, step, int(anchor), last)
-        q, k, v = self.attn.qkv(x)
+        q, k, v = self.attn.qkv(x, split=False)
         a, s, c = self.attn.attend(q, k, v, anchor=anchor, scores=step is not None)
         return residual_block(x, a, s, c, self.mlp, step)
 

@@ -86,7 +86,7 @@ class SpikingformerSSA(SSA):
 
     def forward(self, x: torch.Tensor, anchor: bool = False, scores: bool = False):
         """`[T, B, N, D]` -> (output `[T, B, N, D]`, STATA's anchor scores, mean-query scores) (None, None unless `scores`)."""
-        return self.attend(*self.qkv(self.pre_lif(x)), anchor=anchor, scores=scores)
+        return self.attend(*self.qkv(self.pre_lif(x), split=False), anchor=anchor, scores=scores)
 
 
 class SpikingformerBlock(nn.Module):

@@ -39,6 +39,8 @@ def _randn(*shape, dtype, seed, grad=False, scale=1.0):
 def op_cases(dtype):
     """(id, op, args) for every op; small shapes, the CPU (torch) path."""
     q, k, v = (_spikes(2, 1, 2, 9, 8, dtype=dtype, seed=i) for i in range(3))
+    qm, km, vm = (_spikes(2, 1, 9, 16, dtype=dtype, seed=60 + i) for i in range(3))
+    qkv = _spikes(2, 1, 9, 48, dtype=dtype, seed=63)
     idx = torch.tensor([[0, 3, 3, 8], [1, 2, 5, 7]])
     h = _randn(6, 8, dtype=dtype, seed=3, grad=True, scale=0.3)
     w = _randn(10, 8, dtype=dtype, seed=4, grad=True)
@@ -57,6 +59,16 @@ def op_cases(dtype):
         # heads split off a [T, B, N, H, d] projection: q non-contiguous, as the Spikformer's fused QKV gives it
         ("ssa-strided-q", torch.ops.efficient.ssa, (q.detach().transpose(2, 3).contiguous().transpose(2, 3).requires_grad_(q.requires_grad),
                                                    k, v, 0.125, True, True, "torch")),
+        # the attention as one unit: Q, K, V with their heads merged, [T, B, N, H d]; the strided case as
+        # the fused QKV unit gives them (three slices of one [T, B, N, 3 H d] tensor)
+        ("ssa_unit-scores-anchor", torch.ops.efficient.ssa_unit, (qm, km, vm, 2, 0.125, True, True, "torch")),
+        ("ssa_unit-no-scores", torch.ops.efficient.ssa_unit, (qm, km, vm, 2, 0.125, False, False, "torch")),
+        ("ssa_unit-fused-qkv", torch.ops.efficient.ssa_unit, (*qkv.split(16, -1), 4, 0.125, False, True, "torch")),
+        ("ssa_unit_backward-scores", torch.ops.efficient.ssa_unit_backward,
+         (_randn(2, 1, 9, 16, dtype=dtype, seed=52), _randn(2, 1, 8, dtype=dtype, seed=53),
+          _randn(2, 1, 8, dtype=dtype, seed=54), qm.detach(), km.detach(), vm.detach(), 2, 0.125, True)),
+        ("ssa_unit_backward-no-scores", torch.ops.efficient.ssa_unit_backward,
+         (_randn(2, 1, 9, 16, dtype=dtype, seed=52), None, None, *qkv.detach().split(16, -1), 2, 0.125, False)),
         ("stata_select", torch.ops.efficient.stata_select, (_randn(2, 2, 9, dtype=dtype, seed=8), 4, 1e-6, True, "torch")),
         ("token_gather", torch.ops.efficient.token_gather, (_randn(2, 2, 9, 4, dtype=dtype, seed=9, grad=True), idx, "torch")),
         ("token_scatter", torch.ops.efficient.token_scatter, (_randn(2, 2, 4, 4, dtype=dtype, seed=10, grad=True), idx, 9, "torch")),
@@ -179,7 +191,7 @@ def test_every_registered_op_has_a_case():
 
 
 # variants checked in fp32 only: in half precision one variant per op is checked
-FP32_ONLY = ("ssa-scores", "linear_ce-conf", "lif_forward-plif", "lif_forward-v0", "leaky", "bn_lif_forward-eval",
+FP32_ONLY = ("ssa-scores", "ssa_unit-scores", "ssa_unit_backward-scores", "linear_ce-conf", "lif_forward-plif", "lif_forward-v0", "leaky", "bn_lif_forward-eval",
              "bn_lif_forward-lean", "conv2d_backward_from_bits-weight-only")
 OPCHECK_CASES = [
     pytest.param(i, dtype, id=f"{name}-{dtype_id}")

@@ -88,6 +88,15 @@ TRITON_SCRIPT = textwrap.dedent(
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
             y3, s3, c3 = ssa.spiking_attention(q, k, v, 0.125, anchor, False, backend="triton")
             assert torch.equal(y3, y1) and s3 is None
+            # the unit op on the Triton backend: heads merged, the same values and gradients
+            qm, km, vm = (t.detach().transpose(2, 3).reshape(T, B, N, H * D).requires_grad_() for t in (q, k, v))
+            y4, s4, c4 = ssa.spiking_attention_unit(qm, km, vm, H, 0.125, anchor, True, backend="triton")
+            assert torch.equal(y4, y1.detach().transpose(2, 3).reshape(T, B, N, H * D)), "unit y"
+            torch.testing.assert_close(c4, c1, rtol=1e-6, atol=1e-6)
+            r4 = torch.autograd.grad((y4 * gy.transpose(2, 3).reshape(y4.shape)).sum() + (s4 * gs).sum() + (c4 * gc).sum(),
+                                     (qm, km, vm))
+            for a, b in zip(r4, r1):
+                torch.testing.assert_close(a, b.transpose(2, 3).reshape(a.shape), rtol=1e-5, atol=1e-5)
     print("TRITON-OK")
     """
 )
@@ -171,3 +180,126 @@ def test_bad_input_names_the_argument():
         ssa.spiking_attention(q, q, q.half())
     with pytest.raises(ValueError, match=r"q must be a floating tensor"):
         ssa.spiking_attention(q.bool(), q.bool(), q.bool())
+
+
+# ------------------------------------------------------------------ the attention as one unit op
+
+
+def _heads_split(x: torch.Tensor, heads: int) -> torch.Tensor:
+    T, B, N, C = x.shape
+    return x.reshape(T, B, N, heads, C // heads).transpose(2, 3)
+
+
+def _plain_unit(qkv: torch.Tensor, heads: int, anchor: bool, scores: bool):
+    """What the zoo ran before the unit op: heads split off three slices, the plain attention, heads merged."""
+    C = qkv.shape[-1] // 3
+    q, k, v = (_heads_split(t, heads) for t in qkv.split(C, -1))
+    y, s, c = ssa.spiking_attention(q, k, v, 0.125, anchor, scores, backend="torch")
+    T, B, H, N, d = y.shape
+    return y.transpose(2, 3).reshape(T, B, N, H * d), s, c
+
+
+@pytest.mark.parametrize("n, heads, d", [(64, 12, 32), (9, 2, 16), (40, 3, 8)])  # N > d and N <= d
+def test_unit_op_equals_the_plain_path_bit_for_bit(n: int, heads: int, d: int):
+    """Output and the gradients of Q, K, V (slices of one fused-QKV tensor, as the zoo gives them) equal
+    the plain path's bit for bit: the same matmuls on the same operands."""
+    qkv = spikes(2, 3, n, 3 * heads * d, seed=n).requires_grad_()
+    gy = torch.randn(2, 3, n, heads * d, generator=torch.Generator().manual_seed(7))
+    y0, _, _ = _plain_unit(qkv, heads, False, False)
+    (g0,) = torch.autograd.grad(y0, qkv, gy)
+    y1, s1, c1 = ssa.spiking_attention_unit(*qkv.split(heads * d, -1), heads, 0.125, backend="torch")
+    (g1,) = torch.autograd.grad(y1, qkv, gy)
+    assert s1 is None and c1 is None and y1.shape == (2, 3, n, heads * d)
+    assert torch.equal(y1, y0) and torch.equal(g1, g0)
+
+
+@pytest.mark.parametrize("anchor", [True, False])
+def test_unit_op_scores_and_their_gradients_match_the_plain_path(anchor: bool):
+    qkv = spikes(2, 2, 11, 3 * 16, seed=3).requires_grad_()
+    g = torch.Generator().manual_seed(8)
+    outs0 = _plain_unit(qkv, 2, anchor, True)
+    outs1 = ssa.spiking_attention_unit(*qkv.split(16, -1), 2, 0.125, anchor, True, backend="torch")
+    weights = [torch.randn(t.shape, generator=g) for t in outs0]
+    for a, b in zip(outs0, outs1):
+        assert torch.equal(a, b)
+    (g0,) = torch.autograd.grad(sum((t * w).sum() for t, w in zip(outs0, weights)), qkv, retain_graph=True)
+    (g1,) = torch.autograd.grad(sum((t * w).sum() for t, w in zip(outs1, weights)), qkv, retain_graph=True)
+    torch.testing.assert_close(g1, g0, rtol=1e-5, atol=1e-6)
+    # only the scores reach Q and K: the mean-query and anchor formulas of the backward carry them alone
+    (gs,) = torch.autograd.grad(outs1[1].sum() + outs1[2].sum(), qkv)
+    (gs0,) = torch.autograd.grad(outs0[1].sum() + outs0[2].sum(), qkv)
+    torch.testing.assert_close(gs, gs0, rtol=1e-5, atol=1e-6)
+
+
+def test_unit_op_flops_are_the_plain_paths_plus_the_rerun_product():
+    """FlopCounterMode sees the unit op's matmuls: forward as the plain path's, backward one product more
+    (it reruns K^T V rather than keeping it)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    heads, d, n = 4, 8, 20
+    qkv = spikes(2, 2, n, 3 * heads * d, seed=4).requires_grad_()
+
+    def count(fn):
+        with FlopCounterMode(display=False) as fwd:
+            y = fn()
+        with FlopCounterMode(display=False) as bwd:
+            y.sum().backward()
+        return fwd.get_total_flops(), bwd.get_total_flops()
+
+    plain = count(lambda: _plain_unit(qkv, heads, False, False)[0])
+    unit = count(lambda: ssa.spiking_attention_unit(*qkv.split(heads * d, -1), heads, 0.125, backend="torch")[0])
+    product = 2 * 2 * 2 * n * heads * d * d  # one [n, d] x [d, d] product over T, B and the heads
+    assert plain == (2 * product, 4 * product)
+    assert unit == (2 * product, 5 * product)
+
+
+def test_the_zoo_attention_runs_as_one_op_unless_something_watches():
+    """An eager Spikformer block dispatches the unit op (one each way); a profiler's global hooks see the
+    plain matmuls instead; both give the same output and gradients."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from efficient.models.spikformer import Block
+
+    class Names(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    block = Block(32, 4, 2.0, {"tau": 2.0})
+    x = (spikes(2, 2, 9, 32, seed=5) * 2).requires_grad_()
+
+    def run():
+        with Names() as mode:
+            y = block(x)
+            (gx,) = torch.autograd.grad(y.sum(), x)
+        return y, gx, mode.names
+
+    y1, g1, names = run()
+    assert names.count("ssa_unit.default") == 1 and names.count("ssa_unit_backward.default") == 1
+    assert "bmm.default" not in names
+    hook = torch.nn.modules.module.register_module_forward_hook(lambda *a: None)
+    try:
+        y0, g0, names0 = run()
+    finally:
+        hook.remove()
+    assert "ssa_unit.default" not in names0 and "bmm.default" in names0
+    assert torch.equal(y1, y0) and torch.equal(g1, g0)
+
+
+def test_unit_op_bad_input_names_the_argument():
+    q = spikes(2, 1, 5, 8)
+    with pytest.raises(ValueError, match=r"k must be 4-D \[T, B, N, H\*d\] \(heads merged\), got 5-D"):
+        ssa.spiking_attention_unit(q, q[..., None], q, 2)
+    with pytest.raises(ValueError, match=r"heads must be a positive int dividing the 8 channels of q, got 3"):
+        ssa.spiking_attention_unit(q, q, q, 3)
+    with pytest.raises(ValueError, match=r"v has shape \[2, 1, 4, 8\] but q has \[2, 1, 5, 8\]"):
+        ssa.spiking_attention_unit(q, q, q[:, :, :4], 2)
+    with pytest.raises(ValueError, match=r"k is torch.float16 but q is torch.float32"):
+        ssa.spiking_attention_unit(q, q.half(), q, 2)
+    with pytest.raises(ValueError, match="besides the anchor"):
+        ssa.spiking_attention_unit(q[:, :, :1], q[:, :, :1], q[:, :, :1], 2, anchor=True, scores=True)
