@@ -272,7 +272,7 @@ def _ssa_unit_backward_impl(gy: Tensor, gs: Tensor | None, gc: Tensor | None, q:
     ((Q K^T) V) * scale otherwise."""
     q, k, v = _split(q, heads), _split(k, heads), _split(v, heads)
     T, B, H, n, d = q.shape
-    g3 = (_split(gy, heads) * scale).reshape(-1, n, d)
+    g3 = _split(gy, heads).reshape(-1, n, d).mul_(scale)  # (gy * scale) element for element
     q3, kt3, v3 = _bmm_operands(q, k, v)
     if n > d:
         m3 = torch.bmm(kt3, v3)
