@@ -233,7 +233,7 @@ def _host_cases() -> list[tuple[str, Callable[[], Any], Callable[[], Any]]]:
     from efficient.kernels.lif import lif
     from efficient.kernels.linear_ce import linear_ce
     from efficient.kernels.spike_pack import pack_spikes, unpack_spikes
-    from efficient.kernels.ssa import attention_ref, spiking_attention
+    from efficient.kernels.ssa import attention_ref, spiking_attention, spiking_attention_unit
     from efficient.kernels.token_select import gather_tokens, gather_tokens_ref, select_tokens, select_tokens_ref
 
     g = torch.Generator().manual_seed(0)
@@ -254,6 +254,12 @@ def _host_cases() -> list[tuple[str, Callable[[], Any], Callable[[], Any]]]:
         _plain_lif(F.batch_norm(inp, rm, rv, w, b, True).reshape(4, -1)).sum().backward()
 
     q, k, v = ((torch.rand(4, 1, 2, 8, 4, generator=g) > 0.5).float().requires_grad_() for _ in range(3))
+    qkv = (torch.rand(4, 1, 8, 24, generator=g) > 0.5).float().requires_grad_()
+
+    def _merged_attention(t: torch.Tensor) -> torch.Tensor:
+        heads = [u.reshape(4, 1, 8, 2, 4).transpose(2, 3) for u in t.split(8, -1)]
+        return attention_ref(*heads, 0.125).transpose(2, 3).reshape(4, 1, 8, 8)
+
     scores = torch.rand(4, 1, 8, generator=g)
     tok = torch.randn(4, 1, 8, 4, generator=g, requires_grad=True)
     idx = torch.tensor([[0, 2, 5, 7]])
@@ -270,6 +276,9 @@ def _host_cases() -> list[tuple[str, Callable[[], Any], Callable[[], Any]]]:
          lambda: unit_plain(F.linear(xl, lw, lb), 8)),
         ("ssa fwd+bwd [4,1,2,8,4]", lambda: spiking_attention(q, k, v, 0.125)[0].sum().backward(),
          lambda: attention_ref(q, k, v, 0.125).sum().backward()),
+        # the zoo's attention unit: heads merged in and out (the plain form splits, attends, merges)
+        ("ssa_unit fwd+bwd [4,1,8,2x4]", lambda: spiking_attention_unit(*qkv.split(8, -1), 2, 0.125)[0].sum().backward(),
+         lambda: _merged_attention(qkv).sum().backward()),
         ("select_tokens [4,1,8] k=4", lambda: select_tokens(scores, 4), lambda: select_tokens_ref(scores, 4)),
         ("gather_tokens fwd+bwd [4,1,8,4]", lambda: gather_tokens(tok, idx).sum().backward(),
          lambda: gather_tokens_ref(tok, idx).sum().backward()),
