@@ -40,7 +40,7 @@ except ImportError:  # pragma: no cover - exercised only without triton
 
 __all__ = [
     "BACKENDS", "ENV_VAR", "HAS_TRITON", "eager_call", "eager_function", "have_cxx_compiler", "interpreter_on",
-    "requested_backend", "resolve_backend",
+    "register_flops", "requested_backend", "resolve_backend",
 ]
 
 BACKENDS = ("auto", "triton", "torch", "compile", "loop")
@@ -93,6 +93,20 @@ def eager_function(name: str, forward, setup_context, backward) -> type:
 
     return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(backward),
                                                    "__doc__": eager_function.__doc__})
+
+
+def register_flops(*pairs) -> None:
+    """Let torch.utils.flop_counter (and every FLOP counter built on it) see the arithmetic inside custom
+    ops: `pairs` of (op, formula(*argument shapes, out_shape=..., **kwargs) -> flops)."""
+    try:
+        from torch.utils.flop_counter import register_flop_formula
+    except ImportError:  # pragma: no cover - older torch
+        return
+    for op, formula in pairs:
+        try:
+            register_flop_formula(op)(formula)
+        except RuntimeError:  # pragma: no cover - re-import of the module
+            pass
 
 
 def have_cxx_compiler() -> bool:

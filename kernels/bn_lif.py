@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from efficient.kernels import lif as _lif
-from efficient.kernels._backend import eager_call, eager_function
+from efficient.kernels._backend import eager_call, eager_function, register_flops
 from efficient.kernels.lif_common import (
     _BLOCK, _NUM_WARPS, HAS_TRITON, IMPLS, _check_compiler, _choose_impl, _register_flops, _surrogate_id,
     _triton_ready, default_alpha,
@@ -764,28 +764,18 @@ def _linear_backward(ctx, grad_spikes, *_grads_of_statistics, backward_fn=linear
 
 linear_bn_lif_forward_op.register_autograd(_linear_backward, setup_context=_linear_setup_context)
 
-def _register_linear_flops() -> None:
-    """The unit op's flops: the Linear's matmuls (2 M D_in C forward, twice that backward, as addmm
-    and mm count) plus the LIF's per element (see above)."""
-    try:
-        from torch.utils.flop_counter import register_flop_formula
-    except ImportError:  # pragma: no cover - older torch
-        return
-
-    def fwd(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
-        return 2 * x_shape[0] * x_shape[1] * w_shape[0] + 6 * x_shape[0] * w_shape[0]
-
-    def bwd(g_shape, x_shape, *args, out_shape=None, **kwargs) -> int:
-        return 4 * x_shape[0] * x_shape[1] * g_shape[1] + 13 * g_shape[0] * g_shape[1]
-
-    try:
-        register_flop_formula(torch.ops.efficient.linear_bn_lif_forward)(fwd)
-        register_flop_formula(torch.ops.efficient.linear_bn_lif_backward)(bwd)
-    except RuntimeError:  # pragma: no cover - re-import of the module
-        pass
+def _linear_flops(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
+    """The unit op's flops: the Linear's matmul (2 M D_in C, as addmm counts) plus the LIF's per element."""
+    return 2 * x_shape[0] * x_shape[1] * w_shape[0] + 6 * x_shape[0] * w_shape[0]
 
 
-_register_linear_flops()
+def _linear_backward_flops(g_shape, x_shape, *args, out_shape=None, **kwargs) -> int:
+    """Twice the forward's matmul (input and weight gradients, as mm counts) plus the LIF backward's per element."""
+    return 4 * x_shape[0] * x_shape[1] * g_shape[1] + 13 * g_shape[0] * g_shape[1]
+
+
+register_flops((torch.ops.efficient.linear_bn_lif_forward, _linear_flops),
+               (torch.ops.efficient.linear_bn_lif_backward, _linear_backward_flops))
 
 _EagerLinearBNLIF = eager_function(
     "_EagerLinearBNLIF", functools.partial(_linear_forward_impl, inplace=True), _linear_setup_context,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from efficient.kernels._backend import eager_call, eager_function
+from efficient.kernels._backend import eager_call, eager_function, register_flops
 from efficient.kernels.token_select import HAS_TRITON, _next_pow2, resolve_backend
 
 if HAS_TRITON:
@@ -343,38 +343,30 @@ _EagerSSAUnit = eager_function(
     lambda ctx, gy, gs, gc: _ssa_unit_backward(ctx, gy, gs, gc, backward_fn=_ssa_unit_backward_impl))
 
 
-def _register_unit_flops() -> None:
-    """The unit ops' flops: the matmuls the plain path runs (2 per multiply-add, as bmm counts), the
-    backward's rerun of the small product included."""
-    try:
-        from torch.utils.flop_counter import register_flop_formula
-    except ImportError:  # pragma: no cover - older torch
-        return
-
-    def _one_product(x_shape, heads: int) -> int:  # one [n, d] x [d, d] (or [n, d] x [d, n]) product, all heads
-        T, B, n, C = x_shape
-        return 2 * T * B * n * C * min(n, C // heads)
-
-    def _score_flops(x_shape, anchor: bool) -> int:  # each score is a dot product over the H d channels
-        T, B, n, C = x_shape
-        return 2 * T * B * C * (n - int(anchor))
-
-    def fwd(q_shape, k_shape, v_shape, heads, scale, anchor, scores, *args, out_shape=None, **kwargs) -> int:
-        return 2 * _one_product(q_shape, heads) + (1 + int(anchor)) * _score_flops(q_shape, anchor) * int(scores)
-
-    def bwd(gy_shape, gs_shape, gc_shape, q_shape, k_shape, v_shape, heads, scale, anchor, *args, out_shape=None,
-            **kwargs) -> int:
-        score_grads = sum(2 * _score_flops(q_shape, anchor) for g in (gs_shape, gc_shape) if g is not None)
-        return 5 * _one_product(q_shape, heads) + score_grads
-
-    try:
-        register_flop_formula(torch.ops.efficient.ssa_unit)(fwd)
-        register_flop_formula(torch.ops.efficient.ssa_unit_backward)(bwd)
-    except RuntimeError:  # pragma: no cover - re-import of the module
-        pass
+def _one_product(x_shape, heads: int) -> int:
+    """Flops of one [n, d] x [d, d] (or [n, d] x [d, n]) product over every head of `[T, B, n, H d]` (2 per MAC, as bmm counts)."""
+    T, B, n, C = x_shape
+    return 2 * T * B * n * C * min(n, C // heads)
 
 
-_register_unit_flops()
+def _score_flops(x_shape, anchor: bool) -> int:
+    """Flops of one score per token: a dot product over the H d channels."""
+    T, B, n, C = x_shape
+    return 2 * T * B * C * (n - int(anchor))
+
+
+def _unit_flops(q_shape, k_shape, v_shape, heads, scale, anchor, scores, *args, out_shape=None, **kwargs) -> int:
+    return 2 * _one_product(q_shape, heads) + (1 + int(anchor)) * _score_flops(q_shape, anchor) * int(scores)
+
+
+def _unit_backward_flops(gy_shape, gs_shape, gc_shape, q_shape, k_shape, v_shape, heads, scale, anchor, *args,
+                         out_shape=None, **kwargs) -> int:
+    # the four products of the plain path's backward and the rerun of K^T V; each score's gradient two more
+    score_grads = sum(2 * _score_flops(q_shape, anchor) for g in (gs_shape, gc_shape) if g is not None)
+    return 5 * _one_product(q_shape, heads) + score_grads
+
+
+register_flops((torch.ops.efficient.ssa_unit, _unit_flops), (torch.ops.efficient.ssa_unit_backward, _unit_backward_flops))
 
 
 # ------------------------------------------------------------------------------------ public API

@@ -21,6 +21,7 @@ from torch import nn
 from efficient.errors import ConfigError
 from efficient.kernels.lif import COMPILE_MIN_NUMEL
 from efficient.kernels.ssa import attention_ref, spiking_attention, spiking_attention_unit
+from efficient.kernels.ssa import resolve_backend as ssa_backend
 from efficient.kernels.token_select import gather_tokens
 from efficient.memory.conv_backward import plain_conv, region_conv2d
 from efficient.memory.spikes import is_neuron, region_max_pool
@@ -311,9 +312,12 @@ class SSA(nn.Module):
         """Output `[T, B, N, D]` and, if `scores`, STATA's anchor / mean-query scores (one fused pass), from
         Q, K, V `[T, B, H, N, d]` or `[T, B, N, D]` (`qkv(x, split=False)`)."""
         if q.dim() == 4:
-            if not torch.compiler.is_compiling() and _one_call_allowed(self.attn_lif):
-                # eager: one op each way (inductor sees the plain ops; a profiler's hooks, autocast's
-                # per-op casts and `separate_units()` get them too)
+            # eager: one op each way (inductor sees the plain ops; a profiler's hooks, autocast's per-op
+            # casts and `separate_units()` get them too). STATA's scores on the torch backend take the
+            # plain path: autograd's gradients of their einsums are what eager training computes there,
+            # and the unit's closed form rounds them otherwise (the Triton path always used it)
+            if (not torch.compiler.is_compiling() and _one_call_allowed(self.attn_lif)
+                    and not (scores and ssa_backend(self.kernel_backend, q, "ssa") == "torch")):
                 y, s, c = spiking_attention_unit(q, k, v, self.heads, self.scale, anchor=anchor, scores=scores,
                                                  backend=self.kernel_backend)
                 return self.proj(self.attn_lif(y)), s, c

@@ -289,6 +289,11 @@ def test_the_zoo_attention_runs_as_one_op_unless_something_watches():
         hook.remove()
     assert "ssa_unit.default" not in names0 and "bmm.default" in names0
     assert torch.equal(y1, y0) and torch.equal(g1, g0)
+    # STATA's scores on the torch backend: the plain path, whose einsum gradients eager training has always had
+    q, k, v = block.attn.qkv(x, split=False)
+    with Names() as mode:
+        block.attn.attend(q, k, v, anchor=True, scores=True)
+    assert "ssa_unit.default" not in mode.names and "bmm.default" in mode.names
 
 
 def test_unit_op_bad_input_names_the_argument():
