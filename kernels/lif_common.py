@@ -235,14 +235,8 @@ def _elementwise_flops(numel: int, per_element: int) -> int:
 def _register_flops(op, per_element: int) -> None:
     """Let torch.utils.flop_counter (and the profiler) see an op's arithmetic: `per_element` flops for
     each element of its first argument (the [T, N] input or spike gradient)."""
-    try:
-        from torch.utils.flop_counter import register_flop_formula
-
-        register_flop_formula(op)(
-            lambda shape, *args, out_shape=None, **kwargs: _elementwise_flops(math.prod(shape), per_element)
-        )
-    except (ImportError, RuntimeError):  # pragma: no cover - older torch, or re-import of the module
-        pass
+    _backend.register_flops(
+        (op, lambda shape, *args, out_shape=None, **kwargs: _elementwise_flops(math.prod(shape), per_element)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -344,7 +344,8 @@ _EagerSSAUnit = eager_function(
 
 
 def _one_product(x_shape, heads: int) -> int:
-    """Flops of one [n, d] x [d, d] (or [n, d] x [d, n]) product over every head of `[T, B, n, H d]` (2 per MAC, as bmm counts)."""
+    """Flops of one [n, d] x [d, d] (or [n, d] x [d, n]) product over every head of `[T, B, n, H d]`
+    (2 per multiply-add, as bmm counts)."""
     T, B, n, C = x_shape
     return 2 * T * B * n * C * min(n, C // heads)
 
@@ -366,7 +367,8 @@ def _unit_backward_flops(gy_shape, gs_shape, gc_shape, q_shape, k_shape, v_shape
     return 5 * _one_product(q_shape, heads) + score_grads
 
 
-register_flops((torch.ops.efficient.ssa_unit, _unit_flops), (torch.ops.efficient.ssa_unit_backward, _unit_backward_flops))
+register_flops((torch.ops.efficient.ssa_unit, _unit_flops),
+               (torch.ops.efficient.ssa_unit_backward, _unit_backward_flops))
 
 
 # ------------------------------------------------------------------------------------ public API
