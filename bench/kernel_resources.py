@@ -90,7 +90,8 @@ def cases() -> list[Case]:
                 blocks = ssa.ssa_blocks(d)
                 warps = blocks.pop("num_warps")
                 sig = {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "y_ptr": f"*{dt}", "s_ptr": "*fp32",
-                       "c_ptr": "*fp32", "N": "i32", "D": "i32", "scale": "fp32"}
+                       "c_ptr": "*fp32", "H": "i32", "N": "i32", "D": "i32", "scale": "fp32",
+                       **{f"s{t}_{a}": "i32" for t in "qkvy" for a in ("tb", "h", "n")}}
                 label = f"{shapes} {dt}{' scores' if scores else ''}"
                 out.append(_case("ssa_fwd", label, ssa._ssa_fwd_kernel, sig, {"P": int(anchor), "SCORES": scores, **blocks}, warps, False))
     # token selection (N=196 / 1024 share a binary) and gather / scatter of D=384 / 512 rows

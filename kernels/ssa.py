@@ -61,7 +61,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _ssa_fwd_kernel(
-        q_ptr, k_ptr, v_ptr, y_ptr, s_ptr, c_ptr, N, D, scale,
+        q_ptr, k_ptr, v_ptr, y_ptr, s_ptr, c_ptr, H, N, D, scale,
+        sq_tb, sq_h, sq_n, sk_tb, sk_h, sk_n, sv_tb, sv_h, sv_n, sy_tb, sy_h, sy_n,
         P: tl.constexpr, SCORES: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
     ):
@@ -71,10 +72,18 @@ if HAS_TRITON:
         #   2. over key/value blocks: M[:, cols] += K_blk^T V_blk[:, cols]; scores of the block's keys
         #   3. over query blocks: y_blk[:, cols] = scale * Q_blk M[:, cols]
         # All products run in fp32 with IEEE precision: on binary spikes every partial sum is an
-        # integer, so y is bit-identical to the reference.
+        # integer, so y is bit-identical to the reference. q, k, v and y are `[T B, H, N, d]` views with
+        # unit stride along d and any strides s*_tb, s*_h, s*_n: heads split off a `[T, B, N, H d]`
+        # tensor, or slices of the fused Q/K/V unit's output, are read in place, and y may be written
+        # with its heads merged.
         pid = tl.program_id(0).to(tl.int64)
         e0 = tl.program_id(1) * BLOCK_E
-        base = pid * N * D
+        hh = pid % H
+        tb = pid // H
+        q_ptr += tb * sq_tb + hh * sq_h
+        k_ptr += tb * sk_tb + hh * sk_h
+        v_ptr += tb * sv_tb + hh * sv_h
+        y_ptr += tb * sy_tb + hh * sy_h
         rb = tl.arange(0, BLOCK_N)
         rd = tl.arange(0, BLOCK_D)
         re = e0 + tl.arange(0, BLOCK_E)
@@ -85,12 +94,12 @@ if HAS_TRITON:
             for n0 in range(P, N, BLOCK_N):
                 rn = n0 + rb
                 msk = (rn[:, None] < N) & d_ok[None, :]
-                qq = tl.load(q_ptr + base + rn[:, None] * D + rd[None, :], mask=msk, other=0.0).to(tl.float32)
+                qq = tl.load(q_ptr + rn[:, None] * sq_n + rd[None, :], mask=msk, other=0.0).to(tl.float32)
                 qsum += tl.sum(qq, 0)
             cnt = tl.zeros([BLOCK_D], dtype=tl.float32) + (N - P)
             qbar = tl.math.div_rn(qsum, cnt)
             if P == 1:
-                qa = tl.load(q_ptr + base + rd, mask=d_ok, other=0.0).to(tl.float32)
+                qa = tl.load(q_ptr + rd, mask=d_ok, other=0.0).to(tl.float32)
             else:
                 qa = qbar
             score_base = pid * (N - P) - P
@@ -98,8 +107,8 @@ if HAS_TRITON:
         for n0 in range(0, N, BLOCK_N):
             rn = n0 + rb
             rows = rn[:, None] < N
-            kk = tl.load(k_ptr + base + rn[:, None] * D + rd[None, :], mask=rows & d_ok[None, :], other=0.0).to(tl.float32)
-            vv = tl.load(v_ptr + base + rn[:, None] * D + re[None, :], mask=rows & e_ok[None, :], other=0.0).to(tl.float32)
+            kk = tl.load(k_ptr + rn[:, None] * sk_n + rd[None, :], mask=rows & d_ok[None, :], other=0.0).to(tl.float32)
+            vv = tl.load(v_ptr + rn[:, None] * sv_n + re[None, :], mask=rows & e_ok[None, :], other=0.0).to(tl.float32)
             m += tl.dot(tl.trans(kk), vv, input_precision="ieee")
             if SCORES:
                 out = (rn >= P) & (rn < N) & (e0 == 0)  # the first column block writes the scores
@@ -109,9 +118,9 @@ if HAS_TRITON:
         for n0 in range(0, N, BLOCK_N):
             rn = n0 + rb
             rows = rn[:, None] < N
-            qq = tl.load(q_ptr + base + rn[:, None] * D + rd[None, :], mask=rows & d_ok[None, :], other=0.0).to(tl.float32)
+            qq = tl.load(q_ptr + rn[:, None] * sq_n + rd[None, :], mask=rows & d_ok[None, :], other=0.0).to(tl.float32)
             y = tl.dot(qq, m, input_precision="ieee") * scale
-            tl.store(y_ptr + base + rn[:, None] * D + re[None, :], y.to(y_ptr.dtype.element_ty), mask=rows & e_ok[None, :])
+            tl.store(y_ptr + rn[:, None] * sy_n + re[None, :], y.to(y_ptr.dtype.element_ty), mask=rows & e_ok[None, :])
 
 
 def ssa_blocks(d: int) -> dict:
@@ -125,17 +134,40 @@ def ssa_blocks(d: int) -> dict:
     return {"BLOCK_N": 16 if wide else 32, "BLOCK_D": block_d, "BLOCK_E": min(64, block_d), "num_warps": 8 if wide else 4}
 
 
-def ssa_triton(q: Tensor, k: Tensor, v: Tensor, scale: float, anchor: bool, scores: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _kernel_layout(t: Tensor) -> Tensor:
+    """`[T, B, H, N, d]` t itself where the kernel reads it in place (unit stride along d, and T and B one
+    axis of stride B * stride(B), as in any view of a tensor whose leading axes are T, B), else a copy."""
+    T, B = t.shape[:2]
+    d_ok = t.stride(4) == 1 or t.shape[4] == 1
+    tb_ok = T == 1 or B == 1 or t.stride(0) == B * t.stride(1)
+    return t if d_ok and tb_ok else t.contiguous()
+
+
+def _tb_h_n_strides(t: Tensor) -> tuple[int, int, int]:
+    """Strides of the merged T B axis, H and N of a `_kernel_layout` tensor."""
+    T, B = t.shape[:2]
+    return (t.stride(1) if B > 1 or T == 1 else t.stride(0)), t.stride(2), t.stride(3)
+
+
+def ssa_triton(q: Tensor, k: Tensor, v: Tensor, scale: float, anchor: bool, scores: bool,
+               out: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """`ssa_ref` by the Triton kernel; q, k, v `[T, B, H, N, d]` in any layout with unit stride along d
+    (others are copied); `out`: where y goes (a `[T, B, H, N, d]` view, such as a heads-merged buffer's),
+    else a new contiguous tensor."""
     T, B, H, N, D = q.shape
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q, k, v = _kernel_layout(q), _kernel_layout(k), _kernel_layout(v)
     p = int(anchor)
-    y = torch.empty_like(q)
+    y = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     m = N - p if scores else 0
     s_h = torch.empty(T, B, H, m, device=q.device, dtype=torch.float32)
     c_h = torch.empty(T, B, H, m, device=q.device, dtype=torch.float32)
     blocks = ssa_blocks(D)
     grid = (T * B * H, triton.cdiv(D, blocks["BLOCK_E"]))
-    _ssa_fwd_kernel[grid](q, k, v, y, s_h, c_h, N, D, scale, P=p, SCORES=scores, **blocks)
+    if _kernel_layout(y) is not y:
+        raise ValueError(f"ssa_triton: out must be a [T, B, H, N, d] view with unit stride along d and T, B foldable, "
+                         f"got strides {y.stride()}")
+    strides = [st for t in (q, k, v, y) for st in _tb_h_n_strides(t)]
+    _ssa_fwd_kernel[grid](q, k, v, y, s_h, c_h, H, N, D, scale, *strides, P=p, SCORES=scores, **blocks)
     if not scores:  # empty placeholders in the input dtype, as the fake implementation says
         return y, q.new_empty(0), q.new_empty(0)
     c = c_h.sum(2).to(q.dtype)
@@ -248,8 +280,14 @@ def _ssa_unit_op(q: Tensor, k: Tensor, v: Tensor, heads: int, scale: float, anch
 
 def _ssa_unit_impl(q: Tensor, k: Tensor, v: Tensor, heads: int, scale: float, anchor: bool, scores: bool,
                    backend: str) -> tuple[Tensor, Tensor, Tensor]:
-    y, s, c = _ssa_impl(_split(q, heads), _split(k, heads), _split(v, heads), scale, anchor, scores, backend)
-    return _merge(y), s, c
+    q5, k5, v5 = _split(q, heads), _split(k, heads), _split(v, heads)
+    if backend == "triton":  # the kernel reads the heads in place and writes y with its heads merged
+        y = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        T, B, N, C = q.shape
+        _, s, c = ssa_triton(q5, k5, v5, scale, anchor, scores, out=y.view(T, B, N, heads, C // heads).transpose(2, 3))
+        return y, s.clone() if s is c else s, c
+    y5, s, c = _ssa_impl(q5, k5, v5, scale, anchor, scores, backend)
+    return _merge(y5), s, c
 
 
 @_ssa_unit_op.register_fake

@@ -88,6 +88,23 @@ TRITON_SCRIPT = textwrap.dedent(
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
             y3, s3, c3 = ssa.spiking_attention(q, k, v, 0.125, anchor, False, backend="triton")
             assert torch.equal(y3, y1) and s3 is None
+            # strided reads: heads split off slices of one fused [T, B, N, 3 H d] tensor (read in place),
+            # and a q whose d axis is strided (copied first); y written into a heads-merged buffer
+            qkv = (torch.rand(T, B, N, 3 * H * D, generator=g) < 0.3).float()
+            qs, ks, vs = (t.reshape(T, B, N, H, D).transpose(2, 3) for t in qkv.split(H * D, -1))
+            yr, sr, cr = ssa.ssa_ref(qs, ks, vs, 0.125, anchor, True)
+            merged = torch.full((T, B, N, H * D), float("nan"))
+            yt, st, ct = ssa.ssa_triton(qs, ks, vs, 0.125, anchor, True, out=merged.view(T, B, N, H, D).transpose(2, 3))
+            assert torch.equal(yt, yr) and torch.equal(merged, yr.transpose(2, 3).reshape(T, B, N, H * D)), "strided y"
+            torch.testing.assert_close(ct, cr, rtol=1e-6, atol=1e-6)
+            qd = qs.contiguous().transpose(-1, -2).contiguous().transpose(-1, -2)
+            assert qd.stride(-1) != 1
+            assert torch.equal(ssa.ssa_triton(qd, ks, vs, 0.125, anchor, False)[0], yr), "strided d"
+            try:
+                ssa.ssa_triton(qs, ks, vs, 0.125, anchor, False, out=torch.empty(T, B, H, D, N).transpose(-1, -2))
+                raise AssertionError("an out with a strided d axis was accepted")
+            except ValueError as e:
+                assert "unit stride along d" in str(e)
             # the unit op on the Triton backend: heads merged, the same values and gradients
             qm, km, vm = (t.detach().transpose(2, 3).reshape(T, B, N, H * D).requires_grad_() for t in (q, k, v))
             y4, s4, c4 = ssa.spiking_attention_unit(qm, km, vm, H, 0.125, anchor, True, backend="triton")
