@@ -94,6 +94,15 @@ def cases() -> list[Case]:
                        **{f"s{t}_{a}": "i32" for t in "qkvy" for a in ("tb", "h", "n")}}
                 label = f"{shapes} {dt}{' scores' if scores else ''}"
                 out.append(_case("ssa_fwd", label, ssa._ssa_fwd_kernel, sig, {"P": int(anchor), "SCORES": scores, **blocks}, warps, False))
+    # its backward: two [d, d] fp32 tiles and four row blocks (Q, K, V spikes and y's gradient)
+    for d, shapes in ((32, "N=64 d=32"), (64, "N=197/1024 d=64")):
+        for dt in ("fp32", "bf16"):
+            blocks = ssa.ssa_bwd_blocks(d)
+            sig = {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "g_ptr": f"*{dt}", "dq_ptr": f"*{dt}",
+                   "dk_ptr": f"*{dt}", "dv_ptr": f"*{dt}", "H": "i32", "N": "i32", "D": "i32", "scale": "fp32",
+                   **{f"s{t}_{a}": "i32" for t in "qkvgo" for a in ("tb", "h", "n")}}
+            out.append(_case("ssa_bwd", f"{shapes} {dt}", ssa._ssa_bwd_kernel, sig,
+                             {"BLOCK_N": blocks["BLOCK_N"], "BLOCK_D": blocks["BLOCK_D"]}, blocks["num_warps"], False))
     # token selection (N=196 / 1024 share a binary) and gather / scatter of D=384 / 512 rows
     out.append(_case("select_zscore", "N<=1024", ts._zscore_kernel,
                      {"s_ptr": "*fp32", "z_ptr": "*fp32", "T": "i32", "B": "i32", "N": "i32", "eps": "fp32"},

@@ -123,6 +123,66 @@ if HAS_TRITON:
             tl.store(y_ptr + rn[:, None] * sy_n + re[None, :], y.to(y_ptr.dtype.element_ty), mask=rows & e_ok[None, :])
 
 
+if HAS_TRITON:
+
+    @triton.jit
+    def _ssa_bwd_kernel(
+        q_ptr, k_ptr, v_ptr, g_ptr, dq_ptr, dk_ptr, dv_ptr, H, N, D, scale,
+        sq_tb, sq_h, sq_n, sk_tb, sk_h, sk_n, sv_tb, sv_h, sv_n, sg_tb, sg_h, sg_n, so_tb, so_h, so_n,
+        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        # program t*B*H + b*H + h: the gradients of y = scale * Q (K^T V) for one head, in four passes over
+        # fixed-size row blocks, so that one [d, d] fp32 tile is live at a time (registers do not grow
+        # with N, and the d = 64 tile does not spill; the row blocks read are as many as with two passes):
+        #   1. M = K^T V            2. dQ = scale * G M^T
+        #   3. dM = scale * Q^T G   4. dK = V dM^T, dV = K dM
+        # Strided reads and writes as the forward's (unit stride along d); dQ, dK, dV share a layout.
+        pid = tl.program_id(0).to(tl.int64)
+        hh = pid % H
+        tb = pid // H
+        q_ptr += tb * sq_tb + hh * sq_h
+        k_ptr += tb * sk_tb + hh * sk_h
+        v_ptr += tb * sv_tb + hh * sv_h
+        g_ptr += tb * sg_tb + hh * sg_h
+        out = tb * so_tb + hh * so_h
+        rb = tl.arange(0, BLOCK_N)
+        rd = tl.arange(0, BLOCK_D)
+        d_ok = rd < D
+        m = tl.zeros([BLOCK_D, BLOCK_D], dtype=tl.float32)
+        for n0 in range(0, N, BLOCK_N):
+            rn = n0 + rb
+            msk = (rn[:, None] < N) & d_ok[None, :]
+            kk = tl.load(k_ptr + rn[:, None] * sk_n + rd[None, :], mask=msk, other=0.0).to(tl.float32)
+            vv = tl.load(v_ptr + rn[:, None] * sv_n + rd[None, :], mask=msk, other=0.0).to(tl.float32)
+            m += tl.dot(tl.trans(kk), vv, input_precision="ieee")
+        for n0 in range(0, N, BLOCK_N):
+            rn = n0 + rb
+            msk = (rn[:, None] < N) & d_ok[None, :]
+            gg = tl.load(g_ptr + rn[:, None] * sg_n + rd[None, :], mask=msk, other=0.0).to(tl.float32)
+            dq = tl.dot(gg, tl.trans(m), input_precision="ieee") * scale
+            tl.store(dq_ptr + out + rn[:, None] * so_n + rd[None, :], dq.to(dq_ptr.dtype.element_ty), mask=msk)
+        dm = tl.zeros([BLOCK_D, BLOCK_D], dtype=tl.float32)
+        for n0 in range(0, N, BLOCK_N):
+            rn = n0 + rb
+            msk = (rn[:, None] < N) & d_ok[None, :]
+            qq = tl.load(q_ptr + rn[:, None] * sq_n + rd[None, :], mask=msk, other=0.0).to(tl.float32)
+            gg = tl.load(g_ptr + rn[:, None] * sg_n + rd[None, :], mask=msk, other=0.0).to(tl.float32)
+            dm += tl.dot(tl.trans(qq), gg, input_precision="ieee")
+        dm = dm * scale
+        for n0 in range(0, N, BLOCK_N):
+            rn = n0 + rb
+            msk = (rn[:, None] < N) & d_ok[None, :]
+            at = out + rn[:, None] * so_n + rd[None, :]
+            vv = tl.load(v_ptr + rn[:, None] * sv_n + rd[None, :], mask=msk, other=0.0).to(tl.float32)
+            tl.store(dk_ptr + at, tl.dot(vv, tl.trans(dm), input_precision="ieee").to(dk_ptr.dtype.element_ty), mask=msk)
+            kk = tl.load(k_ptr + rn[:, None] * sk_n + rd[None, :], mask=msk, other=0.0).to(tl.float32)
+            tl.store(dv_ptr + at, tl.dot(kk, dm, input_precision="ieee").to(dv_ptr.dtype.element_ty), mask=msk)
+
+
+# the backward kernel holds a [d, d] fp32 tile whole: up to this head dim (wider heads: torch's bmm)
+SSA_BWD_MAX_D = 64
+
+
 def ssa_blocks(d: int) -> dict:
     """Launch parameters of `_ssa_fwd_kernel` for head dim `d`: fixed row blocks (independent of N),
     the whole head dim as the contraction block, at most 64 output columns per program. From head
@@ -173,6 +233,30 @@ def ssa_triton(q: Tensor, k: Tensor, v: Tensor, scale: float, anchor: bool, scor
     c = c_h.sum(2).to(q.dtype)
     s = s_h.sum(2).to(q.dtype) if anchor else c
     return y, s, c
+
+
+def ssa_backward_triton(g: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float,
+                        out: tuple[Tensor, Tensor, Tensor]) -> None:
+    """dQ, dK, dV of y = scale * Q (K^T V) by the Triton kernel, written into `out` (three `[T, B, H, N, d]`
+    views of one layout, unit stride along d); g, q, k, v `[T, B, H, N, d]` in any layout with unit stride
+    along d (others are copied). Head dims up to `SSA_BWD_MAX_D`."""
+    T, B, H, N, D = q.shape
+    if D > SSA_BWD_MAX_D:
+        raise ValueError(f"ssa_backward_triton: head dim {D} > {SSA_BWD_MAX_D}; use the torch backward")
+    g, q, k, v = (_kernel_layout(t) for t in (g, q, k, v))
+    dq, dk, dv = out
+    if any(_kernel_layout(t) is not t for t in out) or not (dq.stride() == dk.stride() == dv.stride()):
+        raise ValueError("ssa_backward_triton: out must be three [T, B, H, N, d] views of one layout with unit "
+                         "stride along d")
+    strides = [st for t in (q, k, v, g, dq) for st in _tb_h_n_strides(t)]
+    _ssa_bwd_kernel[(T * B * H,)](q, k, v, g, dq, dk, dv, H, N, D, scale, *strides, **ssa_bwd_blocks(D))
+
+
+def ssa_bwd_blocks(d: int) -> dict:
+    """Launch parameters of `_ssa_bwd_kernel` for head dim `d`: 16-row blocks (32-row blocks spill the fp32
+    head dim 32 case on sm_80), the whole head dim, 8 warps from head dim 64 up."""
+    block_d = max(16, _next_pow2(d))
+    return {"BLOCK_N": 16, "BLOCK_D": block_d, "num_warps": 8 if block_d >= 64 else 4}
 
 
 # ------------------------------------------------------------------------------------- custom op
@@ -299,15 +383,28 @@ def _(q: Tensor, k: Tensor, v: Tensor, heads: int, scale: float, anchor: bool, s
 
 @torch.library.custom_op("efficient::ssa_unit_backward", mutates_args=())
 def _ssa_unit_backward_op(gy: Tensor, gs: Tensor | None, gc: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
-                          heads: int, scale: float, anchor: bool) -> tuple[Tensor, Tensor, Tensor]:
-    return _ssa_unit_backward_impl(gy, gs, gc, q, k, v, heads, scale, anchor)
+                          heads: int, scale: float, anchor: bool, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    return _ssa_unit_backward_impl(gy, gs, gc, q, k, v, heads, scale, anchor, backend)
+
+
+def _triton_backward(backend: str, q: Tensor, heads: int) -> bool:
+    """Whether the unit's backward runs the Triton kernel: the Triton backend and a head dim it holds."""
+    return backend == "triton" and q.shape[-1] // heads <= SSA_BWD_MAX_D
 
 
 def _ssa_unit_backward_impl(gy: Tensor, gs: Tensor | None, gc: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
-                            heads: int, scale: float, anchor: bool) -> tuple[Tensor, Tensor, Tensor]:
+                            heads: int, scale: float, anchor: bool, backend: str) -> tuple[Tensor, Tensor, Tensor]:
     """dQ, dK, dV `[T, B, N, H d]` from y's gradient `gy` (and the scores' `gs`, `gc`, None when they get
-    none) with autograd's own matmuls of the plain path: y = (Q (K^T V)) * scale for N > d,
-    ((Q K^T) V) * scale otherwise."""
+    none). On the Triton backend one kernel writes them with their heads merged; otherwise autograd's own
+    matmuls of the plain path: y = (Q (K^T V)) * scale for N > d, ((Q K^T) V) * scale otherwise."""
+    if _triton_backward(backend, q, heads):
+        grads = tuple(torch.empty(q.shape, dtype=q.dtype, device=q.device) for _ in range(3))
+        views = tuple(_split(t, heads) for t in grads)
+        q5, k5 = _split(q, heads), _split(k, heads)
+        ssa_backward_triton(_split(gy, heads), q5, k5, _split(v, heads), scale, out=views)
+        if gs is not None or gc is not None:
+            _score_grads(views[0], views[1], q5, k5, gs, gc, anchor, inplace=True)
+        return grads
     q, k, v = _split(q, heads), _split(k, heads), _split(v, heads)
     T, B, H, n, d = q.shape
     g3 = _split(gy, heads).reshape(-1, n, d).mul_(scale)  # (gy * scale) element for element
@@ -331,13 +428,15 @@ def _ssa_unit_backward_impl(gy: Tensor, gs: Tensor | None, gc: Tensor | None, q:
 
 
 def _score_grads(dq: Tensor, dk: Tensor, q: Tensor, k: Tensor, gs: Tensor | None, gc: Tensor | None,
-                 anchor: bool) -> tuple[Tensor, Tensor]:
-    """dQ, dK `[T, B, H, N, d]` plus the gradients of the anchor and mean-query scores (module docstring)."""
+                 anchor: bool, inplace: bool = False) -> tuple[Tensor, Tensor]:
+    """dQ, dK `[T, B, H, N, d]` plus the gradients of the anchor and mean-query scores (module docstring);
+    `inplace`: added into dq and dk themselves."""
     p = int(anchor)
     kp = k[..., p:, :]
     if not anchor and gs is not None:  # s is c: their gradients add
         gc, gs = (gs if gc is None else gc + gs), None
-    dq, dk = dq.clone(), dk.clone()
+    if not inplace:
+        dq, dk = dq.clone(), dk.clone()
     if gc is not None:
         qbar = q[..., p:, :].mean(-2)
         dq[..., p:, :] += torch.einsum("tbm,tbhmd->tbhd", gc, kp).unsqueeze(-2) / (q.shape[-2] - p)
@@ -350,7 +449,9 @@ def _score_grads(dq: Tensor, dk: Tensor, q: Tensor, k: Tensor, gs: Tensor | None
 
 @_ssa_unit_backward_op.register_fake
 def _(gy: Tensor, gs: Tensor | None, gc: Tensor | None, q: Tensor, k: Tensor, v: Tensor, heads: int, scale: float,
-      anchor: bool):
+      anchor: bool, backend: str):
+    if _triton_backward(backend, q, heads):  # the kernel writes three contiguous heads-merged tensors
+        return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
     T, B, n, C = q.shape
     d = C // heads
     # dK leaves its matmul as (dK)^T, `[T, B, H, d, N]`; merged back, the heads fold into a strided view
@@ -361,7 +462,7 @@ def _(gy: Tensor, gs: Tensor | None, gc: Tensor | None, q: Tensor, k: Tensor, v:
 def _ssa_unit_setup(ctx, inputs, output) -> None:
     q, k, v, heads, scale, anchor, scores, backend = inputs
     ctx.save_for_backward(q, k, v)
-    ctx.heads, ctx.scale, ctx.anchor, ctx.scores = heads, scale, anchor, scores
+    ctx.heads, ctx.scale, ctx.anchor, ctx.scores, ctx.backend = heads, scale, anchor, scores, backend
     ctx.set_materialize_grads(False)
 
 
@@ -371,7 +472,7 @@ def _ssa_unit_backward(ctx, gy: Tensor | None, gs: Tensor | None, gc: Tensor | N
         gy = torch.zeros_like(q, memory_format=torch.contiguous_format)
     if not ctx.scores:
         gs = gc = None
-    dq, dk, dv = backward_fn(gy.contiguous(), gs, gc, q, k, v, ctx.heads, ctx.scale, ctx.anchor)
+    dq, dk, dv = backward_fn(gy.contiguous(), gs, gc, q, k, v, ctx.heads, ctx.scale, ctx.anchor, ctx.backend)
     return dq, dk, dv, None, None, None, None, None
 
 

@@ -105,6 +105,21 @@ TRITON_SCRIPT = textwrap.dedent(
                 raise AssertionError("an out with a strided d axis was accepted")
             except ValueError as e:
                 assert "unit stride along d" in str(e)
+            # the backward kernel against autograd's gradients of the reference, on fused-QKV slices,
+            # written into a heads-merged layout
+            g5 = torch.randn(T, B, H, N, D, generator=g)
+            leaves = [t.detach().clone().requires_grad_() for t in (qs, ks, vs)]
+            ref = torch.autograd.grad(ssa.attention_ref(*leaves, 0.125), leaves, g5)
+            bufs = [torch.full((T, B, N, H * D), float("nan")) for _ in range(3)]
+            views = tuple(b.view(T, B, N, H, D).transpose(2, 3) for b in bufs)
+            ssa.ssa_backward_triton(g5, qs, ks, vs, 0.125, out=views)
+            for got, want in zip(views, ref):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            try:  # outputs of different layouts are refused
+                ssa.ssa_backward_triton(g5, qs, ks, vs, 0.125, out=(views[0], views[1], torch.empty(T, B, H, N, D)))
+                raise AssertionError("outputs of different layouts were accepted")
+            except ValueError as e:
+                assert "one layout" in str(e)
             # the unit op on the Triton backend: heads merged, the same values and gradients
             qm, km, vm = (t.detach().transpose(2, 3).reshape(T, B, N, H * D).requires_grad_() for t in (q, k, v))
             y4, s4, c4 = ssa.spiking_attention_unit(qm, km, vm, H, 0.125, anchor, True, backend="triton")
@@ -114,6 +129,19 @@ TRITON_SCRIPT = textwrap.dedent(
                                      (qm, km, vm))
             for a, b in zip(r4, r1):
                 torch.testing.assert_close(a, b.transpose(2, 3).reshape(a.shape), rtol=1e-5, atol=1e-5)
+    wide = torch.zeros(1, 1, 1, 4, 2 * ssa.SSA_BWD_MAX_D)
+    try:  # a head wider than the kernel's tile: the unit's backward takes torch's bmm, the kernel refuses it
+        ssa.ssa_backward_triton(wide, wide, wide, wide, 0.125, out=(wide.clone(), wide.clone(), wide.clone()))
+        raise AssertionError("a head dim above SSA_BWD_MAX_D was accepted")
+    except ValueError as e:
+        assert "head dim" in str(e)
+    qw = (torch.rand(1, 2, 5, 2 * ssa.SSA_BWD_MAX_D, generator=g) < 0.5).float().requires_grad_()
+    yw, _, _ = ssa.spiking_attention_unit(qw, qw, qw, 1, 0.125, backend="triton")
+    (gw,) = torch.autograd.grad(yw.sum(), qw)
+    yw0, _, _ = ssa.spiking_attention_unit(qw, qw, qw, 1, 0.125, backend="torch")
+    (gw0,) = torch.autograd.grad(yw0.sum(), qw)
+    assert torch.equal(yw, yw0)
+    torch.testing.assert_close(gw, gw0, rtol=1e-5, atol=1e-5)
     print("TRITON-OK")
     """
 )
@@ -154,6 +182,15 @@ REAL_SHAPE_SCRIPT = textwrap.dedent(
             assert torch.equal(s.float(), s32.to(dtype).float())
         y2, _, _ = ssa.ssa_triton(q, k, v, 0.125, anchor, False)
         assert torch.equal(y2, y)
+    # the backward kernel over several row blocks, against autograd's fp32 gradients of the reference
+    gy = torch.randn(T, B, H, N, D, generator=g).to(dtype)
+    leaves = [t.float().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(ssa.attention_ref(*leaves, 0.125), leaves, gy.float())
+    got = tuple(torch.empty(T, B, H, N, D, dtype=dtype) for _ in range(3))
+    ssa.ssa_backward_triton(gy, q, k, v, 0.125, out=got)
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.float(), b, **tol)
     print("TRITON-OK", round(time.perf_counter() - t0, 2))
     """
 )
