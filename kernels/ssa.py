@@ -286,21 +286,44 @@ def _(q: Tensor, k: Tensor, v: Tensor, scale: float, anchor: bool, scores: bool,
     return q.new_empty(q.shape), q.new_empty(shape), q.new_empty(shape)  # contiguous, as both real paths return y
 
 
+@torch.library.custom_op("efficient::ssa_backward", mutates_args=())
+def _ssa_backward_op(gy: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """dQ, dK, dV `[T, B, H, N, d]` of y = scale * Q (K^T V): what compiled graphs call on the Triton backend."""
+    return _attention_grads(gy, q, k, v, scale, backend)
+
+
+@_ssa_backward_op.register_fake
+def _(gy: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float, backend: str):
+    return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
+
+
+def _attention_grads(gy: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """dQ, dK, dV of y = scale * Q (K^T V): the Triton kernel on that backend (head dims up to
+    `SSA_BWD_MAX_D`), else torch's matmuls."""
+    if backend == "triton" and q.shape[-1] <= SSA_BWD_MAX_D:
+        out = tuple(torch.empty(q.shape, dtype=q.dtype, device=q.device) for _ in range(3))
+        ssa_backward_triton(gy, q, k, v, scale, out=out)
+        return out
+    m = k.transpose(-2, -1) @ v  # [.., d, d]
+    dm = q.transpose(-2, -1) @ gy * scale
+    return gy @ m.transpose(-2, -1) * scale, v @ dm.transpose(-2, -1), k @ dm
+
+
 def _ssa_setup(ctx, inputs, output) -> None:
     q, k, v, scale, anchor, scores, backend = inputs
     ctx.save_for_backward(q, k, v)
-    ctx.scale, ctx.anchor, ctx.scores = scale, anchor, scores
+    ctx.scale, ctx.anchor, ctx.scores, ctx.backend = scale, anchor, scores, backend
 
 
 def _ssa_backward(ctx, gy: Tensor, gs: Tensor | None, gc: Tensor | None):
     """Analytic gradients of y = scale*Q(K^T V) and of the score sums (see module docstring)."""
     q, k, v = ctx.saved_tensors
     scale = ctx.scale
-    m = k.transpose(-2, -1) @ v  # [.., d, d]
-    dm = q.transpose(-2, -1) @ gy * scale
-    dq = gy @ m.transpose(-2, -1) * scale
-    dk = v @ dm.transpose(-2, -1)
-    dv = k @ dm
+    if ctx.backend == "triton":  # one kernel (an op of its own where a graph is traced)
+        grads = _attention_grads if eager_call(gy, op="ssa_backward") else torch.ops.efficient.ssa_backward
+        dq, dk, dv = grads(gy, q, k, v, scale, "triton")
+    else:
+        dq, dk, dv = _attention_grads(gy, q, k, v, scale, "torch")
     if ctx.scores:
         p = int(ctx.anchor)
         kp = k[..., p:, :]

@@ -70,6 +70,8 @@ def op_cases(dtype):
         ("ssa_unit_backward-no-scores", torch.ops.efficient.ssa_unit_backward,
          (_randn(2, 1, 9, 16, dtype=dtype, seed=52), None, None, *qkv.detach().split(16, -1), 2, 0.125, False,
           "torch")),
+        ("ssa_backward", torch.ops.efficient.ssa_backward,
+         (_randn(2, 1, 2, 9, 8, dtype=dtype, seed=55), q.detach(), k.detach(), v.detach(), 0.125, "torch")),
         ("stata_select", torch.ops.efficient.stata_select, (_randn(2, 2, 9, dtype=dtype, seed=8), 4, 1e-6, True, "torch")),
         ("token_gather", torch.ops.efficient.token_gather, (_randn(2, 2, 9, 4, dtype=dtype, seed=9, grad=True), idx, "torch")),
         ("token_scatter", torch.ops.efficient.token_scatter, (_randn(2, 2, 4, 4, dtype=dtype, seed=10, grad=True), idx, 9, "torch")),
