@@ -126,6 +126,11 @@ if HAS_TRITON:
 if HAS_TRITON:
 
     @triton.jit
+    def _rows_tl(ptr, rn, sn, rd, msk):
+        """Rows `rn` (stride `sn`) of a head, columns `rd`, as fp32 (masked entries 0)."""
+        return tl.load(ptr + rn[:, None] * sn + rd[None, :], mask=msk, other=0.0).to(tl.float32)
+
+    @triton.jit
     def _ssa_bwd_kernel(
         q_ptr, k_ptr, v_ptr, g_ptr, dq_ptr, dk_ptr, dv_ptr, H, N, D, scale,
         sq_tb, sq_h, sq_n, sk_tb, sk_h, sk_n, sv_tb, sv_h, sv_n, sg_tb, sg_h, sg_n, so_tb, so_h, so_n,
@@ -152,30 +157,30 @@ if HAS_TRITON:
         for n0 in range(0, N, BLOCK_N):
             rn = n0 + rb
             msk = (rn[:, None] < N) & d_ok[None, :]
-            kk = tl.load(k_ptr + rn[:, None] * sk_n + rd[None, :], mask=msk, other=0.0).to(tl.float32)
-            vv = tl.load(v_ptr + rn[:, None] * sv_n + rd[None, :], mask=msk, other=0.0).to(tl.float32)
+            kk = _rows_tl(k_ptr, rn, sk_n, rd, msk)
+            vv = _rows_tl(v_ptr, rn, sv_n, rd, msk)
             m += tl.dot(tl.trans(kk), vv, input_precision="ieee")
         for n0 in range(0, N, BLOCK_N):
             rn = n0 + rb
             msk = (rn[:, None] < N) & d_ok[None, :]
-            gg = tl.load(g_ptr + rn[:, None] * sg_n + rd[None, :], mask=msk, other=0.0).to(tl.float32)
+            gg = _rows_tl(g_ptr, rn, sg_n, rd, msk)
             dq = tl.dot(gg, tl.trans(m), input_precision="ieee") * scale
             tl.store(dq_ptr + out + rn[:, None] * so_n + rd[None, :], dq.to(dq_ptr.dtype.element_ty), mask=msk)
         dm = tl.zeros([BLOCK_D, BLOCK_D], dtype=tl.float32)
         for n0 in range(0, N, BLOCK_N):
             rn = n0 + rb
             msk = (rn[:, None] < N) & d_ok[None, :]
-            qq = tl.load(q_ptr + rn[:, None] * sq_n + rd[None, :], mask=msk, other=0.0).to(tl.float32)
-            gg = tl.load(g_ptr + rn[:, None] * sg_n + rd[None, :], mask=msk, other=0.0).to(tl.float32)
+            qq = _rows_tl(q_ptr, rn, sq_n, rd, msk)
+            gg = _rows_tl(g_ptr, rn, sg_n, rd, msk)
             dm += tl.dot(tl.trans(qq), gg, input_precision="ieee")
         dm = dm * scale
         for n0 in range(0, N, BLOCK_N):
             rn = n0 + rb
             msk = (rn[:, None] < N) & d_ok[None, :]
             at = out + rn[:, None] * so_n + rd[None, :]
-            vv = tl.load(v_ptr + rn[:, None] * sv_n + rd[None, :], mask=msk, other=0.0).to(tl.float32)
+            vv = _rows_tl(v_ptr, rn, sv_n, rd, msk)
             tl.store(dk_ptr + at, tl.dot(vv, tl.trans(dm), input_precision="ieee").to(dk_ptr.dtype.element_ty), mask=msk)
-            kk = tl.load(k_ptr + rn[:, None] * sk_n + rd[None, :], mask=msk, other=0.0).to(tl.float32)
+            kk = _rows_tl(k_ptr, rn, sk_n, rd, msk)
             tl.store(dv_ptr + at, tl.dot(kk, dm, input_precision="ieee").to(dv_ptr.dtype.element_ty), mask=msk)
 
 
