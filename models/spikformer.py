@@ -312,12 +312,14 @@ class SSA(nn.Module):
         """Output `[T, B, N, D]` and, if `scores`, STATA's anchor / mean-query scores (one fused pass), from
         Q, K, V `[T, B, H, N, d]` or `[T, B, N, D]` (`qkv(x, split=False)`)."""
         if q.dim() == 4:
-            # eager: one op each way (inductor sees the plain ops; a profiler's hooks, autocast's per-op
-            # casts and `separate_units()` get them too). STATA's scores on the torch backend take the
-            # plain path: autograd's gradients of their einsums are what eager training computes there,
-            # and the unit's closed form rounds them otherwise (the Triton path always used it)
-            if (not torch.compiler.is_compiling() and _one_call_allowed(self.attn_lif)
-                    and not (scores and ssa_backend(self.kernel_backend, q, "ssa") == "torch")):
+            # one op each way: eager, and compiled on the Triton backend (where the attention is an op
+            # anyway); a compiled torch backend gives inductor the plain ops, and a profiler's hooks,
+            # autocast's per-op casts and `separate_units()` get them too. STATA's scores on the torch
+            # backend take the plain path: autograd's gradients of their einsums are what eager training
+            # computes there, and the unit's closed form rounds them otherwise (the Triton path always used it)
+            torch_backend = ssa_backend(self.kernel_backend, q, "ssa") == "torch"
+            if (not (torch_backend and (scores or torch.compiler.is_compiling()))
+                    and _one_call_allowed(self.attn_lif)):
                 y, s, c = spiking_attention_unit(q, k, v, self.heads, self.scale, anchor=anchor, scores=scores,
                                                  backend=self.kernel_backend)
                 return self.proj(self.attn_lif(y)), s, c

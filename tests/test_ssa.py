@@ -142,6 +142,23 @@ TRITON_SCRIPT = textwrap.dedent(
     (gw0,) = torch.autograd.grad(yw0.sum(), qw)
     assert torch.equal(yw, yw0)
     torch.testing.assert_close(gw, gw0, rtol=1e-5, atol=1e-5)
+    # compiled on the Triton backend, a Spikformer block runs the unit op too, with eager's values
+    from efficient.models.spikformer import Block
+    torch.manual_seed(0)
+    block = Block(32, 2, 2.0, {"tau": 2.0}, kernel_backend="triton")
+    xb = (torch.rand(2, 2, 9, 32, generator=g) < 0.3).float() * 2
+    calls = []
+    unit_impl = ssa._ssa_unit_impl  # what the op runs (the eager path holds its own reference)
+    outs = []
+    for m in (block, torch.compile(block, fullgraph=True)):
+        xx = xb.clone().requires_grad_()
+        ssa._ssa_unit_impl = lambda *a: calls.append(1) or unit_impl(*a)
+        yb = m(xx)
+        ssa._ssa_unit_impl = unit_impl
+        outs.append((yb.detach(), torch.autograd.grad(yb.sum(), xx)[0]))
+    assert len(calls) == 1, calls  # the compiled graph calls the op
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=0, atol=0)
+    torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1e-5, atol=1e-5)
     print("TRITON-OK")
     """
 )
