@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import sys
@@ -25,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import step as step_bench  # noqa: E402
+from host_memory import geo_ci  # noqa: E402 - geometric mean of ratios, 95 % t-interval
 
 from efficient.models import spikformer  # noqa: E402
 
@@ -66,15 +66,6 @@ def saved_bytes(step) -> int:
     return sum(seen.values())
 
 
-def interval(ratios: list[float]) -> tuple[float, float, float]:
-    """Geometric mean of per-round ratios and its 95 % t interval."""
-    logs = [math.log(r) for r in ratios]
-    m, sd = statistics.mean(logs), statistics.stdev(logs)
-    t = {4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365, 9: 2.306, 10: 2.262}.get(len(logs) - 1, 2.0)
-    h = t * sd / math.sqrt(len(logs))
-    return math.exp(m), math.exp(m - h), math.exp(m + h)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["spikformer-4-384", "spikformer-stata"])
@@ -101,7 +92,7 @@ def main() -> None:
                 step()
                 times[on].append(time.perf_counter() - t0)
         use_unit(True)
-        g, lo, hi = interval([a / b for a, b in zip(times[True], times[False])])
+        g, lo, hi = geo_ci([a / b for a, b in zip(times[True], times[False])])
         rows.append((name, res, {k: statistics.median(v) for k, v in times.items()}, (g, lo, hi)))
     print(f"# load after {os.getloadavg()[0]:.2f}\n")
     print("| model, batch %d | path | ops a dispatch mode sees (do work) | aten ops run | saved for backward MiB "

@@ -60,6 +60,11 @@ def ssa_ref(q: Tensor, k: Tensor, v: Tensor, scale: float = 0.125, anchor: bool 
 if HAS_TRITON:
 
     @triton.jit
+    def _rows_tl(ptr, rn, sn, rd, msk):
+        """Rows `rn` (stride `sn`) of a head, columns `rd`, as fp32 (masked entries 0)."""
+        return tl.load(ptr + rn[:, None] * sn + rd[None, :], mask=msk, other=0.0).to(tl.float32)
+
+    @triton.jit
     def _ssa_fwd_kernel(
         q_ptr, k_ptr, v_ptr, y_ptr, s_ptr, c_ptr, H, N, D, scale,
         sq_tb, sq_h, sq_n, sk_tb, sk_h, sk_n, sv_tb, sv_h, sv_n, sy_tb, sy_h, sy_n,
@@ -94,7 +99,7 @@ if HAS_TRITON:
             for n0 in range(P, N, BLOCK_N):
                 rn = n0 + rb
                 msk = (rn[:, None] < N) & d_ok[None, :]
-                qq = tl.load(q_ptr + rn[:, None] * sq_n + rd[None, :], mask=msk, other=0.0).to(tl.float32)
+                qq = _rows_tl(q_ptr, rn, sq_n, rd, msk)
                 qsum += tl.sum(qq, 0)
             cnt = tl.zeros([BLOCK_D], dtype=tl.float32) + (N - P)
             qbar = tl.math.div_rn(qsum, cnt)
@@ -107,8 +112,8 @@ if HAS_TRITON:
         for n0 in range(0, N, BLOCK_N):
             rn = n0 + rb
             rows = rn[:, None] < N
-            kk = tl.load(k_ptr + rn[:, None] * sk_n + rd[None, :], mask=rows & d_ok[None, :], other=0.0).to(tl.float32)
-            vv = tl.load(v_ptr + rn[:, None] * sv_n + re[None, :], mask=rows & e_ok[None, :], other=0.0).to(tl.float32)
+            kk = _rows_tl(k_ptr, rn, sk_n, rd, rows & d_ok[None, :])
+            vv = _rows_tl(v_ptr, rn, sv_n, re, rows & e_ok[None, :])
             m += tl.dot(tl.trans(kk), vv, input_precision="ieee")
             if SCORES:
                 out = (rn >= P) & (rn < N) & (e0 == 0)  # the first column block writes the scores
@@ -118,17 +123,9 @@ if HAS_TRITON:
         for n0 in range(0, N, BLOCK_N):
             rn = n0 + rb
             rows = rn[:, None] < N
-            qq = tl.load(q_ptr + rn[:, None] * sq_n + rd[None, :], mask=rows & d_ok[None, :], other=0.0).to(tl.float32)
+            qq = _rows_tl(q_ptr, rn, sq_n, rd, rows & d_ok[None, :])
             y = tl.dot(qq, m, input_precision="ieee") * scale
             tl.store(y_ptr + rn[:, None] * sy_n + re[None, :], y.to(y_ptr.dtype.element_ty), mask=rows & e_ok[None, :])
-
-
-if HAS_TRITON:
-
-    @triton.jit
-    def _rows_tl(ptr, rn, sn, rd, msk):
-        """Rows `rn` (stride `sn`) of a head, columns `rd`, as fp32 (masked entries 0)."""
-        return tl.load(ptr + rn[:, None] * sn + rd[None, :], mask=msk, other=0.0).to(tl.float32)
 
     @triton.jit
     def _ssa_bwd_kernel(
@@ -329,25 +326,8 @@ def _ssa_backward(ctx, gy: Tensor, gs: Tensor | None, gc: Tensor | None):
         dq, dk, dv = grads(gy, q, k, v, scale, "triton")
     else:
         dq, dk, dv = _attention_grads(gy, q, k, v, scale, "torch")
-    if ctx.scores:
-        p = int(ctx.anchor)
-        kp = k[..., p:, :]
-        gs = torch.zeros(0) if gs is None else gs
-        gc = torch.zeros(0) if gc is None else gc
-        if not ctx.anchor and gs.numel():  # s is c: their gradients add
-            gc, gs = (gc + gs if gc.numel() else gs), torch.zeros(0)
-        if gc.numel():
-            qbar = q[..., p:, :].mean(-2)
-            dqbar = torch.einsum("tbm,tbhmd->tbhd", gc, kp)
-            dq = dq.clone()
-            dq[..., p:, :] += dqbar.unsqueeze(-2) / (q.shape[-2] - p)
-            dk = dk.clone()
-            dk[..., p:, :] += torch.einsum("tbm,tbhd->tbhmd", gc, qbar)
-        if gs.numel():
-            dq = dq.clone()
-            dq[..., 0, :] += torch.einsum("tbm,tbhmd->tbhd", gs, kp)
-            dk = dk.clone()
-            dk[..., p:, :] += torch.einsum("tbm,tbhd->tbhmd", gs, q[..., 0, :])
+    if ctx.scores:  # materialized gradients: an unused score's are zeros, which add nothing
+        dq, dk = _score_grads(dq, dk, q, k, gs, gc, ctx.anchor)
     return dq, dk, dv, None, None, None, None
 
 
@@ -541,22 +521,22 @@ register_flops((torch.ops.efficient.ssa_unit, _unit_flops),
 # ------------------------------------------------------------------------------------ public API
 
 
-def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
-    """Errors that name the argument: rank, heads, shape and dtype of q, k, v."""
-    dims = "T, B, H, N, d"
+def _check_qkv(q: Tensor, k: Tensor, v: Tensor, merged: bool = False) -> None:
+    """Errors that name the argument: rank, heads, shape and dtype of q, k, v, heads split off
+    (`[T, B, H, N, d]`) or `merged` (`[T, B, N, H*d]`)."""
+    rank, dims, layout = (4, "T, B, N, H*d", "heads merged") if merged else (5, "T, B, H, N, d", "heads split off")
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 5:
-            raise ValueError(f"{name} must be 5-D [{dims}] (heads split off), got {t.dim()}-D shape {list(t.shape)}")
+        if t.dim() != rank:
+            raise ValueError(f"{name} must be {rank}-D [{dims}] ({layout}), got {t.dim()}-D shape {list(t.shape)}")
         if not t.is_floating_point():
             raise ValueError(f"{name} must be a floating tensor (spikes as 0/1 values), got {t.dtype}")
     for name, t in (("k", k), ("v", v)):
-        if t.shape[2] != q.shape[2]:
+        if not merged and t.shape[2] != q.shape[2]:
             raise ValueError(f"{name} has {t.shape[2]} heads but q has {q.shape[2]}: q, k, v must share a [{dims}] shape")
         if t.shape != q.shape:
             raise ValueError(f"{name} has shape {list(t.shape)} but q has {list(q.shape)}: q, k, v must share a [{dims}] shape")
         if t.dtype != q.dtype:
             raise ValueError(f"{name} is {t.dtype} but q is {q.dtype}: q, k, v must share a dtype")
-
 
 def spiking_attention(
     q: Tensor, k: Tensor, v: Tensor, scale: float = 0.125, anchor: bool = False, scores: bool = False, backend: str = "auto"
@@ -581,17 +561,7 @@ def spiking_attention_unit(
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """`spiking_attention` on Q, K, V with their `heads` merged, `[T, B, N, H d]`: `(y [T, B, N, H d],
     s, c)`, one op forward and one backward on every backend (`efficient::ssa_unit`)."""
-    dims = "T, B, N, H*d"
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D [{dims}] (heads merged), got {t.dim()}-D shape {list(t.shape)}")
-        if not t.is_floating_point():
-            raise ValueError(f"{name} must be a floating tensor (spikes as 0/1 values), got {t.dtype}")
-    for name, t in (("k", k), ("v", v)):
-        if t.shape != q.shape:
-            raise ValueError(f"{name} has shape {list(t.shape)} but q has {list(q.shape)}: q, k, v must share a [{dims}] shape")
-        if t.dtype != q.dtype:
-            raise ValueError(f"{name} is {t.dtype} but q is {q.dtype}: q, k, v must share a dtype")
+    _check_qkv(q, k, v, merged=True)
     if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or q.shape[-1] % heads:
         raise ValueError(f"heads must be a positive int dividing the {q.shape[-1]} channels of q, got {heads!r}")
     if scores and q.shape[-2] <= int(anchor):

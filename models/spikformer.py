@@ -317,11 +317,11 @@ class SSA(nn.Module):
             # autocast's per-op casts and `separate_units()` get them too. STATA's scores on the torch
             # backend take the plain path: autograd's gradients of their einsums are what eager training
             # computes there, and the unit's closed form rounds them otherwise (the Triton path always used it)
-            torch_backend = ssa_backend(self.kernel_backend, q, "ssa") == "torch"
-            if (not (torch_backend and (scores or torch.compiler.is_compiling()))
+            backend = ssa_backend(self.kernel_backend, q, "ssa")
+            if (not (backend == "torch" and (scores or torch.compiler.is_compiling()))
                     and _one_call_allowed(self.attn_lif)):
                 y, s, c = spiking_attention_unit(q, k, v, self.heads, self.scale, anchor=anchor, scores=scores,
-                                                 backend=self.kernel_backend)
+                                                 backend=backend)
                 return self.proj(self.attn_lif(y)), s, c
             q, k, v = self.split_heads(q), self.split_heads(k), self.split_heads(v)
         y, s, c = spiking_attention(q, k, v, self.scale, anchor=anchor, scores=scores, backend=self.kernel_backend)
