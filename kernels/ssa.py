@@ -38,12 +38,37 @@ def attention_ref(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     return (q @ k.transpose(-2, -1)) @ v * scale
 
 
+# The operands are contiguous copies whatever the head count (with one head a reshape could be a strided
+# view): a bmm's rounding follows its operands' layout, and memory level `bits` hands bmm contiguous
+# copies of spike operands (efficient.memory.spikes), so any other layout would round otherwise there.
+
+
+def _contraction_rows(a: Tensor) -> Tensor:
+    """A query row `[T, B, H, d]` as the `[T B, 1, d H]` left operand of `_score_of` (d major, h minor)."""
+    T, B, H, d = a.shape
+    return a.permute(0, 1, 3, 2).reshape(T * B, 1, d * H).contiguous()
+
+
+def _contraction_keys(kp: Tensor) -> Tensor:
+    """Keys `[T, B, H, m, d]` as the `[T B, d H, m]` right operand of `_score_of`."""
+    T, B, H, m, d = kp.shape
+    return kp.permute(0, 1, 4, 2, 3).reshape(T * B, d * H, m).contiguous()
+
+
+def _score_of(a: Tensor, kp: Tensor) -> Tensor:
+    """`einsum("tbhd,tbhmd->tbm", a, kp)` as the one bmm torch's einsum lowers it to (contraction over
+    (d, h), d major). Written out so that the unit's backward (`_score_grads`) can run autograd's own
+    bmms of this product on the same operands: the same gradients bit for bit, on any torch release."""
+    T, B, H, m, d = kp.shape
+    return torch.bmm(_contraction_rows(a), _contraction_keys(kp)).view(T, B, m)
+
+
 def scores_ref(q: Tensor, k: Tensor, anchor: bool) -> tuple[Tensor, Tensor]:
     """(s, c), each `[T, B, N - anchor]`: anchor-query scores and mean-patch-query scores."""
     p = int(anchor)
     kp = k[..., p:, :]
-    c = torch.einsum("tbhd,tbhmd->tbm", q[..., p:, :].mean(-2), kp)
-    s = torch.einsum("tbhd,tbhmd->tbm", q[..., 0, :], kp) if anchor else c
+    c = _score_of(q[..., p:, :].mean(-2), kp)
+    s = _score_of(q[..., 0, :], kp) if anchor else c
     return s, c
 
 
@@ -438,20 +463,32 @@ def _ssa_unit_backward_impl(gy: Tensor, gs: Tensor | None, gc: Tensor | None, q:
 def _score_grads(dq: Tensor, dk: Tensor, q: Tensor, k: Tensor, gs: Tensor | None, gc: Tensor | None,
                  anchor: bool, inplace: bool = False) -> tuple[Tensor, Tensor]:
     """dQ, dK `[T, B, H, N, d]` plus the gradients of the anchor and mean-query scores (module docstring);
-    `inplace`: added into dq and dk themselves."""
+    `inplace`: added into dq and dk themselves. The bmms, their operands and the order of the sums are
+    autograd's for `scores_ref`, so the result equals the plain path's bit for bit: per score
+    x = a . kp, da = g kp^T and dkp = a^T g; the two scores' dkp are summed before they reach dK; the
+    mean query's gradient is da / n, broadcast over its rows."""
     p = int(anchor)
     kp = k[..., p:, :]
+    T, B, H, m, d = kp.shape
     if not anchor and gs is not None:  # s is c: their gradients add
         gc, gs = (gs if gc is None else gc + gs), None
     if not inplace:
         dq, dk = dq.clone(), dk.clone()
-    if gc is not None:
-        qbar = q[..., p:, :].mean(-2)
-        dq[..., p:, :] += torch.einsum("tbm,tbhmd->tbhd", gc, kp).unsqueeze(-2) / (q.shape[-2] - p)
-        dk[..., p:, :] += torch.einsum("tbm,tbhd->tbhmd", gc, qbar)
-    if gs is not None:
-        dq[..., 0, :] += torch.einsum("tbm,tbhmd->tbhd", gs, kp)
-        dk[..., p:, :] += torch.einsum("tbm,tbhd->tbhmd", gs, q[..., 0, :])
+    keys = _contraction_keys(kp)
+    dkp = None
+    for g, a in ((gc, q[..., p:, :].mean(-2) if gc is not None else None), (gs, q[..., 0, :])):
+        if g is None:
+            continue
+        g3 = g.reshape(T * B, 1, m)
+        da = torch.bmm(g3, keys.transpose(1, 2)).view(T, B, d, H).permute(0, 1, 3, 2)
+        dk3 = torch.bmm(_contraction_rows(a).transpose(1, 2), g3)
+        dkp = dk3 if dkp is None else dkp + dk3
+        if g is gc:
+            dq[..., p:, :] += da.unsqueeze(-2) / (q.shape[-2] - p)
+        else:
+            dq[..., 0, :] += da
+    if dkp is not None:
+        dk[..., p:, :] += dkp.view(T, B, d, H, m).permute(0, 1, 3, 4, 2)
     return dq, dk
 
 

@@ -314,12 +314,10 @@ class SSA(nn.Module):
         if q.dim() == 4:
             # one op each way: eager, and compiled on the Triton backend (where the attention is an op
             # anyway); a compiled torch backend gives inductor the plain ops, and a profiler's hooks,
-            # autocast's per-op casts and `separate_units()` get them too. STATA's scores on the torch
-            # backend take the plain path: autograd's gradients of their einsums are what eager training
-            # computes there, and the unit's closed form rounds them otherwise (the Triton path always used it)
+            # autocast's per-op casts and `separate_units()` get them too. On the torch backend the unit
+            # computes what the plain path's autograd does, STATA's scores and their gradients included
             backend = ssa_backend(self.kernel_backend, q, "ssa")
-            if (not (backend == "torch" and (scores or torch.compiler.is_compiling()))
-                    and _one_call_allowed(self.attn_lif)):
+            if not (backend == "torch" and torch.compiler.is_compiling()) and _one_call_allowed(self.attn_lif):
                 y, s, c = spiking_attention_unit(q, k, v, self.heads, self.scale, anchor=anchor, scores=scores,
                                                  backend=backend)
                 return self.proj(self.attn_lif(y)), s, c

@@ -285,21 +285,46 @@ def test_unit_op_equals_the_plain_path_bit_for_bit(n: int, heads: int, d: int):
 
 
 @pytest.mark.parametrize("anchor", [True, False])
-def test_unit_op_scores_and_their_gradients_match_the_plain_path(anchor: bool):
-    qkv = spikes(2, 2, 11, 3 * 16, seed=3).requires_grad_()
+@pytest.mark.parametrize("n, heads, d", [(11, 2, 8), (64, 12, 32), (5, 3, 16)])
+def test_unit_op_scores_and_their_gradients_equal_the_plain_path_bit_for_bit(anchor: bool, n: int, heads: int,
+                                                                              d: int):
+    """STATA's scoring blocks train through the unit: its score gradients are autograd's of the plain
+    path's bmms, summed in the same order, so eager training keeps its trajectory bit for bit."""
+    qkv = spikes(2, 2, n, 3 * heads * d, seed=3).requires_grad_()
     g = torch.Generator().manual_seed(8)
-    outs0 = _plain_unit(qkv, 2, anchor, True)
-    outs1 = ssa.spiking_attention_unit(*qkv.split(16, -1), 2, 0.125, anchor, True, backend="torch")
+    outs0 = _plain_unit(qkv, heads, anchor, True)
+    outs1 = ssa.spiking_attention_unit(*qkv.split(heads * d, -1), heads, 0.125, anchor, True, backend="torch")
     weights = [torch.randn(t.shape, generator=g) for t in outs0]
     for a, b in zip(outs0, outs1):
         assert torch.equal(a, b)
     (g0,) = torch.autograd.grad(sum((t * w).sum() for t, w in zip(outs0, weights)), qkv, retain_graph=True)
     (g1,) = torch.autograd.grad(sum((t * w).sum() for t, w in zip(outs1, weights)), qkv, retain_graph=True)
-    torch.testing.assert_close(g1, g0, rtol=1e-5, atol=1e-6)
-    # only the scores reach Q and K: the mean-query and anchor formulas of the backward carry them alone
-    (gs,) = torch.autograd.grad(outs1[1].sum() + outs1[2].sum(), qkv)
-    (gs0,) = torch.autograd.grad(outs0[1].sum() + outs0[2].sum(), qkv)
-    torch.testing.assert_close(gs, gs0, rtol=1e-5, atol=1e-6)
+    assert torch.equal(g1, g0)
+    # only the scores reach Q and K (gradients that arrive expanded, as a sum's do)
+    (gs,) = torch.autograd.grad(outs1[1].sum() + outs1[2].sum(), qkv, retain_graph=True)
+    (gs0,) = torch.autograd.grad(outs0[1].sum() + outs0[2].sum(), qkv, retain_graph=True)
+    assert torch.equal(gs, gs0)
+    # one score alone: the other's gradient is None in the unit
+    (g1,) = torch.autograd.grad((outs1[2] * weights[2]).sum(), qkv)
+    (g0,) = torch.autograd.grad((outs0[2] * weights[2]).sum(), qkv)
+    assert torch.equal(g1, g0)
+
+
+@pytest.mark.parametrize("anchor", [True, False])
+def test_scores_are_the_einsum_of_their_definition(anchor: bool):
+    """`scores_ref`'s written-out bmm is the einsum of the module docstring, values and gradients."""
+    q, k = (spikes(2, 3, 4, 9, 8, seed=i).requires_grad_() for i in (1, 2))
+    s, c = ssa.scores_ref(q, k, anchor)
+    p = int(anchor)
+    c0 = torch.einsum("tbhd,tbhmd->tbm", q[..., p:, :].mean(-2), k[..., p:, :])
+    s0 = torch.einsum("tbhd,tbhmd->tbm", q[..., 0, :], k[..., p:, :]) if anchor else c0
+    torch.testing.assert_close(c, c0, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(s, s0, rtol=1e-6, atol=1e-6)
+    w = torch.randn(c.shape, generator=torch.Generator().manual_seed(0))
+    got = torch.autograd.grad(((s + c) * w).sum(), (q, k))
+    ref = torch.autograd.grad(((s0 + c0) * w).sum(), (q, k))
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
 def test_unit_op_flops_are_the_plain_paths_plus_the_rerun_product():
@@ -360,11 +385,11 @@ def test_the_zoo_attention_runs_as_one_op_unless_something_watches():
         hook.remove()
     assert "ssa_unit.default" not in names0 and "bmm.default" in names0
     assert torch.equal(y1, y0) and torch.equal(g1, g0)
-    # STATA's scores on the torch backend: the plain path, whose einsum gradients eager training has always had
+    # STATA's scores on the torch backend: the unit too (its score gradients are the plain path's)
     q, k, v = block.attn.qkv(x, split=False)
     with Names() as mode:
         block.attn.attend(q, k, v, anchor=True, scores=True)
-    assert "ssa_unit.default" not in mode.names and "bmm.default" in mode.names
+    assert "ssa_unit.default" in mode.names and "bmm.default" not in mode.names
 
 
 def test_unit_op_bad_input_names_the_argument():

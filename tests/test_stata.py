@@ -540,3 +540,39 @@ def test_fused_qkv_unit_gives_the_same_spikes_and_running_stats_as_three_units()
     for (n, p), q in zip(attn.named_parameters(), ref.parameters()):
         if p.grad is not None or q.grad is not None:
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_training_through_the_attention_unit_equals_the_plain_path_bit_for_bit(monkeypatch):
+    """The scoring blocks run the attention as one op each way
+    (`spiking_attention_unit`); eight AdamW steps through the keep-ratio warm-up give the weights,
+    running statistics and kept tokens of the plain split/attend/merge path bit for bit."""
+    import efficient.models.spikformer as spk
+
+    def train(plain: bool):
+        torch.manual_seed(0)
+        m = tiny().train()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(1)
+        kept, calls = [], []
+        unit = spk.spiking_attention_unit
+        monkeypatch.setattr(spk, "spiking_attention_unit", lambda *a, **kw: calls.append(kw["scores"]) or unit(*a, **kw))
+        if plain:
+            monkeypatch.setattr(spk, "_one_call_allowed", lambda *a: False)
+        for step in range(8):
+            m.set_progress(step / 8)
+            x, y = torch.rand(4, 1, 16, 16, generator=g) * 2, torch.randint(0, 10, (4,), generator=g)
+            loss, _ = Stata(label_smoothing=0.1).loss(m, (x, y))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            kept += [i.clone() for i in m.stata_stats.get("kept_idx", [])]
+        monkeypatch.undo()
+        return m.state_dict(), kept, calls
+
+    unit_state, unit_kept, calls = train(plain=False)
+    plain_state, plain_kept, plain_calls = train(plain=True)
+    assert not plain_calls and True in calls  # the scoring blocks ran the unit
+    assert unit_kept and len(unit_kept) == len(plain_kept)
+    assert all(torch.equal(a, b) for a, b in zip(unit_kept, plain_kept))
+    for name, t in plain_state.items():
+        assert torch.equal(unit_state[name], t), name
