@@ -476,14 +476,15 @@ def _score_grads(dq: Tensor, dk: Tensor, q: Tensor, k: Tensor, gs: Tensor | None
         dq, dk = dq.clone(), dk.clone()
     keys = _contraction_keys(kp)
     dkp = None
-    for g, a in ((gc, q[..., p:, :].mean(-2) if gc is not None else None), (gs, q[..., 0, :])):
-        if g is None:
-            continue
+    # (gradient, query row, whether the row is the mean of the patch queries)
+    terms = ([(gc, q[..., p:, :].mean(-2), True)] if gc is not None else []) + (
+        [(gs, q[..., 0, :], False)] if gs is not None else [])
+    for g, a, mean in terms:
         g3 = g.reshape(T * B, 1, m)
         da = torch.bmm(g3, keys.transpose(1, 2)).view(T, B, d, H).permute(0, 1, 3, 2)
         dk3 = torch.bmm(_contraction_rows(a).transpose(1, 2), g3)
         dkp = dk3 if dkp is None else dkp + dk3
-        if g is gc:
+        if mean:
             dq[..., p:, :] += da.unsqueeze(-2) / (q.shape[-2] - p)
         else:
             dq[..., 0, :] += da
