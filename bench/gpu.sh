@@ -29,7 +29,8 @@
 #                  CIFAR b64 / ImageNet b32 shapes: checked, then timed fwd+bwd   (bench/bn_lif.py)
 #  stata_kernels   SSA + token selection vs their references at CIFAR/ImageNet/N=1024 shapes, and
 #                  whole-model gradients with Triton vs torch kernels      (bench/stata_kernels.py)
-#  ee_kernels      exit_confidence (split kernel) and linear_ce vs their references, then timed
+#  ee_kernels      exit_confidence (the few-rows kernel at decode's N=1, the split kernel at N=1024) and
+#                  linear_ce vs their references, then timed
 #  ee_decode_s0/_s1  decoding speed per exit strategy of each trained seed   (bench/early_exit.py)
 #  steps_imagenet  (only when named: ~6 minutes of its own, GPU_BUDGET_S=400) spikformer-8-512 and -stata
 #                  at ImageNet b32, an fp32 wave then a bf16 wave

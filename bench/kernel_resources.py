@@ -184,6 +184,15 @@ def cases() -> list[Case]:
         out.append(_case("exit_confidence", f"D=512 V<=32000 {dt}", ec._exit_conf_kernel,
                          {"h_ptr": f"*{dt}", "w_ptr": f"*{dt}", "m_ptr": "*fp32", "s_ptr": "*fp32", "arg_ptr": "*i64", "N": "i32",
                           "V": "i32", "D": "i32", "V_PER_SPLIT": "i32", "stride_hn": "i32", "stride_wv": "i32"}, blocks, warps, False))
+    # a decode step's rows (1 and the widest, FEW_ROWS) at D=4096
+    for dt, torch_dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        for n in (1, ec.FEW_ROWS):
+            blocks = ec.exit_conf_few_blocks(n, 4096, True, torch_dt)
+            warps = blocks.pop("num_warps")
+            out.append(_case("exit_confidence_few", f"N={n} D=4096 {dt}", ec._exit_conf_few_kernel,
+                             {"h_ptr": f"*{dt}", "w_ptr": f"*{dt}", "m_ptr": "*fp32", "s_ptr": "*fp32", "arg_ptr": "*i64",
+                              "N": "i32", "V": "i32", "D": "i32", "V_PER_SPLIT": "i32", "stride_hn": "i32",
+                              "stride_wv": "i32"}, blocks, warps, False))
     for conf in (False, True):
         blocks = linear_ce.ce_blocks(32000)
         warps = blocks.pop("num_warps")

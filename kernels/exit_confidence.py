@@ -3,7 +3,8 @@
 An early-exit decoder asks every exit "how sure are you?" for each new token. The answer needs
 only max_v softmax(z)_v = 1 / sum_v exp(z_v - max z) and the argmax, which an online softmax
 (Milakov & Gimelshein, 2018) gets in one pass over vocab tiles, so the [N, V] logits are never
-stored. Parts: torch reference, chunked torch path (CPU), Triton kernel, custom op `efficient::exit_confidence`.
+stored. Parts: torch reference, chunked torch path (CPU), Triton kernels (one for a decode step's few rows,
+one with tensor-core tiles for more), custom op `efficient::exit_confidence`.
 """
 
 from __future__ import annotations
@@ -92,6 +93,52 @@ if triton is not None:
         tl.store(arg_ptr + out, arg, mask=rmask)
 
 
+    @triton.jit
+    def _exit_conf_few_kernel(
+        h_ptr, w_ptr, m_ptr, s_ptr, arg_ptr, N, V, D, V_PER_SPLIT,
+        stride_hn, stride_wv,
+        BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        # a decode step's few rows (N <= BLOCK_N <= FEW_ROWS): one program per vocabulary slice holds
+        # every row, so each weight tile is read once for all of them, in wide contiguous runs along D;
+        # the products are multiply-adds over the tile (no tl.dot, whose tiles start at 16 rows)
+        split = tl.program_id(0)
+        rows = tl.arange(0, BLOCK_N)
+        rmask = rows < N
+        m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+        s = tl.zeros((BLOCK_N,), tl.float32)
+        arg = tl.zeros((BLOCK_N,), tl.int64)
+        v_start = split * V_PER_SPLIT
+        v_end = tl.minimum(v_start + V_PER_SPLIT, V)
+        for v0 in range(v_start, v_end, BLOCK_V):
+            cols = v0 + tl.arange(0, BLOCK_V)
+            cmask = cols < v_end
+            w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wv
+            acc = tl.zeros((BLOCK_N, BLOCK_V), tl.float32)
+            for d0 in range(0, D, BLOCK_D):
+                ds = d0 + tl.arange(0, BLOCK_D)
+                dmask = ds < D
+                w = tl.load(w_rows + ds[None, :], mask=cmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+                for n in tl.static_range(BLOCK_N):
+                    h = tl.load(h_ptr + n * stride_hn + ds, mask=dmask & (n < N), other=0.0).to(tl.float32)
+                    z = tl.sum(w * h[None, :], axis=1)  # [BLOCK_V]: row n's logits over this D tile
+                    acc = tl.where(rows[:, None] == n, acc + z[None, :], acc)
+            acc = tl.where(cmask[None, :], acc, float("-inf"))
+            zm = tl.max(acc, axis=1)
+            za = tl.argmax(acc, axis=1).to(tl.int64) + v0
+            m_new = tl.maximum(m, zm)
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(acc - m_new[:, None]), axis=1)
+            arg = tl.where(zm > m, za, arg)
+            m = m_new
+        out = split.to(tl.int64) * N + rows
+        tl.store(m_ptr + out, m, mask=rmask)
+        tl.store(s_ptr + out, s, mask=rmask)
+        tl.store(arg_ptr + out, arg, mask=rmask)
+
+
+FEW_ROWS = 4  # up to this many rows (a decode step's tokens) take `_exit_conf_few_kernel`
+
+
 def vocab_splits(n: int, v: int, block_n: int, block_v: int, cuda: bool) -> int:
     """How many vocabulary slices to give each row block: on CUDA enough programs to fill the device
     (about 4 per SM), never slices narrower than one vocab tile; in the interpreter a few, so that
@@ -110,16 +157,17 @@ def exit_confidence_triton(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[
     N, D = hidden.shape
     V = weight.shape[0]
     hidden, weight = hidden.contiguous(), weight.contiguous()
-    blocks = exit_conf_blocks(D, hidden.is_cuda, hidden.dtype)
+    few = N <= FEW_ROWS
+    blocks = (exit_conf_few_blocks(N, D, hidden.is_cuda, hidden.dtype) if few
+              else exit_conf_blocks(D, hidden.is_cuda, hidden.dtype))
     splits = vocab_splits(N, V, blocks["BLOCK_N"], blocks["BLOCK_V"], hidden.is_cuda)
     per_split = -(-(-(-V // splits)) // blocks["BLOCK_V"]) * blocks["BLOCK_V"]  # whole tiles per slice
     splits = -(-V // per_split)
     m = torch.empty(splits, N, device=hidden.device, dtype=torch.float32)
     s = torch.empty_like(m)
     arg = torch.empty(splits, N, device=hidden.device, dtype=torch.long)
-    _exit_conf_kernel[(triton.cdiv(N, blocks["BLOCK_N"]), splits)](
-        hidden, weight, m, s, arg, N, V, D, per_split, hidden.stride(0), weight.stride(0), **blocks
-    )
+    kernel = _exit_conf_few_kernel[(splits,)] if few else _exit_conf_kernel[(triton.cdiv(N, blocks["BLOCK_N"]), splits)]
+    kernel(hidden, weight, m, s, arg, N, V, D, per_split, hidden.stride(0), weight.stride(0), **blocks)
     # combine the slices: the global max, each slice's sum rescaled to it; ties between slices go to
     # the first one (torch.max returns the first maximal index), i.e. the lowest vocabulary id
     top, first = m.max(dim=0)
@@ -135,16 +183,27 @@ def exit_conf_blocks(d: int, cuda: bool = True, dtype: torch.dtype = torch.float
     return {"BLOCK_N": 16, "BLOCK_V": 64 if cuda else 32, "BLOCK_D": min(widest, max(16, _next_pow2(d))), "num_warps": 4}
 
 
+def exit_conf_few_blocks(n: int, d: int, cuda: bool = True, dtype: torch.dtype = torch.float32) -> dict:
+    """Launch parameters of `_exit_conf_few_kernel` for `n` <= FEW_ROWS rows: the rows padded to a power
+    of two, 16 vocabulary rows by 512 bytes of D per weight tile (128 fp32 or 256 half elements), 4
+    warps; compiled for sm_80 / sm_90 that holds 40-128 registers a thread, no spills (wider tiles or 8
+    warps took 200-255 and spilled in bf16: `bench/kernel_resources.py`); smaller tiles in the interpreter."""
+    if not cuda:
+        return {"BLOCK_N": _next_pow2(n), "BLOCK_V": 16, "BLOCK_D": min(32, max(16, _next_pow2(d))), "num_warps": 4}
+    wide = 128 if dtype == torch.float32 else 256
+    return {"BLOCK_N": _next_pow2(n), "BLOCK_V": 16, "BLOCK_D": min(wide, max(16, _next_pow2(d))), "num_warps": 4}
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
 def _pick_backend(backend: str, device: torch.device) -> str:
     """The path to run, triton or torch, for any documented backend value (efficient.kernels._backend),
-    except that 'auto' stays on torch on CUDA: on an H200 the kernel (then one program per row block
-    over the whole vocabulary) was slower than cuBLAS + softmax in all 24 measured configurations (2x
-    at V=256, up to 540x at V=32000; BENCHMARKS.md, gpu). The vocabulary split has not been timed on a
-    GPU yet; ask for backend='triton' explicitly to run it."""
+    except that 'auto' stays on torch on CUDA: on an H200 the kernel was slower than cuBLAS + softmax in
+    every measured configuration (one program per row block over the whole vocabulary: up to 540x; split
+    over the vocabulary: 3.8-7.7x; BENCHMARKS.md, gpu). The few-rows kernel of a decode step has not
+    been timed on a GPU yet; ask for backend='triton' explicitly to run it."""
     return resolve_backend(backend, device, "exit_confidence", cuda_auto="torch")
 
 

@@ -9,8 +9,9 @@ import torch
 
 from efficient.kernels.exit_confidence import exit_confidence, exit_confidence_reference, exit_confidence_torch
 
-# (N, D, V): vocab sizes that are not multiples of the 32-wide vocab tile, N not a multiple of 16
-CASES = [(1, 32, 256), (19, 48, 301), (5, 16, 97)]
+# (N, D, V): vocab sizes that are not multiples of the 32-wide vocab tile, N not a multiple of 16; N <= 4
+# (a decode step's rows) runs the few-rows kernel, N = 3 padded to 4 rows, D not a multiple of its tile
+CASES = [(1, 32, 256), (19, 48, 301), (5, 16, 97), (3, 40, 101), (4, 72, 130), (2, 16, 33)]
 
 _INTERP = r"""
 import json, sys, torch
@@ -86,14 +87,15 @@ def test_bad_input():
 
 
 # ee-gpt-small: D=512 spans several D tiles (32 wide for fp32, 64 for half), V=300 several vocab
-# tiles, N=20 two row blocks
+# tiles, N=20 two row blocks; N=3, a decode step's rows, the few-rows kernel
 REAL_D = r"""
 import json, sys, torch
-from efficient.kernels.exit_confidence import exit_confidence, exit_confidence_reference, exit_conf_blocks
+from efficient.kernels.exit_confidence import (FEW_ROWS, exit_confidence, exit_confidence_reference, exit_conf_blocks,
+                                               exit_conf_few_blocks)
 N, D, V, dtype = json.loads(sys.argv[1])
 dt = getattr(torch, dtype)
-b = exit_conf_blocks(D, cuda=False, dtype=dt)
-assert D >= 8 * b["BLOCK_D"] and V >= 4 * b["BLOCK_V"] and N > b["BLOCK_N"]
+b = exit_conf_few_blocks(N, D, cuda=False, dtype=dt) if N <= FEW_ROWS else exit_conf_blocks(D, cuda=False, dtype=dt)
+assert D >= 8 * b["BLOCK_D"] and V >= 4 * b["BLOCK_V"] and (N > b["BLOCK_N"] or N <= FEW_ROWS)
 g = torch.Generator().manual_seed(D + V)
 h = (torch.randn(N, D, generator=g) / D**0.5).to(dt)
 w = (torch.randn(V, D, generator=g) * 3).to(dt)
@@ -105,11 +107,11 @@ print(json.dumps({"perr": float((p - pr).abs().max()), "arg_equal": bool((a == a
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_triton_at_d512_in_interpreter(dtype):
+@pytest.mark.parametrize("n, dtype", [(20, "float32"), (20, "float16"), (3, "float16")])
+def test_triton_at_d512_in_interpreter(n, dtype):
     pytest.importorskip("triton")
     from _interpreter import run_interpreted
 
-    r = run_interpreted(REAL_D, [20, 512, 300, dtype])
+    r = run_interpreted(REAL_D, [n, 512, 300, dtype])
     assert r["arg_equal"] and r["perr"] <= (1e-5 if dtype == "float32" else 1e-3), r
     assert r["spread"] > 0.1 and r["dtypes"] == ["torch.float32", "torch.int64"]
