@@ -4,7 +4,7 @@ An early-exit decoder asks every exit "how sure are you?" for each new token. Th
 only max_v softmax(z)_v = 1 / sum_v exp(z_v - max z) and the argmax, which an online softmax
 (Milakov & Gimelshein, 2018) gets in one pass over vocab tiles, so the [N, V] logits are never
 stored. Parts: torch reference, chunked torch path (CPU), Triton kernels (one for a decode step's few rows,
-one with tensor-core tiles for more), custom op `efficient::exit_confidence`.
+one with `tl.dot` tiles of 16 rows for more), custom op `efficient::exit_confidence`.
 """
 
 from __future__ import annotations
