@@ -99,19 +99,31 @@ def ce_blocks(v: int, cuda: bool = True) -> dict:
     return {"BLOCK_V": min(4096 if cuda else 128, 1 << max(0, (v - 1).bit_length())), "num_warps": 4}
 
 
+def _check_targets(target: torch.Tensor, valid: torch.Tensor, V: int, ignore_index: int, sync_free: bool) -> None:
+    """Every target that is not `ignore_index` must be a class id in [0, V). On a CPU the error names the
+    first bad position; `sync_free` (an accelerator) asserts on the device instead, as `F.cross_entropy`
+    does there: reading the answer back would make the host wait in every step and cannot happen
+    inside a captured CUDA graph."""
+    bad = valid & ((target < 0) | (target >= V))
+    if sync_free:
+        torch._assert_async(~bad.any(), f"linear_ce: a target is outside the vocabulary [0, V={V}) and is not "
+                                        f"ignore_index={ignore_index}")
+        return
+    if bad.any():
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"linear_ce: target holds class id {int(target[i])} at position {i}, outside the vocabulary [0, V={V}); "
+            f"only ignore_index={ignore_index} may lie outside it"
+        )
+
+
 def _linear_ce_chunked(hidden, weight, target, ignore_index, conf, chunk_size, backend, need_grad):
     """Loss (0-dim, fp32) and, if `need_grad`, d loss / d hidden and d loss / d weight."""
     N, V = hidden.shape[0], weight.shape[0]
     acc = torch.promote_types(hidden.dtype, torch.float32)
     valid = target != ignore_index
     if target.numel():  # checked in the op's body, which runs on real tensors in compiled graphs too
-        bad = valid & ((target < 0) | (target >= V))
-        if bad.any():
-            i = int(bad.nonzero()[0, 0])
-            raise ValueError(
-                f"linear_ce: target holds class id {int(target[i])} at position {i}, outside the vocabulary [0, V={V}); "
-                f"only ignore_index={ignore_index} may lie outside it"
-            )
+        _check_targets(target, valid, V, ignore_index, sync_free=target.device.type != "cpu")
     # counted as an integer and divided in fp32 (or fp64): a half-precision count rounds (bf16: 1001 -> 1000)
     n_valid = valid.sum().clamp(min=1).to(acc)
     total = torch.zeros((), device=hidden.device, dtype=acc)

@@ -156,6 +156,37 @@ def test_out_of_range_targets_are_rejected():
     linear_ce(h, w, torch.tensor([0, -7, 3, 9]), ignore_index=-7, backend=backend)  # ignore_index itself is fine
 
 
+def test_target_check_on_an_accelerator_asserts_on_the_device_without_reading_back():
+    """On CUDA the check may not make the host wait (a captured CUDA-graph step cannot): it is a device-side
+    assert, which on this CPU raises at once; no tensor is read back as a Python bool or number."""
+    from torch.overrides import TorchFunctionMode
+
+    from efficient.kernels.linear_ce import _check_targets
+
+    class ReadBacks(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            if name in ("__bool__", "item", "__int__", "__float__", "tolist", "__index__"):
+                self.names.append(name)
+            return func(*args, **(kwargs or {}))
+
+    t = torch.tensor([0, 12, -100, 9])
+    with ReadBacks() as mode, pytest.raises(RuntimeError, match=r"outside the vocabulary \[0, V=10\) and is not ignore_index=-100"):
+        _check_targets(t, t != -100, 10, -100, sync_free=True)
+    ok = torch.tensor([0, 3, -100, 9])
+    with ReadBacks() as quiet:
+        _check_targets(ok, ok != -100, 10, -100, sync_free=True)
+    assert mode.names == [] and quiet.names == []
+    with ReadBacks() as host:  # the CPU check reads back, and names the position
+        with pytest.raises(ValueError, match="class id 12 at position 1"):
+            _check_targets(t, t != -100, 10, -100, sync_free=False)
+    assert "__bool__" in host.names
+
+
 # ee-gpt-small's 32k vocab: many vocab tiles per row (N kept small: the interpreter runs row by row)
 REAL_VOCAB = r"""
 import json, sys, torch
