@@ -194,6 +194,35 @@ def test_parseval_step_keeps_orthogonal_weights_and_simplex_projection():
     torch.testing.assert_close(project_simplex(torch.tensor([0.3, 0.7])), torch.tensor([0.3, 0.7]))
 
 
+def test_simplex_projection_matches_its_definition_and_reads_nothing_back():
+    """Against the sort-based rule with rho read back on the host (Duchi et al. 2008), on random vectors;
+    the projection itself keeps rho on the device (no Python bool or number taken from a tensor)."""
+    from torch.overrides import TorchFunctionMode
+
+    class ReadBacks(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in ("__bool__", "item", "__int__", "__float__", "tolist", "__index__"):
+                self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 2, 3, 7, 32):
+        for scale in (0.1, 1.0, 10.0):
+            v = torch.randn(n, generator=g) * scale
+            u, _ = torch.sort(v, descending=True)
+            css = torch.cumsum(u, 0) - 1
+            rho = int(torch.nonzero(u - css / torch.arange(1, n + 1) > 0).max()) + 1
+            want = torch.clamp(v - css[rho - 1] / rho, min=0)
+            with ReadBacks() as mode:
+                got = project_simplex(v)
+            assert torch.equal(got, want) and mode.names == []
+            assert got.min() >= 0 and abs(float(got.sum()) - 1) < 1e-5
+
+
 def test_at_reg_mode_applies_the_retraction_between_steps():
     model = _model()
     x, y = _batch()

@@ -203,8 +203,10 @@ def project_simplex(v: torch.Tensor) -> torch.Tensor:
     u, _ = torch.sort(v, descending=True)
     css = torch.cumsum(u, 0) - 1
     k = torch.arange(1, len(v) + 1, device=v.device, dtype=v.dtype)
-    rho = int(torch.nonzero(u - css / k > 0).max()) + 1
-    return torch.clamp(v - css[rho - 1] / rho, min=0)
+    # rho = the largest k with u_k > (css_k) / k, kept on the device: AT+Reg projects before every
+    # step's forward, and reading rho back would make the host wait for the device each time
+    rho = torch.where(u - css / k > 0, k, 0).amax().clamp(min=1)
+    return torch.clamp(v - css.gather(0, rho.long().view(1) - 1) / rho, min=0)
 
 
 @torch.no_grad()
