@@ -199,6 +199,50 @@ except Exception:  # pragma: no cover
     pass
 
 
+def _chunks_in(hidden, weight, target, ignore_index, conf, chunk_size, backend, need_grad):
+    """The chunked pass: the op's implementation eagerly (no dispatch), the op where a graph is traced."""
+    args = (hidden, weight, target, ignore_index, conf, chunk_size, backend, need_grad)
+    return _linear_ce_chunked(*args) if eager_call(hidden) else _linear_ce_op(*args)
+
+
+class _LinearCERerun(torch.autograd.Function):
+    """linear_ce keeping only its inputs: forward takes the loss, and backward runs the same chunks again
+    with their gradients (the same ops, so the same gradients bit for bit as when forward makes them)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, ignore_index, conf, chunk_size, backend):
+        loss, _, _ = _chunks_in(hidden, weight, target, ignore_index, conf, chunk_size, backend, False)
+        ctx.save_for_backward(hidden, weight, target)
+        ctx.options = (ignore_index, conf, chunk_size, backend)
+        return loss
+
+    @staticmethod
+    def backward(ctx, g_loss):
+        hidden, weight, target = ctx.saved_tensors
+        _, dh, dw = _chunks_in(hidden, weight, target, *ctx.options, True)
+        # scaled in place where the dtypes agree (fresh tensors of this call): a copy of the [V, D] weight
+        # gradient would be the largest tensor of the step's head. In half precision an in-place product
+        # rounds g_loss to the half type first, so there the copies keep forward's values
+        if dh.dtype == dw.dtype == g_loss.dtype:
+            return dh.mul_(g_loss), dw.mul_(g_loss), None, None, None, None, None
+        return (g_loss * dh).to(dh.dtype), (g_loss * dw).to(dw.dtype), None, None, None, None, None
+
+
+GRADS = ("auto", "forward", "backward")
+
+
+def grads_in_forward(n: int, d: int, grads: str = "auto") -> bool:
+    """Whether linear_ce makes its gradients in forward (one pass over the logits, Liger-Kernel's
+    recipe) or in backward (a second pass: one more matmul). Forward's gradients are held until
+    backward, a [V, D] weight gradient in fp32 per call among them, which at a hidden size D near the
+    row count N outweighs the [N, V] logits the op exists to avoid (on an H200, three exits at
+    N=1024, D=4096 held 1.6x the plain path's peak). "auto": in forward where that weight gradient
+    is at most a quarter of the logits' size (4 D <= N)."""
+    if grads not in GRADS:
+        raise ValueError(f"linear_ce: grads must be one of {GRADS}, got {grads!r}")
+    return grads == "forward" or (grads == "auto" and 4 * d <= n)
+
+
 def linear_ce(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -207,10 +251,11 @@ def linear_ce(
     confidence_weighted: bool = False,
     chunk_size: int = 1024,
     backend: str = "auto",
+    grads: str = "auto",
 ) -> torch.Tensor:
     """Mean cross-entropy of logits `hidden @ weight.T` (hidden [..., D], weight [V, D], target
     [...] int64) over targets != ignore_index, without storing the logits. Differentiable in
-    hidden and weight."""
+    hidden and weight; `grads` says where the gradients are made (`grads_in_forward`)."""
     if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"linear_ce: hidden [..., D] and weight [V, D] must share D, got {tuple(hidden.shape)} and {tuple(weight.shape)}")
     if target.shape != hidden.shape[:-1]:
@@ -221,11 +266,15 @@ def linear_ce(
         raise ValueError(f"linear_ce: chunk_size must be >= 1, got {chunk_size}")
     if hidden.dtype != weight.dtype:
         raise ValueError(f"linear_ce: hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype")
+    if grads not in GRADS:
+        raise ValueError(f"linear_ce: grads must be one of {GRADS}, got {grads!r}")
     be = _pick_backend(backend, hidden.device)
     if be == "triton" and hidden.dtype == torch.float64:
         raise ValueError("linear_ce: the Triton kernel takes fp32/fp16/bf16; use backend='torch' for fp64")
     need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    args = (hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1).long(), ignore_index, confidence_weighted,
-            chunk_size, be, need_grad)
+    h2, t1 = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1).long()
+    if need_grad and not grads_in_forward(h2.shape[0], h2.shape[1], grads):
+        return _LinearCERerun.apply(h2, weight, t1, ignore_index, confidence_weighted, chunk_size, be)
+    args = (h2, weight, t1, ignore_index, confidence_weighted, chunk_size, be, need_grad)
     loss, _, _ = _EagerLinearCE.apply(*args) if eager_call(hidden) else _linear_ce_op(*args)
     return loss

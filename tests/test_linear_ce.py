@@ -187,6 +187,62 @@ def test_target_check_on_an_accelerator_asserts_on_the_device_without_reading_ba
     assert "__bool__" in host.names
 
 
+@pytest.mark.parametrize("conf", [False, True])
+def test_gradients_made_in_backward_equal_those_made_in_forward(conf):
+    """grads="backward" keeps only the inputs and runs the chunks again in backward: the loss and both
+    gradients of grads="forward" bit for bit (ignored targets, several chunks, a ragged last one)."""
+    g = torch.Generator().manual_seed(3)
+    h0, w0 = torch.randn(2, 11, 24, generator=g), torch.randn(50, 24, generator=g) * 0.5
+    t = torch.randint(0, 50, (2, 11), generator=g)
+    t[0, 3] = t[1, 7] = -100
+    out = {}
+    for mode in ("forward", "backward"):
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        loss = linear_ce(h, w, t, confidence_weighted=conf, chunk_size=4, grads=mode)
+        (loss * 1.7).backward()
+        out[mode] = (loss.detach(), h.grad, w.grad)
+    for a, b in zip(out["forward"], out["backward"]):
+        assert torch.equal(a, b)
+    ref = linear_ce_reference(h0.reshape(-1, 24), w0, t.reshape(-1), confidence_weighted=conf)
+    torch.testing.assert_close(out["backward"][0], ref, rtol=1e-6, atol=1e-6)
+    # bf16 (the loss's gradient scales bf16 gradients): the same too
+    out = {}
+    for mode in ("forward", "backward"):
+        h, w = h0.bfloat16().requires_grad_(), w0.bfloat16().requires_grad_()
+        (linear_ce(h, w, t, confidence_weighted=conf, chunk_size=4, grads=mode) * 1.7).backward()
+        out[mode] = (h.grad, w.grad)
+    assert all(torch.equal(a, b) for a, b in zip(out["forward"], out["backward"]))
+
+
+def test_where_the_gradients_are_made_and_what_is_kept():
+    """auto: in forward where the [V, D] weight gradient is at most a quarter of the [N, V] logits
+    (4 D <= N), else in backward, which keeps nothing but the inputs for it; a bad value is named."""
+    from efficient.kernels.linear_ce import grads_in_forward
+
+    assert grads_in_forward(4096, 1024) and not grads_in_forward(4095, 1024)
+    assert grads_in_forward(8, 1024, "forward") and not grads_in_forward(10**6, 8, "backward")
+
+    def kept(n: int, d: int) -> int:
+        g = torch.Generator().manual_seed(0)
+        h, w = torch.randn(n, d, generator=g, requires_grad=True), torch.randn(64, d, generator=g, requires_grad=True)
+        own = {h.untyped_storage().data_ptr(), w.untyped_storage().data_ptr()}
+        extra = []
+
+        def pack(x):
+            if x.untyped_storage().data_ptr() not in own and x.is_floating_point():
+                extra.append(x.numel() * x.element_size())
+            return x
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            linear_ce(h, w, torch.randint(0, 64, (n,), generator=g))
+        return sum(extra)
+
+    assert kept(64, 8) >= 64 * 8 * 4  # 4 D <= N: forward's weight gradient (and dh) held for backward
+    assert kept(16, 32) == 0  # 4 D > N: nothing beyond the inputs
+    with pytest.raises(ValueError, match=r"grads must be one of \('auto', 'forward', 'backward'\), got 'later'"):
+        linear_ce(torch.randn(2, 4), torch.randn(5, 4), torch.tensor([0, 1]), grads="later")
+
+
 # ee-gpt-small's 32k vocab: many vocab tiles per row (N kept small: the interpreter runs row by row)
 REAL_VOCAB = r"""
 import json, sys, torch
