@@ -50,6 +50,26 @@ def exit_confidence_torch(hidden: torch.Tensor, weight: torch.Tensor, chunk: int
 if triton is not None:
 
     @triton.jit
+    def _fold_tile(acc, cmask, v0, m, s, arg):
+        """Fold one vocabulary tile's logits `acc` [rows, BLOCK_V] (columns `cmask` real, starting at id
+        `v0`) into each row's running max `m`, sum of exp relative to it `s`, and argmax `arg`."""
+        acc = tl.where(cmask[None, :], acc, float("-inf"))
+        zm = tl.max(acc, axis=1)
+        za = tl.argmax(acc, axis=1).to(tl.int64) + v0
+        m_new = tl.maximum(m, zm)
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(acc - m_new[:, None]), axis=1)
+        arg = tl.where(zm > m, za, arg)
+        return m_new, s, arg
+
+    @triton.jit
+    def _store_partials(m_ptr, s_ptr, arg_ptr, split, N, rows, rmask, m, s, arg):
+        """A vocabulary slice's partial (max, sum of exp, argmax) per row, combined on the host side."""
+        out = split.to(tl.int64) * N + rows
+        tl.store(m_ptr + out, m, mask=rmask)
+        tl.store(s_ptr + out, s, mask=rmask)
+        tl.store(arg_ptr + out, arg, mask=rmask)
+
+    @triton.jit
     def _exit_conf_kernel(
         h_ptr, w_ptr, m_ptr, s_ptr, arg_ptr, N, V, D, V_PER_SPLIT,
         stride_hn, stride_wv,
@@ -80,17 +100,8 @@ if triton is not None:
                 h = tl.load(h_rows + ds[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
                 w = tl.load(w_rows + ds[None, :], mask=cmask[:, None] & dmask[None, :], other=0.0)
                 acc += tl.dot(h, tl.trans(w), input_precision="ieee")
-            acc = tl.where(cmask[None, :], acc, float("-inf"))
-            zm = tl.max(acc, axis=1)
-            za = tl.argmax(acc, axis=1).to(tl.int64) + v0
-            m_new = tl.maximum(m, zm)
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(acc - m_new[:, None]), axis=1)
-            arg = tl.where(zm > m, za, arg)
-            m = m_new
-        out = split.to(tl.int64) * N + rows
-        tl.store(m_ptr + out, m, mask=rmask)
-        tl.store(s_ptr + out, s, mask=rmask)
-        tl.store(arg_ptr + out, arg, mask=rmask)
+            m, s, arg = _fold_tile(acc, cmask, v0, m, s, arg)
+        _store_partials(m_ptr, s_ptr, arg_ptr, split, N, rows, rmask, m, s, arg)
 
 
     @triton.jit
@@ -123,17 +134,8 @@ if triton is not None:
                     h = tl.load(h_ptr + n * stride_hn + ds, mask=dmask & (n < N), other=0.0).to(tl.float32)
                     z = tl.sum(w * h[None, :], axis=1)  # [BLOCK_V]: row n's logits over this D tile
                     acc = tl.where(rows[:, None] == n, acc + z[None, :], acc)
-            acc = tl.where(cmask[None, :], acc, float("-inf"))
-            zm = tl.max(acc, axis=1)
-            za = tl.argmax(acc, axis=1).to(tl.int64) + v0
-            m_new = tl.maximum(m, zm)
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(acc - m_new[:, None]), axis=1)
-            arg = tl.where(zm > m, za, arg)
-            m = m_new
-        out = split.to(tl.int64) * N + rows
-        tl.store(m_ptr + out, m, mask=rmask)
-        tl.store(s_ptr + out, s, mask=rmask)
-        tl.store(arg_ptr + out, arg, mask=rmask)
+            m, s, arg = _fold_tile(acc, cmask, v0, m, s, arg)
+        _store_partials(m_ptr, s_ptr, arg_ptr, split, N, rows, rmask, m, s, arg)
 
 
 FEW_ROWS = 4  # up to this many rows (a decode step's tokens) take `_exit_conf_few_kernel`
