@@ -50,7 +50,7 @@ def exit_confidence_torch(hidden: torch.Tensor, weight: torch.Tensor, chunk: int
 if triton is not None:
 
     @triton.jit
-    def _fold_tile(acc, cmask, v0, m, s, arg):
+    def _fold_tile_tl(acc, cmask, v0, m, s, arg):
         """Fold one vocabulary tile's logits `acc` [rows, BLOCK_V] (columns `cmask` real, starting at id
         `v0`) into each row's running max `m`, sum of exp relative to it `s`, and argmax `arg`."""
         acc = tl.where(cmask[None, :], acc, float("-inf"))
@@ -62,7 +62,15 @@ if triton is not None:
         return m_new, s, arg
 
     @triton.jit
-    def _store_partials(m_ptr, s_ptr, arg_ptr, split, N, rows, rmask, m, s, arg):
+    def _slice_start_tl(split, V_PER_SPLIT, V, BLOCK_N: tl.constexpr):
+        """A program's vocabulary slice [v_start, v_end) and its rows' empty running state (max, sum, argmax)."""
+        v_start = split * V_PER_SPLIT
+        v_end = tl.minimum(v_start + V_PER_SPLIT, V)
+        m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+        return v_start, v_end, m, tl.zeros((BLOCK_N,), tl.float32), tl.zeros((BLOCK_N,), tl.int64)
+
+    @triton.jit
+    def _store_partials_tl(m_ptr, s_ptr, arg_ptr, split, N, rows, rmask, m, s, arg):
         """A vocabulary slice's partial (max, sum of exp, argmax) per row, combined on the host side."""
         out = split.to(tl.int64) * N + rows
         tl.store(m_ptr + out, m, mask=rmask)
@@ -84,11 +92,7 @@ if triton is not None:
         rmask = rows < N
         # int64 row and column offsets: V * D (and N * D) pass 2^31 at a 32k vocab and D = 8192
         h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_hn
-        m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
-        s = tl.zeros((BLOCK_N,), tl.float32)
-        arg = tl.zeros((BLOCK_N,), tl.int64)
-        v_start = split * V_PER_SPLIT
-        v_end = tl.minimum(v_start + V_PER_SPLIT, V)
+        v_start, v_end, m, s, arg = _slice_start_tl(split, V_PER_SPLIT, V, BLOCK_N)
         for v0 in range(v_start, v_end, BLOCK_V):
             cols = v0 + tl.arange(0, BLOCK_V)
             cmask = cols < v_end
@@ -100,8 +104,8 @@ if triton is not None:
                 h = tl.load(h_rows + ds[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
                 w = tl.load(w_rows + ds[None, :], mask=cmask[:, None] & dmask[None, :], other=0.0)
                 acc += tl.dot(h, tl.trans(w), input_precision="ieee")
-            m, s, arg = _fold_tile(acc, cmask, v0, m, s, arg)
-        _store_partials(m_ptr, s_ptr, arg_ptr, split, N, rows, rmask, m, s, arg)
+            m, s, arg = _fold_tile_tl(acc, cmask, v0, m, s, arg)
+        _store_partials_tl(m_ptr, s_ptr, arg_ptr, split, N, rows, rmask, m, s, arg)
 
 
     @triton.jit
@@ -116,11 +120,7 @@ if triton is not None:
         split = tl.program_id(0)
         rows = tl.arange(0, BLOCK_N)
         rmask = rows < N
-        m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
-        s = tl.zeros((BLOCK_N,), tl.float32)
-        arg = tl.zeros((BLOCK_N,), tl.int64)
-        v_start = split * V_PER_SPLIT
-        v_end = tl.minimum(v_start + V_PER_SPLIT, V)
+        v_start, v_end, m, s, arg = _slice_start_tl(split, V_PER_SPLIT, V, BLOCK_N)
         for v0 in range(v_start, v_end, BLOCK_V):
             cols = v0 + tl.arange(0, BLOCK_V)
             cmask = cols < v_end
@@ -134,8 +134,8 @@ if triton is not None:
                     h = tl.load(h_ptr + n * stride_hn + ds, mask=dmask & (n < N), other=0.0).to(tl.float32)
                     z = tl.sum(w * h[None, :], axis=1)  # [BLOCK_V]: row n's logits over this D tile
                     acc = tl.where(rows[:, None] == n, acc + z[None, :], acc)
-            m, s, arg = _fold_tile(acc, cmask, v0, m, s, arg)
-        _store_partials(m_ptr, s_ptr, arg_ptr, split, N, rows, rmask, m, s, arg)
+            m, s, arg = _fold_tile_tl(acc, cmask, v0, m, s, arg)
+        _store_partials_tl(m_ptr, s_ptr, arg_ptr, split, N, rows, rmask, m, s, arg)
 
 
 FEW_ROWS = 4  # up to this many rows (a decode step's tokens) take `_exit_conf_few_kernel`

@@ -266,14 +266,13 @@ def linear_ce(
         raise ValueError(f"linear_ce: chunk_size must be >= 1, got {chunk_size}")
     if hidden.dtype != weight.dtype:
         raise ValueError(f"linear_ce: hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype")
-    if grads not in GRADS:
-        raise ValueError(f"linear_ce: grads must be one of {GRADS}, got {grads!r}")
+    h2, t1 = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1).long()
+    in_forward = grads_in_forward(h2.shape[0], h2.shape[1], grads)  # also names a bad `grads`
     be = _pick_backend(backend, hidden.device)
     if be == "triton" and hidden.dtype == torch.float64:
         raise ValueError("linear_ce: the Triton kernel takes fp32/fp16/bf16; use backend='torch' for fp64")
     need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    h2, t1 = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1).long()
-    if need_grad and not grads_in_forward(h2.shape[0], h2.shape[1], grads):
+    if need_grad and not in_forward:
         return _LinearCERerun.apply(h2, weight, t1, ignore_index, confidence_weighted, chunk_size, be)
     args = (h2, weight, t1, ignore_index, confidence_weighted, chunk_size, be, need_grad)
     loss, _, _ = _EagerLinearCE.apply(*args) if eager_call(hidden) else _linear_ce_op(*args)
