@@ -6,7 +6,11 @@
 - the eager step time, paired rounds alternating the two paths in one process;
 - the saved-for-backward bytes of one step (deduplicated by storage).
 
+`--change concat`: instead, the fused Q/K/V unit's parameter concatenations as one autograd node
+(`spikformer.concat_parameters`, one split per group backward) against a `torch.cat` per group.
+
     python bench/attention_unit.py --models spikformer-4-384 spikformer-stata --batch 8 --rounds 8
+    python bench/attention_unit.py --change concat --models spikformer-stata --batch 8 --rounds 8
 """
 
 from __future__ import annotations
@@ -35,6 +39,12 @@ def use_unit(on: bool) -> None:
 
 
 _ORIGINAL = spikformer._one_call_allowed
+_CONCAT = spikformer.concat_parameters
+
+
+def use_concat(on: bool) -> None:
+    """The fused Q/K/V unit's parameters concatenated by one node (on) or by a `torch.cat` each (off)."""
+    spikformer.concat_parameters = _CONCAT if on else (lambda groups: [torch.cat(g) for g in groups])
 
 
 def executed_ops(step) -> int:
@@ -71,7 +81,11 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["spikformer-4-384", "spikformer-stata"])
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--change", choices=("unit", "concat"), default="unit",
+                    help="what the two paths differ in: the attention op (unit) or the parameter concatenation")
     args = ap.parse_args()
+    use = use_unit if args.change == "unit" else use_concat
+    labels = ("plain", "unit op") if args.change == "unit" else ("a cat per group", "one node")
     print(f"# {' '.join(['python bench/attention_unit.py', *sys.argv[1:]])}")
     print(f"# torch {torch.__version__}, {os.cpu_count()} cores, load before {os.getloadavg()[0]:.2f}")
     rows = []
@@ -79,7 +93,7 @@ def main() -> None:
         step, _, _ = step_bench._ours(name, args.batch)
         res = {}
         for on in (False, True):
-            use_unit(on)
+            use(on)
             step()
             with step_bench.OpCounter() as c:
                 step()
@@ -87,11 +101,11 @@ def main() -> None:
         times: dict[bool, list[float]] = {False: [], True: []}
         for r in range(args.rounds):
             for on in ((False, True) if r % 2 == 0 else (True, False)):
-                use_unit(on)
+                use(on)
                 t0 = time.perf_counter()
                 step()
                 times[on].append(time.perf_counter() - t0)
-        use_unit(True)
+        use(True)
         g, lo, hi = geo_ci([a / b for a, b in zip(times[True], times[False])])
         rows.append((name, res, {k: statistics.median(v) for k, v in times.items()}, (g, lo, hi)))
     print(f"# load after {os.getloadavg()[0]:.2f}\n")
@@ -99,10 +113,10 @@ def main() -> None:
           "| eager step s |" % args.batch)
     print("|---|---|---|---|---|---|")
     for name, res, med, (g, lo, hi) in rows:
-        for on, label in ((False, "plain"), (True, "unit op")):
+        for on, label in zip((False, True), labels):
             r = res[on]
             print(f"| {name} | {label} | {r['dispatched']} ({r['work']}) | {r['executed']} | {r['saved'] / 2**20:.1f} | {med[on]:.3f} |")
-        print(f"| {name} | unit / plain | | | | {g:.3f} [{lo:.3f}, {hi:.3f}] |")
+        print(f"| {name} | {labels[1]} / {labels[0]} | | | | {g:.3f} [{lo:.3f}, {hi:.3f}] |")
 
 
 if __name__ == "__main__":

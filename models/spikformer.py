@@ -240,6 +240,39 @@ class SPS(nn.Module):
         return x.flatten(2).transpose(1, 2).reshape(T, B, -1, x.shape[1])
 
 
+class _ConcatParameters(torch.autograd.Function):
+    """Groups of tensors, each concatenated along dim 0, as one autograd node whose backward splits
+    each group's gradient once (`Tensor.split`: one op, views), where a `torch.cat` per group records
+    a node per group whose backward slices each part out on its own (one op per part)."""
+
+    @staticmethod
+    def forward(ctx, sizes: tuple[tuple[int, ...], ...], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.sizes = sizes
+        ctx.set_materialize_grads(False)
+        out, i = [], 0
+        for sz in sizes:
+            out.append(torch.cat(tensors[i:i + len(sz)]))
+            i += len(sz)
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        parts: list[torch.Tensor | None] = [None]
+        for g, sz in zip(grads, ctx.sizes):
+            parts.extend([None] * len(sz) if g is None else g.split(sz))
+        return tuple(parts)
+
+
+def concat_parameters(groups: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """`[torch.cat(g) for g in groups]` with the same values and gradients; eagerly one autograd node for
+    all groups whose backward is one split per group (`_ConcatParameters`). Traced by a compiler, or with
+    no part needing a gradient, the plain concatenations."""
+    if torch.compiler.is_compiling() or not (torch.is_grad_enabled() and any(t.requires_grad for g in groups for t in g)):
+        return [torch.cat(g) for g in groups]
+    sizes = tuple(tuple(t.shape[0] for t in g) for g in groups)
+    return list(_ConcatParameters.apply(sizes, *(t for g in groups for t in g)))
+
+
 class SSA(nn.Module):
     """Spiking self-attention: binary Q, K, V; A = scale * Q K^T with no softmax; LIF_0.5(A V)."""
 
@@ -283,17 +316,19 @@ class SSA(nn.Module):
         neurons): the same spikes and running statistics, with fewer and larger kernels."""
         units = (self.q, self.k, self.v)
         T, B, N, C = x.shape
-        w = torch.cat([u.linear.weight for u in units])
-        b = None if units[0].linear.bias is None else torch.cat([u.linear.bias for u in units])
-        x2 = x.flatten(0, 2)
         bns = [u.bn for u in units]
+        groups = [[u.linear.weight for u in units], [bn.weight for bn in bns], [bn.bias for bn in bns]]
+        if units[0].linear.bias is not None:
+            groups.append([u.linear.bias for u in units])
+        w, gamma, beta, *b = concat_parameters(groups)
+        b = b[0] if b else None
+        x2 = x.flatten(0, 2)
         # what BatchNorm.forward does in training before normalizing (one multi-tensor op for the three)
         torch._foreach_add_([bn.num_batches_tracked for bn in bns], 1)
         m0 = bns[0].momentum
         factor = 1.0 / float(bns[0].num_batches_tracked) if m0 is None else m0
         rm = torch.cat([bn.running_mean for bn in bns])
         rv = torch.cat([bn.running_var for bn in bns])
-        gamma, beta = torch.cat([bn.weight for bn in bns]), torch.cat([bn.bias for bn in bns])
         buffers = [bn.running_mean for bn in bns] + [bn.running_var for bn in bns]
         if fusable(self.q.lif, *bns, *(u.lif for u in units), *(u.linear for u in units)):  # the unit as one op
             # the op's new statistics go straight into each unit's buffers (one multi-tensor copy)

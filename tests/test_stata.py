@@ -542,6 +542,43 @@ def test_fused_qkv_unit_gives_the_same_spikes_and_running_stats_as_three_units()
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=n)
 
 
+def test_parameter_concatenation_node_gives_the_cats_values_and_gradients_with_one_split_per_group():
+    """The fused Q/K/V unit concatenates its parameters through one autograd node whose backward splits
+    each group's gradient once: the values and gradients of a `torch.cat` per group bit for bit."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from efficient.models.spikformer import concat_parameters
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(0)
+    groups = [[torch.randn(3, 4, generator=g), torch.randn(2, 4, generator=g), torch.randn(5, 4, generator=g)],
+              [torch.randn(3, generator=g), torch.randn(2, generator=g), torch.randn(5, generator=g)],
+              [torch.randn(1, generator=g)]]  # this group gets no gradient: its parts get None
+    ours = [[t.clone().requires_grad_() for t in grp] for grp in groups]
+    ref = [[t.clone().requires_grad_() for t in grp] for grp in groups]
+    out, want = concat_parameters(ours), [torch.cat(grp) for grp in ref]
+    assert all(torch.equal(a, b) for a, b in zip(out, want))
+    w = [torch.randn(t.shape, generator=g) for t in want[:2]]
+    with Ops() as ops:
+        sum((o * v).sum() for o, v in zip(out[:2], w)).backward()
+    sum((o * v).sum() for o, v in zip(want[:2], w)).backward()
+    for a, b in zip(sum(ours, []), sum(ref, [])):
+        assert (a.grad is None) == (b.grad is None)
+        assert a.grad is None or torch.equal(a.grad, b.grad)
+    assert ops.names.count("aten.split_with_sizes.default") == 2 and "aten.slice.Tensor" not in ops.names
+    # nothing to differentiate, or traced by a compiler: plain concatenations
+    plain = concat_parameters(groups)
+    assert all(torch.equal(a, b) and a.grad_fn is None for a, b in zip(plain, want))
+
+
 def test_training_through_the_attention_unit_equals_the_plain_path_bit_for_bit(monkeypatch):
     """The scoring blocks run the attention as one op each way
     (`spiking_attention_unit`); eight AdamW steps through the keep-ratio warm-up give the weights,
