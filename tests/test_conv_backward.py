@@ -112,6 +112,65 @@ def test_only_a_recomputed_region_slices_the_backward(monkeypatch: pytest.Monkey
     assert hooked_calls == [5] and seen  # forward, and the rerun in backward
 
 
+class _ForwardCalls(TorchDispatchMode):
+    """Records the batch size of every aten convolution forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.convolution.default:
+            self.batches.append(args[0].shape[0])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("stride,padding,bias", [(1, 1, False), (2, 0, True), (1, 2, True)])
+def test_sliced_forward_computes_the_convolution_a_slice_at_a_time(stride, padding, bias,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """`sliced_conv2d`: F.conv2d's values (a convolution is per sample; within rounding, as a BLAS may
+    block a slice unlike the whole), computed over slices of at most `FORWARD_SLICE` output elements."""
+    from efficient.memory import conv_backward as cb
+
+    torch.manual_seed(0)
+    x, w = torch.rand(7, 4, 9, 9).lt(0.3).float(), torch.randn(6, 4, 3, 3)
+    b = torch.randn(6) if bias else None
+    ref = F.conv2d(x, w, b, stride, padding)
+    per = ref[0].numel()
+    for limit, want in ((per, [1] * 7), (3 * per, [3, 3, 1]), (100 * per, [7])):
+        monkeypatch.setattr(cb, "FORWARD_SLICE", limit)
+        calls = _ForwardCalls()
+        with calls:
+            out = cb.sliced_conv2d(x, w, b, stride, padding, 1, 1)
+        assert calls.batches == want and out.shape == ref.shape
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_a_regions_forward_and_rerun_slice_the_convolution_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside a recomputed region the forward (run without autograd) and its rerun in backward take the
+    same slices, so the rerun rebuilds the forward's output; outside a region the conv is one call."""
+    from efficient.memory import conv_backward as cb
+
+    monkeypatch.setattr(cb, "FORWARD_SLICE", 2 * 8 * 6 * 6)  # 2 samples of the output
+    torch.manual_seed(0)
+    x = torch.rand(5, 3, 6, 6, requires_grad=True)
+    stage = _Stage()
+    calls = _ForwardCalls()
+    with calls:
+        plain = stage(x)
+    assert calls.batches == [5]
+    (gx,) = torch.autograd.grad(plain.square().sum(), x)
+    rc.wrap(stage)
+    calls = _ForwardCalls()
+    with calls:
+        out = stage(x)
+        assert calls.batches == [2, 2, 1]  # the region's forward
+        (gx_region,) = torch.autograd.grad(out.square().sum(), x)
+    assert calls.batches == [2, 2, 1] * 2  # and its rerun
+    torch.testing.assert_close(out, plain, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gx_region, gx, rtol=1e-5, atol=1e-6)
+
+
 def test_autocast_runs_the_convolution_in_its_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(bn_lif, "RECOMPUTE_CHUNK", 8 * 6 * 6)
     torch.manual_seed(0)

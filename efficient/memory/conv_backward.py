@@ -8,7 +8,9 @@ stage's output is 256 MiB). Convolution is independent across the batch, so runn
 a slice of samples at a time gives the same input gradient, the weight gradient as a sum of the
 slices' (equal up to summation order), and bounds the workspace by one slice's. An input that is
 spikes is kept as bits, packed a slice at a time, and unpacked a slice at a time in backward: the
-rerun's input is never whole while the stage's backward runs.
+rerun's input is never whole while the stage's backward runs. On a CPU the forward of a large
+convolution runs by batch slices too (`sliced_conv2d`): oneDNN writes a whole call's output into a
+buffer of its own as large as the output before copying it out.
 
 Under `torch.compile` the same backward is the opaque op `efficient::conv2d_backward_from_bits`: a
 compiled region whose input is spikes keeps their bits (`efficient.memory.recompute`), and its
@@ -39,13 +41,47 @@ def batch_slices(grad: torch.Tensor, limit: int | None = None) -> list[slice]:
     return [slice(a, b) for a, b in spans]
 
 
+# Elements of a forward slice's output. oneDNN's CPU convolution computes its output in a buffer of its own,
+# as large as the output, and copies it out, so a whole call holds twice its output: inside a rerun
+# (in backward, beside the parameter gradients) that buffer set the stable-SNN VGG's step peak. Slices of
+# about a million elements (4 MiB in fp32) were also faster than the whole call at five of VGG-11's six
+# shapes on a CPU, and gave its values bit for bit at all six (bench/conv_slices.py).
+FORWARD_SLICE = 1 << 20
+
+
+def sliced_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, stride, padding, dilation, groups) -> Tensor:
+    """F.conv2d(x, ...) [N, C, H, W]; on a CPU, an output of more than `FORWARD_SLICE` elements is computed
+    a slice of the batch at a time into one tensor (a convolution is independent across samples), so the
+    call holds one slice's buffer beside the output, not a second output."""
+    if x.device.type != "cpu" or x.dim() != 4 or x.shape[0] < 2:
+        return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+    pair = lambda v: (v, v) if isinstance(v, int) else tuple(v)  # noqa: E731
+    (sh, sw), (ph, pw), (dh, dw) = pair(stride), pair(padding), pair(dilation)
+    kh, kw = weight.shape[2:]
+    ho = (x.shape[2] + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+    wo = (x.shape[3] + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    per = weight.shape[0] * ho * wo
+    spans = bn_lif.chunk_spans(x.shape[0], per, FORWARD_SLICE)
+    if len(spans) == 1:
+        return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+    out = None
+    for a, b in spans:
+        part = F.conv2d(x[a:b], weight, bias, stride, padding, dilation, groups)
+        if out is None:
+            out = part.new_empty((x.shape[0], *part.shape[1:]))
+        out[a:b] = part
+        del part
+    return out
+
+
 class _BatchSlicedConv2d(torch.autograd.Function):
-    """F.conv2d forward; backward (input, weight and bias gradients) one slice of the batch at a
-    time. `spikes`: x holds only 0 and 1 (a neuron's output), so a rerun keeps it as bits."""
+    """F.conv2d forward (by batch slices where large, `sliced_conv2d`); backward (input, weight and bias
+    gradients) one slice of the batch at a time. `spikes`: x holds only 0 and 1 (a neuron's output), so a
+    rerun keeps it as bits."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, stride, padding, dilation, groups, spikes):
-        out = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+        out = sliced_conv2d(x, weight, bias, stride, padding, dilation, groups)
         ctx.slices = batch_slices(out)
         ctx.conv = (stride, padding, dilation, groups)
         ctx.bias_shape = None if bias is None else list(bias.shape)
@@ -170,20 +206,28 @@ def region_conv2d(conv: nn.Module, x: torch.Tensor, spikes: bool = False,
                   bits: torch.Tensor | None = None) -> torch.Tensor:
     """`conv(x)` for a stem stage's convolution; inside a recomputed region, whose rerun runs in
     backward, the convolution whose backward takes the batch a slice at a time (`batch_slices`; one
-    slice when its output has at most `bn_lif.RECOMPUTE_CHUNK` elements). `spikes`: the caller
+    slice when its output has at most `bn_lif.RECOMPUTE_CHUNK` elements), and whose forward does too
+    on a CPU where its output is large (`sliced_conv2d`, in the region's forward and its rerun alike). `spikes`: the caller
     knows x is a neuron's output (0 and 1 only), so the rerun keeps it as bits. Under autocast it
     runs in the autocast dtype, as `conv(x)` would. Under torch.compile only a region's spike input
     takes this path: `bits` are x's bits (`pack_spikes`) the region keeps, which the backward reads."""
     compiling = torch.compiler.is_compiling()
-    if not (rebuild_membrane(conv) and (bits is not None or not compiling) and torch.is_grad_enabled()
+    if not (rebuild_membrane(conv) and (bits is not None or not compiling)
             and x.dim() == 4 and x.shape[0] > 0 and plain_conv(conv)):
         return conv(x)
+    if compiling and not torch.is_grad_enabled():
+        return conv(x)
+    # the region's forward, run without autograd, computes z as its rerun will (`sliced_conv2d`): the same
+    # values bit for bit, so the rerun's spikes are the forward's
+    first_pass = not torch.is_grad_enabled()
     w, b = conv.weight, conv.bias
     dev = x.device.type
     if torch.is_autocast_enabled(dev):
         dtype = torch.get_autocast_dtype(dev)
         x, w, b = x.to(dtype), w.to(dtype), None if b is None else b.to(dtype)
     with torch.autocast(dev, enabled=False):
+        if first_pass:
+            return sliced_conv2d(x, w, b, conv.stride, conv.padding, conv.dilation, conv.groups)
         if compiling:
             out = F.conv2d(x.detach(), w.detach(), None if b is None else b.detach(), conv.stride, conv.padding,
                            conv.dilation, conv.groups)
