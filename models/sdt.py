@@ -23,7 +23,7 @@ from torch import nn
 
 from efficient.errors import ConfigError
 from efficient.kernels.ssa import scores_ref
-from efficient.memory.conv_backward import region_conv2d
+from efficient.memory.conv_backward import plain_conv, region_conv2d
 from efficient.memory.spikes import is_neuron
 from efficient.models.neurons import fusable, norm_fire
 from efficient.models.spiking_transformer import CIFAR_MEAN, CIFAR_STD, SpikingTransformer, SpikingTransformerConfig, _lif
@@ -53,6 +53,12 @@ class MSSPSTail(nn.Module):
     def recompute_spike_input(self) -> bool:
         """Whether the tail's input is the stage before's spikes (efficient.memory keeps it as bits)."""
         return is_neuron(self._stem.lifs[2])
+
+    def recompute_input_from_bits(self) -> bool:
+        """Whether a recomputed region may keep this unit's input as bits only and rerun it on a placeholder
+        (efficient.memory): the input is spikes, and the unit reads its values only through its convolution,
+        which reads `spike_bits` when given (`region_conv2d`; a plain conv, nothing watching it)."""
+        return self.recompute_spike_input() and plain_conv(self._stem.convs[3])
 
     def forward(self, x: torch.Tensor, T: int, spike_bits: torch.Tensor | None = None) -> torch.Tensor:
         """`spike_bits`: x's bits, which a compiled recomputed region keeps (efficient.memory)."""

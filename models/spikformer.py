@@ -101,6 +101,12 @@ class StemStage(nn.Module):
         """Whether the stage's input is the stage before's spikes (efficient.memory keeps it as bits)."""
         return self.i > 0 and is_neuron(self._stem.lifs[self.i - 1])
 
+    def recompute_input_from_bits(self) -> bool:
+        """Whether a recomputed region may keep this unit's input as bits only and rerun it on a placeholder
+        (efficient.memory): the input is spikes, and the unit reads its values only through its convolution,
+        which reads `spike_bits` when given (`region_conv2d`; a plain conv, nothing watching it)."""
+        return self.recompute_spike_input() and plain_conv(self.modules_now()[0])
+
     def forward(self, x: torch.Tensor, T: int, spike_bits: torch.Tensor | None = None) -> torch.Tensor:
         """`spike_bits`: x's bits, which a compiled recomputed region keeps (efficient.memory). The first
         stage takes the images `[T, B, C, H, W]` and flattens them itself: a region then keeps a static
@@ -136,6 +142,9 @@ class StemStages(nn.Module):
 
     def recompute_spike_input(self) -> bool:
         return self._members[0].recompute_spike_input()
+
+    def recompute_input_from_bits(self) -> bool:
+        return self._members[0].recompute_input_from_bits()
 
     def forward(self, x: torch.Tensor, T: int, spike_bits: torch.Tensor | None = None) -> torch.Tensor:
         x = self._members[0](x, T, spike_bits)
@@ -265,9 +274,10 @@ class _ConcatParameters(torch.autograd.Function):
 
 def concat_parameters(groups: list[list[torch.Tensor]]) -> list[torch.Tensor]:
     """`[torch.cat(g) for g in groups]` with the same values and gradients; eagerly one autograd node for
-    all groups whose backward is one split per group (`_ConcatParameters`). Traced by a compiler, or with
-    no part needing a gradient, the plain concatenations."""
-    if torch.compiler.is_compiling() or not (torch.is_grad_enabled() and any(t.requires_grad for g in groups for t in g)):
+    all groups whose backward is one split per group (`_ConcatParameters`). Traced by a compiler, under a
+    functorch transform, or with no part needing a gradient, the plain concatenations."""
+    if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+            or not (torch.is_grad_enabled() and any(t.requires_grad for g in groups for t in g))):
         return [torch.cat(g) for g in groups]
     sizes = tuple(tuple(t.shape[0] for t in g) for g in groups)
     return list(_ConcatParameters.apply(sizes, *(t for g in groups for t in g)))

@@ -106,6 +106,12 @@ class ConvUnit(nn.Module):
         before = seq[i - 1]
         return isinstance(before, ConvUnit) and is_neuron(before.neuron)
 
+    def recompute_input_from_bits(self) -> bool:
+        """Whether a recomputed region may keep this unit's input as bits only and rerun it on a placeholder
+        (efficient.memory): the input is spikes, and the unit reads its values only through its convolution,
+        which reads `spike_bits` when given (`region_conv2d`; a plain conv, nothing watching it)."""
+        return self.recompute_spike_input() and plain_conv(self.conv)
+
     def placed(self, seq: nn.ModuleList, i: int) -> None:
         """Say that this unit is layer `i` of `seq`, the layers its model calls in order (not a submodule)."""
         self.__dict__["_placed"] = (seq, i)

@@ -308,3 +308,65 @@ print(json.dumps([0 < float(a[0].mean()) < 1, torch.equal(a[0], c[0]), torch.all
                   torch.allclose(a[2], c[2]), all(torch.allclose(x, y, rtol=1e-4, atol=1e-6) for x, y in zip(a[3], c[3]))]))
 """
     assert run_interpreted(script, []) == [True] * 5
+
+
+def test_a_checkpointed_unit_with_spike_input_reruns_on_its_bits_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A VGG conv unit whose input is the unit before's spikes, rerun under torch's checkpoint (its output is
+    larger than a chunk): the checkpoint keeps the input's bits only, the rerun hands the convolution a
+    placeholder of no memory (stride 0) and the convolution reads the bits; the step's gradients and state
+    are level none's."""
+    from efficient.memory import conv_backward as cb
+
+    monkeypatch.setattr(bn_lif, "RECOMPUTE_CHUNK", 1 << 8)  # every unit's output is larger: all checkpointed
+    seen: list[tuple[bool, bool]] = []  # per call: (placeholder, input requires grad)
+    real = cb._BitsInputConv2d.apply
+
+    def recorded(x, *args):
+        seen.append((all(s == 0 for s in x.stride()), x.requires_grad))
+        return real(x, *args)
+
+    monkeypatch.setattr(cb._BitsInputConv2d, "apply", recorded)
+    torch.manual_seed(0)
+    base = create("stable-snn-vgg11", width=0.125, fc_dim=64, timesteps=2).train()
+    x, y = torch.rand(2, 3, 32, 32), torch.tensor([1, 7])
+    none = copy.deepcopy(base)
+    ref = _step(none, x, y)
+    assert not seen
+    rec = copy.deepcopy(base)
+    memory.optimize(rec, "recompute")
+    got = _step(rec, x, y)
+    n = sum(u.recompute_input_from_bits() for u in rec.modules() if type(u).__name__ == "ConvUnit")
+    assert n == 4  # VGG-11's units right after another
+    assert seen == [(False, True)] * n + [(True, False)] * n  # forward on the input, rerun on a placeholder
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    for (k, a), b in zip(rec.state_dict().items(), none.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+def test_a_unit_that_says_it_reads_bits_but_does_not_is_named() -> None:
+    """A unit that claims `recompute_input_from_bits()` but reads its input itself would rerun on a
+    placeholder: its forward already fails, naming it."""
+    from efficient.memory import recompute as rc
+
+    class Claims(torch.nn.Module):
+        recompute_unit = True
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv2d(2, 2, 3, padding=1)
+
+        def recompute_spike_input(self) -> bool:
+            return True
+
+        def recompute_input_from_bits(self) -> bool:
+            return True
+
+        def forward(self, x: torch.Tensor, spike_bits: torch.Tensor | None = None) -> torch.Tensor:
+            return self.conv(x)  # ignores the bits
+
+    unit = Claims().train()
+    rc.wrap(unit)
+    x = torch.rand(2, 2, 4, 4).lt(0.5).float().requires_grad_()
+    with pytest.raises(RuntimeError, match="Claims says recompute_input_from_bits"):
+        unit(x)

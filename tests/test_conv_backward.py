@@ -16,15 +16,19 @@ from efficient.kernels.spike_pack import pack_spikes
 from efficient.memory.conv_backward import _BatchSlicedConv2d, batch_slices, conv2d_backward_from_bits, region_conv2d
 
 
-class _BackwardCalls(TorchDispatchMode):
-    """Records the batch size of every aten convolution backward."""
+FORWARD = torch.ops.aten.convolution.default
 
-    def __init__(self) -> None:
+
+class _ConvCalls(TorchDispatchMode):
+    """Records the batch size of every call of an aten convolution op (by default its backward)."""
+
+    def __init__(self, op=torch.ops.aten.convolution_backward.default) -> None:
         super().__init__()
+        self.op = op
         self.batches: list[int] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.convolution_backward.default:
+        if func is self.op:
             self.batches.append(args[0].shape[0])
         return func(*args, **(kwargs or {}))
 
@@ -64,7 +68,7 @@ def test_sliced_backward_equals_the_convolution(stride, padding, groups, bias, i
             assert [k.dtype for k in kept] == [torch.uint8] * len(slices)
         else:
             assert len(kept) == 1 and kept[0] is x
-        calls = _BackwardCalls()
+        calls = _ConvCalls()
         with calls:
             grads = torch.autograd.grad(out, wanted, g)
         assert calls.batches == [len(range(7)[s]) for s in slices]
@@ -83,7 +87,7 @@ class _Stage(nn.Module):
 
 
 def _grads(stage: nn.Module, x: torch.Tensor) -> tuple[list[torch.Tensor], list[int]]:
-    calls = _BackwardCalls()
+    calls = _ConvCalls()
     with calls:
         stage(x).square().sum().backward()
     grads = [x.grad.clone(), stage.conv.weight.grad.clone()]
@@ -112,19 +116,6 @@ def test_only_a_recomputed_region_slices_the_backward(monkeypatch: pytest.Monkey
     assert hooked_calls == [5] and seen  # forward, and the rerun in backward
 
 
-class _ForwardCalls(TorchDispatchMode):
-    """Records the batch size of every aten convolution forward."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.batches: list[int] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.convolution.default:
-            self.batches.append(args[0].shape[0])
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("stride,padding,bias", [(1, 1, False), (2, 0, True), (1, 2, True)])
 def test_sliced_forward_computes_the_convolution_a_slice_at_a_time(stride, padding, bias,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
@@ -139,7 +130,7 @@ def test_sliced_forward_computes_the_convolution_a_slice_at_a_time(stride, paddi
     per = ref[0].numel()
     for limit, want in ((per, [1] * 7), (3 * per, [3, 3, 1]), (100 * per, [7])):
         monkeypatch.setattr(cb, "FORWARD_SLICE", limit)
-        calls = _ForwardCalls()
+        calls = _ConvCalls(FORWARD)
         with calls:
             out = cb.sliced_conv2d(x, w, b, stride, padding, 1, 1)
         assert calls.batches == want and out.shape == ref.shape
@@ -155,13 +146,13 @@ def test_a_regions_forward_and_rerun_slice_the_convolution_alike(monkeypatch: py
     torch.manual_seed(0)
     x = torch.rand(5, 3, 6, 6, requires_grad=True)
     stage = _Stage()
-    calls = _ForwardCalls()
+    calls = _ConvCalls(FORWARD)
     with calls:
         plain = stage(x)
     assert calls.batches == [5]
     (gx,) = torch.autograd.grad(plain.square().sum(), x)
     rc.wrap(stage)
-    calls = _ForwardCalls()
+    calls = _ConvCalls(FORWARD)
     with calls:
         out = stage(x)
         assert calls.batches == [2, 2, 1]  # the region's forward
@@ -180,7 +171,7 @@ def test_autocast_runs_the_convolution_in_its_dtype(monkeypatch: pytest.MonkeyPa
         ref = stage.conv(x)
     rc.wrap(stage)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        calls = _BackwardCalls()
+        calls = _ConvCalls()
         out = stage(x)
         assert out.dtype == torch.bfloat16 and torch.equal(out, ref.sigmoid())
         with calls:
@@ -209,7 +200,7 @@ def test_the_compiled_regions_backward_from_bits_equals_the_convolution(shape, s
     monkeypatch.setattr(bn_lif, "RECOMPUTE_CHUNK", 2 * out[0].numel())  # two samples per slice
     args = (g, pack_spikes(x), list(shape), torch.float32, conv.weight.detach(), bias, [stride] * 2, [1, 1], [1, 1], 1,
             list(mask))
-    calls = _BackwardCalls()
+    calls = _ConvCalls()
     with calls:  # the op's implementation, whose aten calls a dispatch mode sees
         got = conv2d_backward_from_bits._init_fn(*args)
     for a, b in zip(got, torch.ops.efficient.conv2d_backward_from_bits(*args)):

@@ -21,6 +21,7 @@ the rerun's fp32 input whole, beside the widest stage's gradients.
 from __future__ import annotations
 
 import math
+import threading
 from typing import Callable, Sequence
 
 import torch
@@ -49,29 +50,54 @@ def batch_slices(grad: torch.Tensor, limit: int | None = None) -> list[slice]:
 FORWARD_SLICE = 1 << 20
 
 
+def _forward_spans(shape: Sequence[int], device: torch.device, weight: Tensor, stride, padding,
+                   dilation) -> list[tuple[int, int]]:
+    """The batch spans a convolution's forward takes (`sliced_conv2d`): one on a device other than a CPU,
+    else spans of at most `FORWARD_SLICE` output elements."""
+    n = shape[0]
+    if device.type != "cpu" or len(shape) != 4 or n < 2:
+        return [(0, n)]
+    pair = lambda v: (v, v) if isinstance(v, int) else tuple(v)  # noqa: E731
+    (sh, sw), (ph, pw), (dh, dw) = pair(stride), pair(padding), pair(dilation)
+    kh, kw = weight.shape[2:]
+    ho = (shape[2] + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+    wo = (shape[3] + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    return bn_lif.chunk_spans(n, weight.shape[0] * ho * wo, FORWARD_SLICE)
+
+
+def _conv_by_spans(x_of: Callable[[int, slice], Tensor], spans: list[tuple[int, int]], weight: Tensor,
+                   bias: Tensor | None, stride, padding, dilation, groups) -> Tensor:
+    """F.conv2d of the input whose batch span i `x_of(i, slice)` gives, one call per span, written into one output."""
+    if len(spans) == 1:
+        return F.conv2d(x_of(0, slice(*spans[0])), weight, bias, stride, padding, dilation, groups)
+    out = None
+    for i, (a, b) in enumerate(spans):
+        part = F.conv2d(x_of(i, slice(a, b)), weight, bias, stride, padding, dilation, groups)
+        if out is None:
+            out = part.new_empty((spans[-1][1], *part.shape[1:]))
+        out[a:b] = part
+        del part
+    return out
+
+
 def sliced_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, stride, padding, dilation, groups) -> Tensor:
     """F.conv2d(x, ...) [N, C, H, W]; on a CPU, an output of more than `FORWARD_SLICE` elements is computed
     a slice of the batch at a time into one tensor (a convolution is independent across samples), so the
     call holds one slice's buffer beside the output, not a second output."""
-    if x.device.type != "cpu" or x.dim() != 4 or x.shape[0] < 2:
+    if x.dim() != 4:
         return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
-    pair = lambda v: (v, v) if isinstance(v, int) else tuple(v)  # noqa: E731
-    (sh, sw), (ph, pw), (dh, dw) = pair(stride), pair(padding), pair(dilation)
-    kh, kw = weight.shape[2:]
-    ho = (x.shape[2] + 2 * ph - dh * (kh - 1) - 1) // sh + 1
-    wo = (x.shape[3] + 2 * pw - dw * (kw - 1) - 1) // sw + 1
-    per = weight.shape[0] * ho * wo
-    spans = bn_lif.chunk_spans(x.shape[0], per, FORWARD_SLICE)
-    if len(spans) == 1:
-        return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
-    out = None
-    for a, b in spans:
-        part = F.conv2d(x[a:b], weight, bias, stride, padding, dilation, groups)
-        if out is None:
-            out = part.new_empty((x.shape[0], *part.shape[1:]))
-        out[a:b] = part
-        del part
-    return out
+    spans = _forward_spans(x.shape, x.device, weight, stride, padding, dilation)
+    return _conv_by_spans(lambda i, s: x[s], spans, weight, bias, stride, padding, dilation, groups)
+
+
+def _bits_reader(bits: Tensor, shape: Sequence[int], dtype: torch.dtype) -> Callable[[int, slice], Tensor]:
+    """`x_of(i, slice)`: a batch slice of the input `shape` packed whole by `pack_spikes` / `pack_binary`
+    (`bits`), unpacked as `dtype`; where a sample's bits do not start on a byte, the input unpacked once."""
+    per = math.prod(shape[1:])
+    if per % 8:
+        whole = unpack_spikes(bits, shape, dtype)
+        return lambda i, s: whole[s]
+    return lambda i, s: unpack_spikes(bits[s.start * per // 8:s.stop * per // 8], (s.stop - s.start, *shape[1:]), dtype)
 
 
 class _BatchSlicedConv2d(torch.autograd.Function):
@@ -145,13 +171,7 @@ def conv2d_backward_from_bits(
     by `pack_spikes` (`bits`), one slice of the batch at a time (`batch_slices`); an unwanted
     gradient (`mask`) is an empty tensor."""
     shape, mask = list(x_shape), [bool(m) for m in mask]
-    per = math.prod(shape[1:])
-    if per % 8:  # a sample's bits do not start on a byte: unpack the whole input once
-        whole = unpack_spikes(bits, shape, x_dtype)
-        x_of = lambda i, s: whole[s]  # noqa: E731
-    else:
-        x_of = lambda i, s: unpack_spikes(bits[s.start * per // 8:s.stop * per // 8],  # noqa: E731
-                                          (s.stop - s.start, *shape[1:]), x_dtype)
+    x_of = _bits_reader(bits, shape, x_dtype)
     bias_shape = [weight.shape[0]] if bias else None
     mask[2] = mask[2] and bias
     gx, gw, gb = _sliced_backward(grad, x_of, shape, x_dtype, weight, bias_shape,
@@ -192,6 +212,44 @@ class _BitsKeptConv2d(torch.autograd.Function):
                 None, None, None, None)
 
 
+class _BitsInputConv2d(torch.autograd.Function):
+    """A convolution whose input a recomputed region keeps as bits (`bits`: `pack_binary` of the input):
+    forward and backward read the input from the bits a batch slice at a time (`_bits_reader`; the forward's
+    spans are `sliced_conv2d`'s), so it is never whole in fp32. `x` is the input in the region's forward, or a
+    placeholder of its shape and dtype in the rerun (`recompute`: the rerun of a unit whose input is spikes,
+    `recompute_input_from_bits`); only its shape and dtype are read, and its gradient is returned. `dtype`:
+    the dtype the convolution runs in (autocast's, or x's)."""
+
+    @staticmethod
+    def forward(ctx, x, bits, weight, bias, dtype, stride, padding, dilation, groups):
+        shape = tuple(x.shape)
+        spans = _forward_spans(shape, x.device, weight, stride, padding, dilation)
+        out = _conv_by_spans(_bits_reader(bits, shape, dtype), spans, weight, bias, stride, padding, dilation, groups)
+        ctx.meta = (shape, x.dtype, dtype, (stride, padding, dilation, groups),
+                    None if bias is None else list(bias.shape))
+        ctx.save_for_backward(weight, bits)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight, bits = ctx.saved_tensors
+        shape, x_dtype, dtype, conv, bias_shape = ctx.meta
+        mask = [bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[2]),
+                bool(ctx.needs_input_grad[3]) and bias_shape is not None]
+        gx, gw, gb = _sliced_backward(grad, _bits_reader(bits, shape, dtype), shape, x_dtype, weight, bias_shape, conv,
+                                      mask, batch_slices(grad))
+        return gx, None, gw, gb, None, None, None, None, None
+
+
+_bits_state = threading.local()  # how many convolutions read their input from a region's bits (`bits_reads`)
+
+
+def bits_reads() -> int:
+    """How many convolutions have read their input from a recomputed region's bits in this thread: a region
+    that hands a unit a placeholder input checks that the unit's convolution read the bits instead."""
+    return getattr(_bits_state, "reads", 0)
+
+
 def plain_conv(conv: nn.Module) -> bool:
     """An nn.Conv2d with zero padding given as numbers and nothing watching it (a hook, such as the
     profiler's, must see the module called)."""
@@ -217,11 +275,19 @@ def region_conv2d(conv: nn.Module, x: torch.Tensor, spikes: bool = False,
         return conv(x)
     if compiling and not torch.is_grad_enabled():
         return conv(x)
+    dev = x.device.type
+    if bits is not None and not compiling and torch.is_grad_enabled():
+        # an eager region's unit whose input is spikes kept as bits (`recompute`): in its rerun x is a
+        # placeholder, so the input is read from the bits, in the autocast dtype as `conv(x)` would run
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        w, b = conv.weight.to(dtype), None if conv.bias is None else conv.bias.to(dtype)
+        _bits_state.reads = bits_reads() + 1
+        with torch.autocast(dev, enabled=False):
+            return _BitsInputConv2d.apply(x, bits, w, b, dtype, conv.stride, conv.padding, conv.dilation, conv.groups)
     # the region's forward, run without autograd, computes z as its rerun will (`sliced_conv2d`): the same
     # values bit for bit, so the rerun's spikes are the forward's
     first_pass = not torch.is_grad_enabled()
     w, b = conv.weight, conv.bias
-    dev = x.device.type
     if torch.is_autocast_enabled(dev):
         dtype = torch.get_autocast_dtype(dev)
         x, w, b = x.to(dtype), w.to(dtype), None if b is None else b.to(dtype)

@@ -61,7 +61,8 @@ from torch.utils.flop_counter import flop_registry
 
 from efficient.errors import ConfigError
 from efficient.kernels import bn_lif
-from efficient.kernels.spike_pack import pack_spikes, unpack_spikes_ref
+from efficient.kernels.spike_pack import pack_binary, pack_spikes, unpack_spikes_ref
+from efficient.memory.conv_backward import bits_reads
 from efficient.memory.spikes import active_tracker, is_neuron, propagation_suspended
 from efficient.models.replay import REGION_MARK, in_region, region_state
 
@@ -601,9 +602,47 @@ def recomputed_forward(module: nn.Module, forward: Callable[..., Any], *args: An
         out = _light_region(module, forward, args, kwargs)
         if out is not _NOT_LIGHT:
             return out
-    out = checkpoint(functools.partial(_inside, forward, lean=module.__dict__.get("_efficient_lean", True)), *args,
+    lean = module.__dict__.get("_efficient_lean", True)
+    # (not under a memory budget's selective checkpoint, which matches the rerun's ops to the forward's)
+    if lean and (kept_ops is None or not kept_ops.selective) and args and _reads_bits(module, args[0]):
+        # the unit's input is spikes its convolution reads from bits: the checkpoint keeps the bits, and the
+        # rerun hands the unit a placeholder, so the input is not whole in fp32 while the unit reruns
+        x = args[0]
+        fn = functools.partial(_bits_input, forward, [x], tuple(x.shape), x.dtype, type(module).__name__)
+        args = (pack_binary(x.detach()), *args[1:])
+    else:
+        fn = forward
+    out = checkpoint(functools.partial(_inside, fn, lean=lean), *args,
                      use_reentrant=False, context_fn=functools.partial(_contexts, module, kept_ops), **kwargs)
     module.__dict__[_OUT_NUMEL] = sum(t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+    return out
+
+
+def _reads_bits(module: nn.Module, x: Any) -> bool:
+    """Whether an eager region may keep the unit's input as bits only and rerun it on a placeholder: the unit
+    says its input is spikes that its convolution reads from `spike_bits` (`recompute_input_from_bits()`), and
+    the input is a floating tensor autograd tracks (on which the unit's gradient lands)."""
+    says = getattr(module, "recompute_input_from_bits", None)
+    return (isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel() > 0 and x.requires_grad
+            and callable(says) and bool(says()))
+
+
+def _bits_input(forward: Callable[..., Any], box: list[torch.Tensor | None], shape: tuple[int, ...],
+                dtype: torch.dtype, name: str, bits: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """A unit's call inside a checkpoint that keeps its spike input as `bits`: the forward gets the input
+    itself (`box`, emptied after it, so the checkpoint holds no fp32 copy), the rerun a placeholder of its
+    shape (stride 0, no memory); both pass the bits, which the unit's convolution reads
+    (`conv_backward.region_conv2d`), so the rerun computes what the forward did and the gradient reaches the
+    input through the forward's graph. A unit whose call did not read the bits is an error."""
+    x = box[0]
+    if x is None:
+        x = bits.new_zeros((), dtype=dtype).expand(shape)
+    before = bits_reads()
+    out = forward(x, *args, spike_bits=bits, **kwargs)
+    if bits_reads() == before:
+        raise RuntimeError(f"memory level recompute: unit {name} says recompute_input_from_bits() but its call did not "
+                           "read its input from spike_bits through region_conv2d; its rerun would read a placeholder")
+    box[0] = None
     return out
 
 
