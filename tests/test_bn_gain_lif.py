@@ -121,6 +121,20 @@ def _step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[torc
     return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
+def _vgg_none_then_recompute(untouched: list) -> tuple:
+    """One step of a tiny stable-SNN VGG at level `none` (which must leave the record `untouched` empty), then
+    of a copy at level `recompute`: (recomputed model, none model, its gradients, none's, the batch)."""
+    torch.manual_seed(0)
+    base = create("stable-snn-vgg11", width=0.125, fc_dim=64, timesteps=2).train()
+    x, y = torch.rand(2, 3, 32, 32), torch.tensor([1, 7])
+    none = copy.deepcopy(base)
+    ref = _step(none, x, y)
+    assert not untouched
+    rec = copy.deepcopy(base)
+    memory.optimize(rec, "recompute")
+    return rec, none, _step(rec, x, y), ref, (x, y)
+
+
 def test_a_recomputed_vgg_reruns_its_units_by_chunks_and_trains_as_level_none(monkeypatch: pytest.MonkeyPatch) -> None:
     """At level `recompute` each conv unit of the stable-SNN VGG runs BatchNorm, gain and DLIF by chunks
     (forward and rerun), at level `none` never; the step's gradients and the running statistics are
@@ -137,15 +151,7 @@ def test_a_recomputed_vgg_reruns_its_units_by_chunks_and_trains_as_level_none(mo
         return real(z, *args, **kwargs)
 
     monkeypatch.setattr(neurons, "bn_gain_lif", counted)
-    torch.manual_seed(0)
-    base = create("stable-snn-vgg11", width=0.125, fc_dim=64, timesteps=2).train()
-    x, y = torch.rand(2, 3, 32, 32), torch.tensor([1, 7])
-    none = copy.deepcopy(base)
-    ref = _step(none, x, y)
-    assert not calls
-    rec = copy.deepcopy(base)
-    memory.optimize(rec, "recompute")
-    got = _step(rec, x, y)
+    rec, none, got, ref, (x, y) = _vgg_none_then_recompute(calls)
     convs = [m for m in rec.modules() if type(m).__name__ == "ConvUnit"]
     assert len(calls) == 2 * len(convs)  # each unit's forward and its rerun
     # the forward's spikes are computed; the reruns (in backward, last unit first) only serve their
@@ -326,15 +332,7 @@ def test_a_checkpointed_unit_with_spike_input_reruns_on_its_bits_alone(monkeypat
         return real(x, *args)
 
     monkeypatch.setattr(cb._BitsInputConv2d, "apply", recorded)
-    torch.manual_seed(0)
-    base = create("stable-snn-vgg11", width=0.125, fc_dim=64, timesteps=2).train()
-    x, y = torch.rand(2, 3, 32, 32), torch.tensor([1, 7])
-    none = copy.deepcopy(base)
-    ref = _step(none, x, y)
-    assert not seen
-    rec = copy.deepcopy(base)
-    memory.optimize(rec, "recompute")
-    got = _step(rec, x, y)
+    rec, none, got, ref, _ = _vgg_none_then_recompute(seen)
     n = sum(u.recompute_input_from_bits() for u in rec.modules() if type(u).__name__ == "ConvUnit")
     assert n == 4  # VGG-11's units right after another
     assert seen == [(False, True)] * n + [(True, False)] * n  # forward on the input, rerun on a placeholder
