@@ -169,7 +169,10 @@ if [ "$DRY" = 1 ]; then
   wanted imagenet && part steps_imagenet 1500 $PY bench/step.py --device cpu --dry-run --sizes imagenet --amp fp32 \
     --modes reduce-overhead --steps 1 --warmup 0 --budget-s 1400 --prepare-s 1300 --time-s 200 --json "$WORK/steps_imagenet.json"
   want lif && part lif_speed 600 $PY bench/neurons.py --gpu --speed-only --dry-run --neurons lif plif dlif --json "$WORK/lif_speed.json"
-  want memory && part memory 1500 $PY bench/memory.py --dry-run --steps 1 --budget-s 1400 --json "$WORK/memory.json"
+  # the kernels' torch paths (EFFICIENT_BACKEND=torch): at the models' widths the Triton interpreter's attention
+  # backward alone outlasts the part; the kernels are rehearsed in their own parts
+  want memory && part memory 1500 env EFFICIENT_BACKEND=torch $PY bench/memory.py --dry-run --steps 1 --budget-s 1400 \
+    --json "$WORK/memory.json"
   want ee && part ee_kernels 300 $PY bench/ee_kernels.py --device cpu --dry-run --dtypes fp32 fp16 --json "$WORK/ee_kernels.json"
 else
   # order: what the targets need most first; the budget skips what does not fit
