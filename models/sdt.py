@@ -55,9 +55,7 @@ class MSSPSTail(nn.Module):
         return is_neuron(self._stem.lifs[2])
 
     def recompute_input_from_bits(self) -> bool:
-        """Whether a recomputed region may keep this unit's input as bits only and rerun it on a placeholder
-        (efficient.memory): the input is spikes, and the unit reads its values only through its convolution,
-        which reads `spike_bits` when given (`region_conv2d`; a plain conv, nothing watching it)."""
+        """As the stable-SNN conv unit's (efficient.memory): spikes in, read only through a plain convolution."""
         return self.recompute_spike_input() and plain_conv(self._stem.convs[3])
 
     def forward(self, x: torch.Tensor, T: int, spike_bits: torch.Tensor | None = None) -> torch.Tensor:

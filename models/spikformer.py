@@ -102,9 +102,7 @@ class StemStage(nn.Module):
         return self.i > 0 and is_neuron(self._stem.lifs[self.i - 1])
 
     def recompute_input_from_bits(self) -> bool:
-        """Whether a recomputed region may keep this unit's input as bits only and rerun it on a placeholder
-        (efficient.memory): the input is spikes, and the unit reads its values only through its convolution,
-        which reads `spike_bits` when given (`region_conv2d`; a plain conv, nothing watching it)."""
+        """As the stable-SNN conv unit's (efficient.memory): spikes in, read only through a plain convolution."""
         return self.recompute_spike_input() and plain_conv(self.modules_now()[0])
 
     def forward(self, x: torch.Tensor, T: int, spike_bits: torch.Tensor | None = None) -> torch.Tensor:

@@ -84,8 +84,6 @@ def sliced_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, stride, paddin
     """F.conv2d(x, ...) [N, C, H, W]; on a CPU, an output of more than `FORWARD_SLICE` elements is computed
     a slice of the batch at a time into one tensor (a convolution is independent across samples), so the
     call holds one slice's buffer beside the output, not a second output."""
-    if x.dim() != 4:
-        return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
     spans = _forward_spans(x.shape, x.device, weight, stride, padding, dilation)
     return _conv_by_spans(lambda i, s: x[s], spans, weight, bias, stride, padding, dilation, groups)
 
@@ -267,32 +265,30 @@ def region_conv2d(conv: nn.Module, x: torch.Tensor, spikes: bool = False,
     slice when its output has at most `bn_lif.RECOMPUTE_CHUNK` elements), and whose forward does too
     on a CPU where its output is large (`sliced_conv2d`, in the region's forward and its rerun alike). `spikes`: the caller
     knows x is a neuron's output (0 and 1 only), so the rerun keeps it as bits. Under autocast it
-    runs in the autocast dtype, as `conv(x)` would. Under torch.compile only a region's spike input
-    takes this path: `bits` are x's bits (`pack_spikes`) the region keeps, which the backward reads."""
-    compiling = torch.compiler.is_compiling()
-    if not (rebuild_membrane(conv) and (bits is not None or not compiling)
+    runs in the autocast dtype, as `conv(x)` would. `bits`: x's bits, which the region keeps; the
+    convolution reads its input from them (eager: x may be a placeholder, `recompute_input_from_bits`),
+    or its backward does (under torch.compile, where only a region's spike input takes this path)."""
+    compiling, grad = torch.compiler.is_compiling(), torch.is_grad_enabled()
+    if not (rebuild_membrane(conv) and (bits is not None or not compiling) and (grad or not compiling)
             and x.dim() == 4 and x.shape[0] > 0 and plain_conv(conv)):
         return conv(x)
-    if compiling and not torch.is_grad_enabled():
-        return conv(x)
     dev = x.device.type
-    if bits is not None and not compiling and torch.is_grad_enabled():
-        # an eager region's unit whose input is spikes kept as bits (`recompute`): in its rerun x is a
-        # placeholder, so the input is read from the bits, in the autocast dtype as `conv(x)` would run
-        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        w, b = conv.weight.to(dtype), None if conv.bias is None else conv.bias.to(dtype)
-        _bits_state.reads = bits_reads() + 1
-        with torch.autocast(dev, enabled=False):
-            return _BitsInputConv2d.apply(x, bits, w, b, dtype, conv.stride, conv.padding, conv.dilation, conv.groups)
-    # the region's forward, run without autograd, computes z as its rerun will (`sliced_conv2d`): the same
-    # values bit for bit, so the rerun's spikes are the forward's
-    first_pass = not torch.is_grad_enabled()
+    amp = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
     w, b = conv.weight, conv.bias
-    if torch.is_autocast_enabled(dev):
-        dtype = torch.get_autocast_dtype(dev)
-        x, w, b = x.to(dtype), w.to(dtype), None if b is None else b.to(dtype)
+    if amp is not None:
+        w, b = w.to(amp), None if b is None else b.to(amp)
     with torch.autocast(dev, enabled=False):
-        if first_pass:
+        if bits is not None and not compiling:
+            # an eager region's unit whose input is spikes kept as bits (`recompute`): in its rerun x is a
+            # placeholder, so the input is read from the bits (in the autocast dtype, as `conv(x)` would run)
+            _bits_state.reads = bits_reads() + 1
+            return _BitsInputConv2d.apply(x, bits, w, b, amp or x.dtype, conv.stride, conv.padding, conv.dilation,
+                                          conv.groups)
+        if amp is not None:
+            x = x.to(amp)
+        if not grad:
+            # the region's forward, run without autograd, computes z as its rerun will (`sliced_conv2d`): the
+            # same values bit for bit, so the rerun's spikes are the forward's
             return sliced_conv2d(x, w, b, conv.stride, conv.padding, conv.dilation, conv.groups)
         if compiling:
             out = F.conv2d(x.detach(), w.detach(), None if b is None else b.detach(), conv.stride, conv.padding,
