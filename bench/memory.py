@@ -458,6 +458,10 @@ def run_beside(spec: dict) -> dict:
     import torch
 
     arch, T, B, rounds, impls, img = spec["arch"], spec["T"], spec["batch"], spec["rounds"], spec["impls"], spec["img"]
+    if spec.get("host_memory", "system") == "reuse":  # before any tensor exists: every block then comes from the heap
+        from efficient.memory import host
+
+        host.keep_freed_memory()
     x, y = _inputs(arch, B, img=img)
     budget = spec.get("budget", RECOMPUTE_BUDGET)
     built = {impl: build(arch, impl, T, img, example=x, budget=budget) for impl in impls}
@@ -465,20 +469,33 @@ def run_beside(spec: dict) -> dict:
     for m in models.values():  # warm-up: one-off allocations and compilations
         train_step(m, x, y)
     times: dict[str, list[float]] = {impl: [] for impl in impls}
+    # what each step cost the kernel: minor page faults (a fresh page of a freed and mapped-again
+    # block, zero-filled) and system CPU seconds, the part of a CPU step that is the allocator's
+    faults: dict[str, list[int]] = {impl: [] for impl in impls}
+    system: dict[str, list[float]] = {impl: [] for impl in impls}
     for r in range(rounds):
         for impl in impls[r % len(impls):] + impls[: r % len(impls)]:
             # no malloc_trim between steps, as in a training loop: a trim would make every step
             # fault its memory in afresh, which costs most the level that keeps the most
+            u0 = resource.getrusage(resource.RUSAGE_SELF)
             t0 = time.perf_counter()
             train_step(models[impl], x, y)  # sets the gradients to None first
             times[impl].append(time.perf_counter() - t0)
+            u1 = resource.getrusage(resource.RUSAGE_SELF)
+            faults[impl].append(u1.ru_minflt - u0.ru_minflt)
+            system[impl].append(u1.ru_stime - u0.ru_stime)
+    from host_memory import geo_ci  # here: bench/host_memory.py imports this module
+
     ref = times[impls[0]]
     ratios = {impl: [t / b for t, b in zip(ts, ref)] for impl, ts in times.items()}
     return {"arch": arch, "T": T, "batch": B, "rounds": rounds, "threads": torch.get_num_threads(), "times_s": times,
             "median_s": {i: statistics.median(ts) for i, ts in times.items()},
             "ratio_median": {i: statistics.median(rs) for i, rs in ratios.items()},
             "ratio_min": {i: min(rs) for i, rs in ratios.items()}, "ratio_max": {i: max(rs) for i, rs in ratios.items()},
-            "plans": {i: b[2] for i, b in built.items() if b[2]}}
+            "ratio_ci": {i: list(geo_ci(rs)) for i, rs in ratios.items()},
+            "faults": faults, "faults_median": {i: statistics.median(v) for i, v in faults.items()},
+            "system_s": system, "system_median_s": {i: statistics.median(v) for i, v in system.items()},
+            "host_memory": spec.get("host_memory", "system"), "plans": {i: b[2] for i, b in built.items() if b[2]}}
 
 
 def beside_main(args) -> int:
@@ -489,22 +506,27 @@ def beside_main(args) -> int:
     print(f"# bench/memory.py --beside -- {datetime.date.today()}, {platform.machine()} {os.cpu_count()} cores, "
           f"torch {torch.__version__}, load before {load0}")
     print(f"# command: python bench/memory.py {' '.join(sys.argv[1:])}")
-    print("\n| architecture | T | batch | impl | median step s | time vs %s (median of rounds) | range over rounds |" % LABEL[args.impls[0]])
-    print("|---|---|---|---|---|---|---|")
+    print(f"# host memory: {args.host_memory}")
+    print("\n| architecture | T | batch | impl | median step s | time vs %s (median of rounds) | range over rounds | "
+          "geometric mean, 95 %% interval | minor faults / step | system s / step |" % LABEL[args.impls[0]])
+    print("|---|---|---|---|---|---|---|---|---|---|")
     out = []
     for arch in args.archs:
         for T in args.beside_ts:
             B = args.beside_batch or ARCHS[arch].batch
             res = _child("beside", {"arch": arch, "T": T, "batch": B, "rounds": args.rounds, "impls": args.impls,
-                                    "img": None, "budget": args.recompute_budget}, timeout=7200)
+                                    "img": None, "budget": args.recompute_budget, "host_memory": args.host_memory},
+                         timeout=7200)
             out.append(res)
             if "error" in res:
                 print(f"| {arch} | {T} | {B} | | {res['error']} | | |")
                 continue
             for impl in args.impls:
                 label = LABEL[impl] if impl != "recompute-budget" else f"ours recompute, budget {args.recompute_budget:.1%}"
+                mid, lo, hi = res["ratio_ci"][impl]
                 print(f"| {arch} | {T} | {B} | {label} | {res['median_s'][impl]:.2f} | {res['ratio_median'][impl]:.3f} | "
-                      f"{res['ratio_min'][impl]:.3f}-{res['ratio_max'][impl]:.3f} |", flush=True)
+                      f"{res['ratio_min'][impl]:.3f}-{res['ratio_max'][impl]:.3f} | {mid:.3f} [{lo:.3f}, {hi:.3f}] | "
+                      f"{res['faults_median'][impl]:,.0f} | {res['system_median_s'][impl]:.2f} |", flush=True)
     print(f"\n# load after {_load()}")
     if args.json:
         _write_json(args.json, {"date": str(datetime.date.today()), "machine": f"{platform.machine()} {os.cpu_count()} cores",
@@ -1053,6 +1075,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recompute-budget", type=float, default=RECOMPUTE_BUDGET,
                     help="--beside: the byte budget of impl recompute-budget, a fraction of none's saved bytes")
     ap.add_argument("--beside-batch", type=int, default=None, help="--beside: the batch (default: the architecture's table batch)")
+    ap.add_argument("--host-memory", choices=("system", "reuse"), default="system",
+                    help="--beside: glibc's malloc as it is, or keeping freed blocks (`train.host_memory: reuse`)")
     ap.add_argument("--child", nargs=2, metavar=("KIND", "SPEC"), help=argparse.SUPPRESS)
     ap.add_argument("--device", default="cpu", help="cuda: the device table (levels vs memopt 1-4, CUDA peaks); cpu: the tables above")
     ap.add_argument("--dry-run", action="store_true", help="the device table's code on this CPU at batch 2 (rehearsal)")

@@ -11,7 +11,9 @@ unprofiled steps. With `--compile` the model runs under `torch.compile` (what `t
 default` does; a level is applied before compiling, and its recomputed regions become the
 compiler's checkpoint regions): the same peak, of the compiled step. `--optimizer` ends the step with an
 SGD update after backward, or inside it (`train.optimizer_in_backward`), which frees each parameter
-gradient as soon as it is used.
+gradient as soon as it is used. Each peak is also given without the parameters' gradients (the same
+step again, their storages left out from their allocation on: `step_peak_bytes(without=...)`), the part
+of the peak the memory levels act on.
 
     python bench/stem_stages.py --archs spikformer-4-384 --batch 64 --steps 2
     python bench/stem_stages.py --archs spikformer-4-384 --impls none recompute --compile
@@ -54,12 +56,17 @@ def child(spec: dict) -> dict:
     from efficient.memory.measure import step_peak_bytes
 
     peak = step_peak_bytes(step)
+    # the same step again, its parameters' gradients left out: what the level changes (activations, their
+    # gradients, the ops' temporaries), where the update's placement changes the gradients' part
+    for p in model.parameters():
+        p.grad = None
+    bare = step_peak_bytes(step, without=lambda: [p.grad for p in model.parameters()])
     times = []
     for _ in range(spec["steps"]):
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    return {"peak_bytes": peak, "step_s": statistics.median(times), "times_s": times, "compile_s": compile_s,
+    return {"peak_bytes": peak, "peak_without_grads_bytes": bare, "step_s": statistics.median(times), "times_s": times, "compile_s": compile_s,
             "units": list(plan.units) if plan is not None else []}
 
 
@@ -109,8 +116,9 @@ def main() -> int:
         ap.error("--compile measures our levels: leave out sj and sj-memopt")
     print(f"# bench/stem_stages.py -- {datetime.date.today()}, {platform.machine()} {os.cpu_count()} cores, "
           f"batch {args.batch}, T {args.T}{', compiled' if args.compile else ''}, optimizer {args.optimizer}, load {os.getloadavg()[0]:.2f} before")
-    print("\n| architecture | impl | step peak of live tensors MiB | vs none | step s | time vs none |")
-    print("|---|---|---|---|---|---|")
+    print("\n| architecture | impl | step peak of live tensors MiB | vs none | without parameter gradients MiB | vs none "
+          "| step s | time vs none |")
+    print("|---|---|---|---|---|---|---|---|")
     out = []
     for arch in args.archs:
         rows: dict[str, dict] = {}
@@ -121,12 +129,13 @@ def main() -> int:
             rows[impl] = res
             out.append({**spec, **res})
             if "error" in res:
-                print(f"| {arch} | {M.LABEL[impl]} | {res['error']} | | | |", flush=True)
+                print(f"| {arch} | {M.LABEL[impl]} | {res['error']} | | | | | |", flush=True)
                 continue
             base = rows.get("none", {})
             def rel(k: str) -> str:
                 return f"{res[k] / base[k]:.3f}" if k in base else ""
-            print(f"| {arch} | {M.LABEL[impl]} | {res['peak_bytes'] / M.MiB:,.1f} | {rel('peak_bytes')} | {res['step_s']:.2f} "
+            print(f"| {arch} | {M.LABEL[impl]} | {res['peak_bytes'] / M.MiB:,.1f} | {rel('peak_bytes')} | "
+                  f"{res['peak_without_grads_bytes'] / M.MiB:,.1f} | {rel('peak_without_grads_bytes')} | {res['step_s']:.2f} "
                   f"| {rel('step_s')} |", flush=True)
     print(f"\n# load {os.getloadavg()[0]:.2f} after")
     if args.json:

@@ -24,6 +24,7 @@ from efficient.memory.measure import (
     applied_level,
     fmt_bytes,
     measure_levels,
+    step_peak_bytes,
     write_run_memory,
 )
 from efficient.models.neurons import LIF
@@ -93,6 +94,42 @@ def test_only_what_the_graph_still_holds_counts_and_the_loss_is_its_own_entry() 
     assert m.by_module["0"] == B * FEAT * FLOAT and m.by_module[LOSS] >= B * 3 * FLOAT  # log_softmax keeps its output
     assert m.by_block[LOSS] == m.by_module[LOSS]
     _sums_add_up(m)
+
+
+def test_a_step_peak_can_leave_out_what_the_step_leaves_alive() -> None:
+    """`without`: storages alive after the step (a parameter's gradient, say) are not counted from their
+    allocation on, also where one takes the address of a block freed earlier in the step; the same
+    records without leaving anything out give the plain peak."""
+    MiB = 1 << 20
+    kept: list[torch.Tensor] = []
+
+    def step() -> None:
+        scratch = torch.empty(MiB, dtype=torch.uint8)
+        del scratch  # the kept tensor below may take its address
+        kept.append(torch.empty(MiB, dtype=torch.uint8))
+        temporary = torch.empty(2 * MiB, dtype=torch.uint8)
+        del temporary
+
+    assert step_peak_bytes(step) == 3 * MiB
+    kept.clear()
+    assert step_peak_bytes(step, without=lambda: []) == 3 * MiB
+    kept.clear()
+    assert step_peak_bytes(step, without=lambda: [kept[0], None]) == 2 * MiB
+
+    # a training step without its parameters' gradients: less, by no more than the gradients' bytes
+    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 10))
+    x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+
+    def train_step() -> None:
+        F.cross_entropy(model(x), y).backward()
+
+    train_step()
+    model.zero_grad(set_to_none=True)  # before the step, so that freeing them is not the step's
+    whole = step_peak_bytes(train_step)
+    grad_bytes = sum(p.grad.nbytes for p in model.parameters())
+    model.zero_grad(set_to_none=True)
+    bare = step_peak_bytes(train_step, without=lambda: [p.grad for p in model.parameters()])
+    assert whole - grad_bytes <= bare < whole
 
 
 def test_spikes_saved_by_a_linear_count_as_bits_at_level_bits() -> None:

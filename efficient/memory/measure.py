@@ -42,7 +42,7 @@ import time
 import weakref
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -445,10 +445,15 @@ def from_run_record(d: dict[str, Any]) -> dict[str, ActivationMemory]:
     return {k: ActivationMemory.from_dict(v) for k, v in d.get("levels", {}).items()}
 
 
-def step_peak_bytes(step: Callable[[], Any]) -> int:
+def step_peak_bytes(step: Callable[[], Any], without: Callable[[], Iterable[Any]] | None = None) -> int:
     """Peak of live CPU tensor bytes while `step()` runs, above those alive before it: what a GPU's
     `torch.cuda.max_memory_allocated` counts for the same step, read on a CPU from the allocator's
-    records in `torch.profiler` (a resident-set peak would add the host allocator's retention)."""
+    records in `torch.profiler` (a resident-set peak would add the host allocator's retention).
+
+    `without`: called after the step, the tensors (None entries skipped) whose storages, made during
+    the step and alive at its end, are left out of the count from the moment they were allocated. With
+    the parameters' gradients, the peak is that of what the step holds besides them (activations,
+    their gradients and the ops' temporaries), a quantity no placement of the update changes."""
     import gc
 
     from torch.profiler import ProfilerActivity, profile
@@ -464,13 +469,30 @@ def step_peak_bytes(step: Callable[[], Any]) -> int:
     finally:
         if enabled:
             gc.enable()
-    records = sorted((r for r in prof.profiler.kineto_results.events() if r.name() == "[memory]"),
-                     key=lambda r: r.start_ns())
+    if without is None:
+        sizes = [r.nbytes() for r in sorted((r for r in prof.profiler.kineto_results.events() if r.name() == "[memory]"),
+                                            key=lambda r: r.start_ns())]
+    else:
+        # the allocation records with their addresses: a left-out storage is the last allocation at its address
+        records = sorted(((e.start_time_ns, e.extra_fields.ptr, e.extra_fields.alloc_size)
+                          for e in _tree_events(prof.profiler.kineto_results.experimental_event_tree())
+                          if type(e.extra_fields).__name__ == "_ExtraFields_Allocation"), key=lambda r: r[0])
+        left_out = {t.untyped_storage().data_ptr() for t in without() if t is not None}
+        last = {ptr: i for i, (_, ptr, size) in enumerate(records) if size > 0 and ptr in left_out}
+        drop = set(last.values())
+        sizes = [size for i, (_, _, size) in enumerate(records) if i not in drop]
     live = peak = 0
-    for r in records:
-        live += r.nbytes()
+    for size in sizes:
+        live += size
         peak = max(peak, live)
     return peak
+
+
+def _tree_events(events: Iterable[Any]) -> Iterator[Any]:
+    """Every event of a profiler's event tree, children after their parent."""
+    for e in events:
+        yield e
+        yield from _tree_events(e.children)
 
 
 __all__ = ["ActivationMemory", "LOSS", "MEMORY_FILE", "MODEL", "activation_memory", "applied_level", "default_loss", "eager_module",
