@@ -33,9 +33,11 @@ so. A watchdog thread stops the case if RSS passes --max-gb.
 Step time: the measured step and `--steps - 1` more, the median (after the warm-up step). Cells in
 separate processes minutes apart see the machine at different speeds; `--beside` times the
 implementations side by side instead (one process per architecture and T, the steps in rotation,
-the median of per-round ratios), which is the comparison to read for a time ratio. The
-saved bytes of a cell are counted in one further forward (the counting hook slows a step, so no
-timed step has it).
+the median of per-round ratios), which is the comparison to read for a time ratio. It also counts
+each step's minor page faults and system CPU seconds; `--host-memory reuse` runs it with glibc keeping
+freed blocks (`train.host_memory: reuse`), without the faults a CPU step pays and a GPU's caching
+allocator does not. The saved bytes of a cell are counted in one further forward (the counting hook
+slows a step, so no timed step has it).
 
 Cells that cannot run here (estimated peak over --max-gb, or an estimated step over --max-step-s)
 are not run; their saved bytes are exact all the same. A probe process per implementation measures
@@ -519,7 +521,7 @@ def beside_main(args) -> int:
                          timeout=7200)
             out.append(res)
             if "error" in res:
-                print(f"| {arch} | {T} | {B} | | {res['error']} | | |")
+                print(f"| {arch} | {T} | {B} | | {res['error']} | | | | | |")
                 continue
             for impl in args.impls:
                 label = LABEL[impl] if impl != "recompute-budget" else f"ours recompute, budget {args.recompute_budget:.1%}"
