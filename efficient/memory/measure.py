@@ -469,18 +469,14 @@ def step_peak_bytes(step: Callable[[], Any], without: Callable[[], Iterable[Any]
     finally:
         if enabled:
             gc.enable()
-    if without is None:
-        sizes = [r.nbytes() for r in sorted((r for r in prof.profiler.kineto_results.events() if r.name() == "[memory]"),
-                                            key=lambda r: r.start_ns())]
-    else:
-        # the allocation records with their addresses: a left-out storage is the last allocation at its address
-        records = sorted(((e.start_time_ns, e.extra_fields.ptr, e.extra_fields.alloc_size)
-                          for e in _tree_events(prof.profiler.kineto_results.experimental_event_tree())
-                          if type(e.extra_fields).__name__ == "_ExtraFields_Allocation"), key=lambda r: r[0])
-        left_out = {t.untyped_storage().data_ptr() for t in without() if t is not None}
-        last = {ptr: i for i, (_, ptr, size) in enumerate(records) if size > 0 and ptr in left_out}
-        drop = set(last.values())
-        sizes = [size for i, (_, _, size) in enumerate(records) if i not in drop]
+    # the allocation records (sizes signed: a free is negative) with their addresses, in time order; a
+    # left-out storage is the last allocation at its address
+    records = sorted(((e.start_time_ns, e.extra_fields.ptr, e.extra_fields.alloc_size)
+                      for e in _tree_events(prof.profiler.kineto_results.experimental_event_tree())
+                      if type(e.extra_fields).__name__ == "_ExtraFields_Allocation"), key=lambda r: r[0])
+    left_out = {t.untyped_storage().data_ptr() for t in (without() if without else ()) if t is not None}
+    drop = set({ptr: i for i, (_, ptr, size) in enumerate(records) if size > 0 and ptr in left_out}.values())
+    sizes = [size for i, (_, _, size) in enumerate(records) if i not in drop]
     live = peak = 0
     for size in sizes:
         live += size
