@@ -99,11 +99,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 LEVELS = ("none", "bits", "recompute")
-IMPLS = ("none", "bits", "bits-keep-membrane", "recompute", "recompute-budget", "recompute-whole-stem", "recompute-keep-membrane",
+IMPLS = ("none", "bits", "bits-keep-membrane", "recompute", "recompute-budget", "recompute-peak", "recompute-whole-stem", "recompute-keep-membrane",
          "recompute-whole-conv", "recompute-checkpoint", "sj", "sj-memopt")
 RECOMPUTE_BUDGET = 0.2  # recompute-budget: at most this fraction of none's saved bytes (planned on the step's own batch)
 LABEL = {"none": "ours none", "bits": "ours bits", "recompute": "ours recompute", "sj": "spikingjelly",
-         "recompute-budget": f"ours recompute, budget {RECOMPUTE_BUDGET:.0%}", "sj-memopt": "spikingjelly memopt L1",
+         "recompute-budget": f"ours recompute, budget {RECOMPUTE_BUDGET:.0%}",
+         "recompute-peak": f"ours recompute, peak budget {RECOMPUTE_BUDGET:.0%}", "sj-memopt": "spikingjelly memopt L1",
          "recompute-whole-stem": "ours recompute, stem as one unit",
          "recompute-keep-membrane": "ours recompute, reruns keep H",
          "bits-keep-membrane": "ours bits, fused units keep H",
@@ -345,11 +346,12 @@ def _whole_convs(model) -> list:
 def build(arch: str, impl: str, T: int, img: int | None = None, example: Any = None,
           budget: float = RECOMPUTE_BUDGET) -> tuple[Any, Any, dict]:
     """The model of `impl` at T (training mode), its memory plan (ours) and what was done to it.
-    `recompute-budget` plans its units on `example` (the step's images) for `budget` x none's bytes."""
+    `recompute-budget` plans its units on `example` (the step's images) for `budget` x none's bytes,
+    `recompute-peak` for `budget` x none's step peak of live tensors (`budget_of="peak"`)."""
     import torch
 
     torch.manual_seed(0)
-    if impl in LEVELS or impl in ("recompute-budget", "recompute-whole-stem", "recompute-keep-membrane",
+    if impl in LEVELS or impl in ("recompute-budget", "recompute-peak", "recompute-whole-stem", "recompute-keep-membrane",
                                   "recompute-whole-conv", "recompute-checkpoint", "bits-keep-membrane"):
         import efficient
         from efficient import memory
@@ -375,9 +377,10 @@ def build(arch: str, impl: str, T: int, img: int | None = None, example: Any = N
             plan = memory.optimize(m, "bits")
             m._efficient_memory.rebuild = False
             return m, plan, {"summary": plan.summary()}
-        if impl == "recompute-budget":
+        if impl in ("recompute-budget", "recompute-peak"):
             t0 = time.perf_counter()
-            plan = memory.optimize(m, "recompute", budget=budget, example=example)
+            plan = memory.optimize(m, "recompute", budget=budget, example=example,
+                                   budget_of="peak" if impl == "recompute-peak" else "saved")
             return m, plan, {"summary": plan.summary(), "plan_s": time.perf_counter() - t0, "keep": plan.keep,
                              "kept_fraction": plan.kept_fraction, "rerun_share": plan.rerun_share}
         plan = memory.optimize(m, impl)

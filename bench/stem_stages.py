@@ -34,7 +34,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import memory as M  # noqa: E402
 
-IMPLS = ("none", "bits", "bits-keep-membrane", "recompute-whole-stem", "recompute-keep-membrane", "recompute", "sj", "sj-memopt")
+IMPLS = ("none", "bits", "bits-keep-membrane", "recompute-whole-stem", "recompute-keep-membrane", "recompute", "recompute-budget", "recompute-peak",
+         "sj", "sj-memopt")
 
 
 def child(spec: dict) -> dict:
@@ -42,7 +43,8 @@ def child(spec: dict) -> dict:
 
     torch.set_num_threads(spec["threads"])
     x, y = M._inputs(spec["arch"], spec["batch"])
-    model, plan, _ = M.build(spec["arch"], spec["impl"], spec["T"], None, example=x)
+    model, plan, _ = M.build(spec["arch"], spec["impl"], spec["T"], None, example=x,
+                             budget=spec.get("budget", M.RECOMPUTE_BUDGET))
     compile_s = None
     if spec.get("compile"):
         model = torch.compile(model)
@@ -110,6 +112,8 @@ def main() -> int:
     ap.add_argument("--optimizer", default="none", choices=["none", "sgd", "sgd-in-backward"],
                     help="what the step ends with: nothing (forward + loss + backward), an SGD update after backward, "
                          "or the update inside backward (train.optimizer_in_backward)")
+    ap.add_argument("--recompute-budget", type=float, default=M.RECOMPUTE_BUDGET,
+                    help="recompute-budget: the fraction of none's saved bytes its plan may keep (planned on the step's batch)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.compile and {"sj", "sj-memopt"} & set(args.impls):
@@ -124,7 +128,7 @@ def main() -> int:
         rows: dict[str, dict] = {}
         for impl in args.impls:
             spec = {"arch": arch, "impl": impl, "T": args.T, "batch": args.batch, "steps": args.steps, "threads": args.threads,
-                    "compile": args.compile, "optimizer": args.optimizer}
+                    "compile": args.compile, "optimizer": args.optimizer, "budget": args.recompute_budget}
             res = M._child("stem", spec, timeout=3600, script=__file__)
             rows[impl] = res
             out.append({**spec, **res})

@@ -58,8 +58,9 @@ def test_twenty_steps_of_the_digits_stata_recipe_per_level(tmp_path: Path) -> No
     assert bn and all(torch.equal(w_none[k], w_rec[k]) or torch.allclose(w_none[k].double(), w_rec[k].double(), rtol=1e-4, atol=1e-6) for k in bn)
 
 
-@pytest.mark.parametrize("budget", [[], pytest.param(["train.memory_budget=0.5"], marks=needs_budget)],
-                         ids=["every-unit-whole", "budget"])
+@pytest.mark.parametrize("budget", [[], pytest.param(["train.memory_budget=0.5"], marks=needs_budget),
+                                    ["train.memory_budget=0", "train.memory_budget_of=peak"]],
+                         ids=["every-unit-whole", "budget", "peak-budget"])
 def test_resume_of_a_recompute_run_equals_an_uninterrupted_one(tmp_path: Path, budget: list[str]) -> None:
     overrides = [*STATA_DIGITS, "train.max_steps=6", "train.memory=recompute", *budget]
     recipe = ROOT / "recipes" / "stata_digits.yaml"
@@ -70,9 +71,13 @@ def test_resume_of_a_recompute_run_equals_an_uninterrupted_one(tmp_path: Path, b
         _interrupt_after(Trainer(load_recipe(recipe, overrides), half), 3).fit()
     resumed = Trainer(load_recipe(half / "config.yaml"), half, resume=True)
     assert resumed.recipe.train.memory == "recompute" and resumed.memory_plan.level == "recompute"
-    if budget:  # the plan depends on shapes only: the resumed run reruns the same units whole
+    if budget == ["train.memory_budget=0.5"]:  # the plan depends on shapes only: the resumed run reruns the same units whole
         assert resumed.memory_plan.budget == 0.5 and resumed.memory_plan.keep
         assert "within the budget of 50 %" in resumed.memory_plan.summary()
+    elif budget:  # a peak budget: the plan of a fresh run on the same first batch
+        fresh = Trainer(load_recipe(recipe, overrides), tmp_path / "fresh")
+        fresh.setup()
+        assert resumed.memory_plan.budget_of == "peak" and resumed.memory_plan.plain == fresh.memory_plan.plain
     resumed.fit()
     a = load_file(str(straight / "checkpoint" / "last" / "model.safetensors"))
     b = load_file(str(half / "checkpoint" / "last" / "model.safetensors"))
@@ -213,6 +218,15 @@ def _budget_net() -> nn.Module:
     return nn.Sequential(_ConvUnit(2, 32), pool, _ConvUnit(32, 32), _ConvUnit(32, 32))
 
 
+def _deep_net() -> nn.Module:
+    # two units at 16x16, a pool, two at 4x4: the last units' activations live only around the turn from
+    # forward to backward
+    torch.manual_seed(0)
+    pool = nn.Module()
+    pool.forward = lambda x: torch.nn.functional.max_pool2d(x.flatten(0, 1), 4).reshape(*x.shape[:3], 4, 4)
+    return nn.Sequential(_ConvUnit(2, 32), _ConvUnit(32, 32), pool, _ConvUnit(32, 32), _ConvUnit(32, 32))
+
+
 def _budget_step(net: nn.Module, x: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     net.zero_grad(set_to_none=True)
     (net(x) * torch.linspace(-1, 1, 32).reshape(32, 1, 1)).sum().backward()
@@ -268,6 +282,60 @@ def test_budget_extremes_and_a_plan_kept_across_measurements() -> None:
     assert activation_memory(net, x, backward=False).total_bytes == before
 
 
+def test_a_peak_budget_runs_plainly_the_units_that_cost_the_peak_nothing() -> None:
+    """With budget_of="peak" and budget 0, the step's peak of live tensors (measured independently) stays
+    within that of every unit rerun whole, and the last unit, whose activations live only from the end
+    of forward to the start of backward, when the step holds least, runs plainly (no rerun): its
+    gradients are level none's bit for bit, the others' within fp32 rounding, and BatchNorm updates
+    once. A budget of all of none's peak runs at least those units plainly, within it."""
+    from efficient.memory.measure import activation_memory, step_peak_bytes
+
+    x = torch.rand(4, 8, 2, 16, 16, generator=torch.Generator().manual_seed(1)) * 3
+    ref = _deep_net()
+    g0, b0 = _budget_step(ref, x)
+
+    def peak(model: nn.Module) -> int:  # of a step after the first (whose units measure their outputs)
+        activation_memory(model, x, backward=True)
+        return step_peak_bytes(lambda: activation_memory(model, x, backward=True))
+
+    none = peak(ref)
+    net = _deep_net()
+    memory.optimize(net, "recompute")
+    floor = peak(net)
+    assert floor < none
+    plan = memory.optimize(net, "recompute", budget=0, example=x, budget_of="peak")
+    assert "4" in plan.plain and set(plan.units) == {"0", "1", "3", "4"} - set(plan.plain) and plan.keep == {}
+    assert peak(net) <= floor and plan.kept_fraction == pytest.approx(peak(net) / none)
+    assert plan.budget_of == "peak" and plan.floor_fraction == pytest.approx(floor / none)
+    assert f"run plainly (as at level bits); its step peaks at {100 * plan.kept_fraction:.1f} % of level none's" in plan.summary()
+    assert "over the budget of 0 %: every unit rerun whole peaks at" in plan.summary()
+    g1, b1 = _budget_step(net, x)
+    for k in g0:
+        assert torch.allclose(g1[k], g0[k], rtol=1e-4, atol=1e-5), k
+    assert all(torch.equal(g1[k], g0[k]) for k in g0 if k.startswith("4."))
+    assert all(torch.equal(b1[k], b0[k]) for k in b0) and int(b1["0.bn.num_batches_tracked"]) == 1
+    wide = memory.optimize(net, "recompute", budget=1, example=x, budget_of="peak")
+    assert set(wide.plain) >= set(plan.plain) and peak(net) <= none
+    assert "within the budget of 100 %" in wide.summary()
+
+
+def test_a_step_timeline_places_marks_among_its_allocations() -> None:
+    """`step_timeline`: live bytes after each allocation record, exactly, and where each `mark` fell."""
+    from efficient.memory.measure import mark, step_timeline
+
+    def step() -> None:
+        a = torch.empty(1000, dtype=torch.float32)  # 4000 bytes
+        mark("between")
+        b = torch.empty(500, dtype=torch.float64)  # 4000 bytes
+        del a
+        mark("end")
+        del b
+
+    tl = step_timeline(step)
+    assert tl.live == [4000, 8000, 4000, 0] and tl.peak == 8000
+    assert tl.marks == {"between": [1], "end": [3]}
+
+
 def test_budget_errors_name_what_is_wrong(tmp_path: Path) -> None:
     net, x = _budget_net(), torch.rand(3, 2, 2, 16, 16)
     with pytest.raises(ConfigError, match=r"in \[0, 1\]"):
@@ -283,6 +351,13 @@ def test_budget_errors_name_what_is_wrong(tmp_path: Path) -> None:
                 tmp_path).setup()
     with pytest.raises(ConfigError, match="memory_budget"):
         load_recipe(ROOT / "recipes" / "stata_digits.yaml", ["train.memory_budget=2"])
+    with pytest.raises(ConfigError, match=r"budget_of: 'bytes' is not one of saved, peak"):
+        memory.optimize(net, "recompute", budget=0.2, example=x, budget_of="bytes")
+    with pytest.raises(ConfigError, match="applies with a budget"):
+        memory.optimize(net, "recompute", budget_of="peak")
+    with pytest.raises(ConfigError, match="train.memory_budget_of applies with train.memory_budget"):
+        Trainer(load_recipe(ROOT / "recipes" / "stata_digits.yaml", ["train.memory=recompute", "train.memory_budget_of=peak"]),
+                tmp_path / "p").setup()
     with pytest.raises(ConfigError, match="does not work with train.compile"):
         Trainer(load_recipe(ROOT / "recipes" / "stata_digits.yaml",
                             ["train.memory=recompute", "train.memory_budget=0.2", "train.compile=true"]), tmp_path / "c").setup()

@@ -2,6 +2,7 @@
 
     plan = efficient.memory.optimize(model, "recompute")   # or "bits", or "none" to undo
     plan = efficient.memory.optimize(model, "recompute", budget=0.2, example=x)  # at most 20 % of none
+    plan = efficient.memory.optimize(model, "recompute", budget=0.2, example=x, budget_of="peak")
 
 Levels (recipe key `train.memory`):
 - `none`: every saved activation dense, as autograd keeps it.
@@ -13,7 +14,9 @@ Levels (recipe key `train.memory`):
   equal `none`'s up to floating-point rounding; BatchNorm running statistics update once per step.
   With a `budget` (a fraction of `none`'s bytes, measured on example inputs), units also keep the
   outputs of the matmuls and convolutions that save the most rerun FLOPs per byte, as many as the
-  budget allows (`plan.py`).
+  budget allows (`plan.py`). With `budget_of="peak"` the budget is a fraction of `none`'s step peak
+  of live tensors (what `torch.cuda.max_memory_allocated` reports), and outputs are kept while the
+  step's peak stays within it or within the peak of every unit rerun whole, whichever is larger.
 
 Works on any model whose neurons are ours, spikingjelly's or snntorch's (a plain `nn.Module`
 tree; units of those libraries' models are their neurons). `measure.py` counts the bytes a step
@@ -30,23 +33,31 @@ from torch import nn
 
 from efficient.errors import ConfigError
 from efficient.memory.levels import LEVELS, Level, MemoryPlan, apply, check_level, restore
-from efficient.memory.plan import check_budget, choose_kept
+from efficient.memory.plan import BUDGETS_OF, check_budget, choose_kept, choose_plain_for_peak
 
 
 def optimize(model: nn.Module, level: Level | str = "bits", *, budget: float | None = None, example: Any = None,
              loss_fn: Callable[[Any], torch.Tensor] | None = None,
-             keep: dict[str, Sequence[int]] | None = None) -> MemoryPlan:
+             keep: dict[str, Sequence[int]] | None = None, budget_of: str = "saved") -> MemoryPlan:
     """Apply memory level `level` to `model` in place (replacing any level applied before) and say
     what was done. `model` must not be compiled yet: compile after optimizing.
 
     At level `recompute`, every unit reruns whole unless a `budget` is given: then `example` (the
     model's inputs, as for `activation_memory`; `loss_fn` as there) is measured, and units keep
     the matmul/convolution outputs that save the most rerun FLOPs per byte while the step keeps at
-    most `budget` x level none's bytes (see `plan.py`). `keep` names them directly (`plan.keep` of
-    an earlier plan: unit -> positions among its costly ops, in call order)."""
+    most `budget` x level none's bytes (see `plan.py`). `budget_of="peak"`: the budget is a fraction
+    of level none's step peak of live tensors instead, and the step's peak stays within it or within
+    that of every unit rerun whole, whichever is larger (budget 0: keep what costs that peak nothing).
+    `keep` names them directly (`plan.keep` of an earlier plan: unit -> positions among its costly
+    ops, in call order)."""
     check_level(level)
+    if budget_of not in BUDGETS_OF:
+        raise ConfigError(f"memory budget_of: {budget_of!r} is not one of {', '.join(BUDGETS_OF)} (saved: a fraction of "
+                          "level none's saved activation bytes; peak: a fraction of level none's step peak of live tensors)")
     if (budget is not None or keep is not None) and level != "recompute":
         raise ConfigError(f"memory level {level!r}: a budget or kept outputs apply to level recompute only")
+    if budget_of != "saved" and budget is None:
+        raise ConfigError(f"memory budget_of={budget_of!r} applies with a budget; give budget=... or drop budget_of")
     if budget is not None and keep is not None:
         raise ConfigError("memory: give a budget (the outputs to keep are chosen) or `keep` (they are named), not both")
     if budget is not None:
@@ -54,9 +65,10 @@ def optimize(model: nn.Module, level: Level | str = "bits", *, budget: float | N
         if example is None:
             raise ConfigError("memory budget: pass example inputs (example=...) to measure the budget on, "
                               "or drop the budget to rerun every unit whole")
-        choice = choose_kept(model, example, budget, loss_fn)
-        plan = apply(model, level, keep=choice.keep)
-        plan.budget, plan.kept_fraction = choice.budget, choice.fraction
+        choice = (choose_plain_for_peak if budget_of == "peak" else choose_kept)(model, example, budget, loss_fn)
+        plan = apply(model, level, keep=choice.keep, plain=choice.plain)
+        plan.budget, plan.kept_fraction, plan.budget_of = choice.budget, choice.fraction, choice.of
+        plan.floor_fraction = choice.floor_bytes / choice.none_bytes if choice.none_bytes else None
         plan.rerun_share = choice.rerun_flops / choice.flops if choice.flops else None
         return plan
     return apply(model, level, keep=keep)

@@ -34,6 +34,9 @@ class MemoryPlan:
     budget: float | None = None
     kept_fraction: float | None = None
     rerun_share: float | None = None
+    budget_of: str = "saved"  # "peak": kept_fraction is the step's peak of live tensors over none's
+    plain: list[str] = field(default_factory=list)  # units that run plainly (as at level bits), not rerun
+    floor_fraction: float | None = None  # the same fraction with every unit rerun whole
 
     def summary(self) -> str:
         if self.level == "none":
@@ -43,10 +46,18 @@ class MemoryPlan:
         text = f"memory: {self.level}: outputs of {len(self.neurons)} neurons kept as bits"
         if self.level == "recompute":
             text += f", {len(self.units)} units recomputed in backward"
+            if self.plain:
+                text += f", {len(self.plain)} run plainly (as at level bits)"
             if self.keep:
                 text += (f", {sum(map(len, self.keep.values()))} matmul/convolution outputs kept "
                          f"in {len(self.keep)} of them")
-        if self.budget is not None and self.kept_fraction is not None:
+        if self.budget is not None and self.kept_fraction is not None and self.budget_of == "peak":
+            floor = 100 * (self.floor_fraction or 0.0)
+            verdict = (f"within the budget of {100 * self.budget:g} %" if self.kept_fraction <= self.budget else
+                       f"over the budget of {100 * self.budget:g} %: every unit rerun whole peaks at {floor:.1f} %, "
+                       "and what it keeps does not raise that")
+            text += f"; its step peaks at {100 * self.kept_fraction:.1f} % of level none's on the example, {verdict}"
+        elif self.budget is not None and self.kept_fraction is not None:
             verdict = "within" if self.kept_fraction <= self.budget else "over (every unit reruns whole)"
             text += (f"; keeps {100 * self.kept_fraction:.1f} % of level none's activation bytes on the example, "
                      f"{verdict} the budget of {100 * self.budget:g} %")
@@ -98,9 +109,11 @@ def check_level(level: str, where: str = "memory level") -> str:
     return level
 
 
-def apply(model: nn.Module, level: Level | str = "bits", *, keep: dict[str, Sequence[int]] | None = None) -> MemoryPlan:
+def apply(model: nn.Module, level: Level | str = "bits", *, keep: dict[str, Sequence[int]] | None = None,
+          plain: Sequence[str] | None = None) -> MemoryPlan:
     """Apply memory level `level` to `model` in place (replacing any level applied before), with
-    `keep` naming per recompute unit the costly ops whose outputs it keeps; say what was done.
+    `keep` naming per recompute unit the costly ops whose outputs it keeps and `plain` the units that
+    are not rerun (they keep what they keep at level bits); say what was done.
     `optimize` is the public entry (it checks its arguments and plans a budget); `keep` is read at
     level recompute only."""
     check_level(level)
@@ -113,7 +126,8 @@ def apply(model: nn.Module, level: Level | str = "bits", *, keep: dict[str, Sequ
     neurons = [name for name, _ in iter_neurons(model)]
     regions = units(model) if level == "recompute" else []
     keep = {name: sorted(set(v)) for name, v in (keep or {}).items() if v}
-    unknown = sorted(set(keep) - {n for n, _ in regions})
+    plain = sorted(set(plain or ()))
+    unknown = sorted((set(keep) | set(plain)) - {n for n, _ in regions})
     if unknown:
         raise ConfigError(f"memory: {', '.join(map(repr, unknown))} not a recompute unit of {type(model).__name__} "
                           f"(its units: {', '.join(n for n, _ in regions) or 'none'})")
@@ -128,9 +142,11 @@ def apply(model: nn.Module, level: Level | str = "bits", *, keep: dict[str, Sequ
     tracker.watch(model)
     hooks = BitsHooks(tracker)
     wrapped: list[nn.Module] = []
-    plan = MemoryPlan(level, neurons, hooks=hooks, keep=keep)
+    plan = MemoryPlan(level, neurons, hooks=hooks, keep=keep, plain=plain)
     for name, m in regions:
         if not is_wrapped(m):
+            if name in plain:
+                continue
             wrap(m, KeptOps(frozenset(keep[name])) if name in keep else None)
             wrapped.append(m)
             plan.units.append(name)
@@ -155,8 +171,9 @@ def _record_once_under_compile() -> None:
 
 def restore(model: nn.Module, plan: MemoryPlan) -> MemoryPlan:
     """Apply `plan` (from `optimize` or `apply`) to `model` again: the same units keep the same outputs."""
-    again = apply(model, plan.level, keep=plan.keep)
+    again = apply(model, plan.level, keep=plan.keep, plain=plan.plain)
     again.budget, again.kept_fraction, again.rerun_share = plan.budget, plan.kept_fraction, plan.rerun_share
+    again.budget_of, again.floor_fraction = plan.budget_of, plan.floor_fraction
     return again
 
 

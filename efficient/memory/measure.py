@@ -445,15 +445,33 @@ def from_run_record(d: dict[str, Any]) -> dict[str, ActivationMemory]:
     return {k: ActivationMemory.from_dict(v) for k, v in d.get("levels", {}).items()}
 
 
-def step_peak_bytes(step: Callable[[], Any], without: Callable[[], Iterable[Any]] | None = None) -> int:
-    """Peak of live CPU tensor bytes while `step()` runs, above those alive before it: what a GPU's
-    `torch.cuda.max_memory_allocated` counts for the same step, read on a CPU from the allocator's
-    records in `torch.profiler` (a resident-set peak would add the host allocator's retention).
+MARK = "efficient.mark:"  # `mark(name)`: a point in a step that `step_timeline` places among its allocations
 
-    `without`: called after the step, the tensors (None entries skipped) whose storages, made during
-    the step and alive at its end, are left out of the count from the moment they were allocated. With
-    the parameters' gradients, the peak is that of what the step holds besides them (activations,
-    their gradients and the ops' temporaries), a quantity no placement of the update changes."""
+
+def mark(name: str) -> None:
+    """Note this point of the step under `step_timeline` (a zero-length `record_function` range)."""
+    with torch.profiler.record_function(MARK + name):
+        pass
+
+
+@dataclass
+class StepTimeline:
+    """Live tensor bytes over one step: `live[k]` after its k-th allocation record (a free is one
+    too), above what was alive before it; `marks[name]`: for each time `mark(name)` ran inside the
+    step, the index of the first record after it (so the records from there on happened later)."""
+
+    live: list[int]
+    marks: dict[str, list[int]]
+
+    @property
+    def peak(self) -> int:
+        return max(0, max(self.live, default=0))
+
+
+def step_timeline(step: Callable[[], Any], without: Callable[[], Iterable[Any]] | None = None) -> StepTimeline:
+    """The live tensor bytes while `step()` runs, record by record, read from the allocator's records
+    in `torch.profiler` (see `step_peak_bytes`), and where the step's `mark` calls fell among them."""
+    import bisect
     import gc
 
     from torch.profiler import ProfilerActivity, profile
@@ -469,19 +487,35 @@ def step_peak_bytes(step: Callable[[], Any], without: Callable[[], Iterable[Any]
     finally:
         if enabled:
             gc.enable()
+    events = list(_tree_events(prof.profiler.kineto_results.experimental_event_tree()))
     # the allocation records (sizes signed: a free is negative) with their addresses, in time order; a
     # left-out storage is the last allocation at its address
-    records = sorted(((e.start_time_ns, e.extra_fields.ptr, e.extra_fields.alloc_size)
-                      for e in _tree_events(prof.profiler.kineto_results.experimental_event_tree())
+    records = sorted(((e.start_time_ns, e.extra_fields.ptr, e.extra_fields.alloc_size) for e in events
                       if type(e.extra_fields).__name__ == "_ExtraFields_Allocation"), key=lambda r: r[0])
     left_out = {t.untyped_storage().data_ptr() for t in (without() if without else ()) if t is not None}
     drop = set({ptr: i for i, (_, ptr, size) in enumerate(records) if size > 0 and ptr in left_out}.values())
-    sizes = [size for i, (_, _, size) in enumerate(records) if i not in drop]
-    live = peak = 0
-    for size in sizes:
-        live += size
-        peak = max(peak, live)
-    return peak
+    kept = [(t, size) for i, (t, _, size) in enumerate(records) if i not in drop]
+    live, total = [], 0
+    for _, size in kept:
+        total += size
+        live.append(total)
+    times = [t for t, _ in kept]
+    marks: dict[str, list[int]] = {}
+    for e in sorted((e for e in events if e.name.startswith(MARK)), key=lambda e: e.start_time_ns):
+        marks.setdefault(e.name[len(MARK):], []).append(bisect.bisect_left(times, e.start_time_ns))
+    return StepTimeline(live, marks)
+
+
+def step_peak_bytes(step: Callable[[], Any], without: Callable[[], Iterable[Any]] | None = None) -> int:
+    """Peak of live CPU tensor bytes while `step()` runs, above those alive before it: what a GPU's
+    `torch.cuda.max_memory_allocated` counts for the same step, read on a CPU from the allocator's
+    records in `torch.profiler` (a resident-set peak would add the host allocator's retention).
+
+    `without`: called after the step, the tensors (None entries skipped) whose storages, made during
+    the step and alive at its end, are left out of the count from the moment they were allocated. With
+    the parameters' gradients, the peak is that of what the step holds besides them (activations,
+    their gradients and the ops' temporaries), a quantity no placement of the update changes."""
+    return step_timeline(step, without).peak
 
 
 def _tree_events(events: Iterable[Any]) -> Iterator[Any]:
@@ -492,4 +526,5 @@ def _tree_events(events: Iterable[Any]) -> Iterator[Any]:
 
 
 __all__ = ["ActivationMemory", "LOSS", "MEMORY_FILE", "MODEL", "activation_memory", "applied_level", "default_loss", "eager_module",
-           "first_input", "fmt_bytes", "measure_levels", "run_memory", "step_peak_bytes", "write_run_memory"]
+           "first_input", "fmt_bytes", "mark", "measure_levels", "run_memory", "step_peak_bytes", "step_timeline", "StepTimeline",
+           "write_run_memory"]

@@ -12,20 +12,34 @@ Bytes are counted by `efficient.memory.measure` on example inputs and FLOPs by t
 both depend on shapes, not values, so every process and a resumed run choose the same ops. Planning
 takes three forwards of the example (none, every unit whole while listing its costly ops, the
 chosen plan) and one more per correction, once, before training.
+
+A budget of the step's peak (`choose_plain_for_peak`) counts what a GPU's `max_memory_allocated` does
+instead: the live tensors at the step's busiest moment, which with every unit rerun whole comes late in
+backward (the first units' reruns, with most parameter gradients already made). A unit that is not
+rerun (run plainly, as at level `bits`: its BatchNorm inputs kept, its spikes as bits) adds what it
+keeps over its span only, from its forward to its backward, so units that run late in forward and
+reach backward early often cost the peak nothing, and skip their rerun. The planner reads the step's
+live bytes over time once (every unit whole, each unit's forward and backward marked), runs units
+plainly in the order of FLOPs saved per byte while the predicted peak stays within the target, and
+measures the result.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from efficient.errors import ConfigError
 from efficient.memory.levels import apply
-from efficient.memory.measure import activation_memory
+from efficient.memory.measure import activation_memory, mark, step_timeline
 from efficient.memory.recompute import KeptOps, require_budget_support, units
+
+BUDGETS_OF = ("saved", "peak")  # what a budget is a fraction of: none's saved bytes, or none's step peak
 
 
 @dataclass
@@ -41,6 +55,9 @@ class BudgetChoice:
     flops: int = 0
     rerun_flops: int = 0
     ops: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
+    of: str = "saved"  # "peak": none_bytes and kept_bytes are the step's peaks of live tensors
+    floor_bytes: int = 0  # with every unit rerun whole (saved bytes, or the peak)
+    plain: list[str] = field(default_factory=list)  # units run plainly (a peak budget's choice)
 
     @property
     def fraction(self) -> float:
@@ -68,44 +85,170 @@ def choose_kept(model: nn.Module, example: Any, budget: float,
 
     try:
         none = measure("none")
-        # every unit whole (it keeps nothing more while it lists its costly ops): the floor
-        apply(model, "recompute")
-        ops: dict[str, list[tuple[int, int, int]]] = {}
-        for name, m in units(model):
-            ops[name] = []
-            m.__dict__["_efficient_kept"] = KeptOps(record=ops[name])
-        floor = activation_memory(model, example, loss_fn, backward=False).total_bytes
+        ops, floor = _costly_ops(model, example, loss_fn)
     finally:
         apply(model, "none")
     target = budget * none
-    # most FLOPs saved per byte kept first; ties in model order
-    ranked = sorted(((name, i, size, fl) for name, found in ops.items() for i, size, fl in found if size),
-                    key=lambda o: -o[3] / o[2])
     chosen: list[tuple[str, int, int, int]] = []
     estimate = floor
-    for op in ranked:
+    for op in _ranked(ops):
         if estimate + op[2] > target:
             continue  # a smaller one further down may still fit
         chosen.append(op)
         estimate += op[2]
 
-    def keep_of(ch: list[tuple[str, int, int, int]]) -> dict[str, list[int]]:
-        keep: dict[str, list[int]] = {}
-        for name, i, _, _ in ch:
-            keep.setdefault(name, []).append(i)
-        return {name: sorted(v) for name, v in keep.items()}
-
     try:
         # outputs that share storage with something already kept count once, or more than once
         # when a view keeps its base: check, and drop the last kept outputs while over the budget
-        total = measure(keep=keep_of(chosen)) if chosen else floor
+        total = measure(keep=_keep_of(chosen)) if chosen else floor
         while total > target and chosen:
             chosen.pop()
-            total = measure(keep=keep_of(chosen)) if chosen else floor
+            total = measure(keep=_keep_of(chosen)) if chosen else floor
     finally:
         apply(model, "none")
     flops = sum(fl for found in ops.values() for _, _, fl in found)
-    return BudgetChoice(budget, keep_of(chosen), none, total, flops, flops - sum(o[3] for o in chosen), ops)
+    return BudgetChoice(budget, _keep_of(chosen), none, total, flops, flops - sum(o[3] for o in chosen), ops,
+                        floor_bytes=floor)
 
 
-__all__ = ["BudgetChoice", "check_budget", "choose_kept"]
+def _costly_ops(model: nn.Module, example: Any, loss_fn: Callable[[Any], torch.Tensor] | None
+                ) -> tuple[dict[str, list[tuple[int, int, int]]], int]:
+    """Per unit, its costly ops as (position, output bytes, FLOPs), listed by one forward at level
+    recompute with every unit whole (which keeps nothing more while it lists them), and the bytes
+    that forward keeps: the floor of every plan. Leaves `model` at level recompute."""
+    apply(model, "recompute")
+    ops: dict[str, list[tuple[int, int, int]]] = {}
+    for name, m in units(model):
+        ops[name] = []
+        m.__dict__["_efficient_kept"] = KeptOps(record=ops[name])
+    return ops, activation_memory(model, example, loss_fn, backward=False).total_bytes
+
+
+def _ranked(ops: dict[str, list[tuple[int, int, int]]]) -> list[tuple[str, int, int, int]]:
+    """Every costly op with an output as (unit, position, bytes, FLOPs): most FLOPs saved per byte kept
+    first, ties in model order."""
+    return sorted(((name, i, size, fl) for name, found in ops.items() for i, size, fl in found if size),
+                  key=lambda o: -o[3] / o[2])
+
+
+def _keep_of(chosen: list[tuple[str, int, int, int]]) -> dict[str, list[int]]:
+    keep: dict[str, list[int]] = {}
+    for name, i, _, _ in chosen:
+        keep.setdefault(name, []).append(i)
+    return {name: sorted(set(v)) for name, v in keep.items()}
+
+
+def _step(model: nn.Module, example: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> Callable[[], Any]:
+    """One training step (forward, loss, backward) on `example`, leaving the model as it was."""
+    return lambda: activation_memory(model, example, loss_fn, backward=True)
+
+
+def choose_plain_for_peak(model: nn.Module, example: Any, budget: float,
+                          loss_fn: Callable[[Any], torch.Tensor] | None = None) -> BudgetChoice:
+    """The units to run plainly (as at level bits: no rerun, their activations kept) so that a training
+    step's peak of live tensors on `example` stays within the larger of `budget` x level none's peak
+    and the peak with every unit rerun whole (budget 0: what costs that peak nothing). Leaves `model`
+    at level none.
+
+    A plain unit keeps, from its forward to its backward, what it keeps at level bits less the input
+    its rerun would keep (measured: one forward per unit). The planner adds that over the unit's span to the live bytes of the
+    every-unit-whole step, in the order of matmul/convolution FLOPs saved per byte, keeps a unit plain
+    when the sum stays within the target, then measures the plan; when it is over (a plain unit's own
+    backward may hold more than its rerun by chunks did), it adds the chosen units one at a time, each
+    kept plain only if the measured peak stays within the target."""
+    import numpy as np
+
+    from efficient.memory.measure import step_peak_bytes
+
+    budget = check_budget(budget)
+    try:
+        apply(model, "none")
+        none = step_peak_bytes(_step(model, example, loss_fn))
+        ops, floor_kept = _costly_ops(model, example, loss_fn)
+        apply(model, "recompute")
+        with _marking(model):
+            timeline = step_timeline(_step(model, example, loss_fn))
+        # what each unit keeps more when it runs plainly: one forward each (a stem's stages save inside
+        # the stem's own call, so a unit's share cannot be read from one forward's modules)
+        extra = {}
+        for name, found in ops.items():
+            if sum(fl for _, _, fl in found):
+                apply(model, "recompute", plain=[name])
+                extra[name] = max(0, activation_memory(model, example, loss_fn, backward=False).total_bytes - floor_kept)
+    finally:
+        apply(model, "none")
+    floor = timeline.peak
+    target = max(budget * none, floor)
+    live = np.asarray(timeline.live, dtype=np.int64)
+    added = np.zeros_like(live)
+    candidates = []
+    for name, more in extra.items():
+        span = _span(timeline.marks, name, len(live))
+        if span is not None:
+            candidates.append((name, more, sum(fl for _, _, fl in ops[name]), span))
+    candidates.sort(key=lambda c: -c[2] / max(c[1], 1))
+    chosen: list[tuple[str, int, int]] = []
+    for name, extra, flops, (a, b) in candidates:
+        if b > a and int((live[a:b] + added[a:b]).max()) + extra <= target:
+            added[a:b] += extra
+            chosen.append((name, extra, flops))
+
+    def measure(names: list[str]) -> int:
+        apply(model, "recompute", plain=names)
+        return step_peak_bytes(_step(model, example, loss_fn))
+
+    try:
+        total = measure([c[0] for c in chosen]) if chosen else floor
+        if total > target:  # one unit's own backward held more than predicted: add them one at a time
+            fits: list[tuple[str, int, int]] = []
+            total = floor
+            for c in chosen:
+                peak = measure([f[0] for f in fits] + [c[0]])
+                if peak <= target:
+                    fits.append(c)
+                    total = peak
+            chosen = fits
+    finally:
+        apply(model, "none")
+    flops = sum(fl for found in ops.values() for _, _, fl in found)
+    return BudgetChoice(budget, {}, none, total, flops, flops - sum(c[2] for c in chosen), ops, of="peak",
+                        floor_bytes=floor, plain=sorted(c[0] for c in chosen))
+
+
+@contextlib.contextmanager
+def _marking(model: nn.Module) -> Iterator[None]:
+    """Each unit's forward marks `fwd:<unit>` as it starts, and the gradient reaching each of its outputs
+    marks `bwd:<unit>` (its rerun follows the last of them), for `step_timeline`."""
+    handles = []
+
+    def starts(name: str) -> Callable[..., None]:
+        return lambda module, args: mark("fwd:" + name)
+
+    def ends(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, out: Any) -> None:
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda grad: mark("bwd:" + name))
+        return hook
+
+    try:
+        for name, m in units(model):
+            handles.append(m.register_forward_pre_hook(starts(name)))
+            handles.append(m.register_forward_hook(ends(name)))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _span(marks: dict[str, list[int]], unit: str, n: int) -> tuple[int, int] | None:
+    """The records over which an output of `unit` kept from its forward lives until its rerun: from the
+    unit's first forward to the last gradient reaching its outputs (a unit called more than once spans
+    all its calls)."""
+    fwd, bwd = marks.get("fwd:" + unit), marks.get("bwd:" + unit)
+    if not fwd or not bwd:
+        return None
+    return min(fwd), min(max(bwd), n)
+
+
+__all__ = ["BUDGETS_OF", "BudgetChoice", "check_budget", "choose_kept", "choose_plain_for_peak"]

@@ -680,7 +680,8 @@ def wrap(module: nn.Module, kept: KeptOps | None = None, lean: bool = True, ligh
 def unwrap(module: nn.Module) -> None:
     if is_wrapped(module):
         del module.__dict__["forward"]
-    for key in ("_efficient_kept", "_efficient_lean", "_efficient_light", _OUT_NUMEL, "_efficient_light_checked",
+    # (its output's size stays: a level applied again runs each unit's first call as its later ones)
+    for key in ("_efficient_kept", "_efficient_lean", "_efficient_light", "_efficient_light_checked",
                 "_efficient_compiled_plain"):
         module.__dict__.pop(key, None)
     for m in region_modules(module):

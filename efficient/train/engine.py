@@ -290,7 +290,11 @@ class Trainer:
                                   "(the compiler cannot trace the kept-output policy); drop one of them")
             example = self._first_input()
         # before DDP and compile wrap it
-        self.memory_plan = memory.optimize(self.model, t.memory, budget=t.memory_budget, example=example)
+        if t.memory_budget_of != "saved" and t.memory_budget is None:
+            raise ConfigError(f"{self.recipe.source}: train.memory_budget_of applies with train.memory_budget; "
+                              "set a budget or drop memory_budget_of")
+        self.memory_plan = memory.optimize(self.model, t.memory, budget=t.memory_budget, example=example,
+                                           budget_of=t.memory_budget_of)
 
     def _first_input(self) -> Any:
         """The model's input in the first training batch, with every RNG left where it was (a
