@@ -178,6 +178,10 @@ def choose_plain_for_peak(model: nn.Module, example: Any, budget: float,
     finally:
         apply(model, "none")
     floor = timeline.peak
+    if not timeline.live or not none:
+        raise RuntimeError("memory peak budget: the profiler recorded no allocation of the step on "
+                           f"{_device_of(model)}, so its peak cannot be planned there; use a budget of saved "
+                           "bytes (budget_of='saved') or no budget")
     target = max(budget * none, floor)
     live = np.asarray(timeline.live, dtype=np.int64)
     added = np.zeros_like(live)
@@ -239,6 +243,10 @@ def _marking(model: nn.Module) -> Iterator[None]:
     finally:
         for h in handles:
             h.remove()
+
+
+def _device_of(model: nn.Module) -> str:
+    return str(next((p.device for p in model.parameters()), torch.device("cpu")))
 
 
 def _span(marks: dict[str, list[int]], unit: str, n: int) -> tuple[int, int] | None:
