@@ -527,7 +527,8 @@ def beside_main(args) -> int:
                 print(f"| {arch} | {T} | {B} | | {res['error']} | | | | | |")
                 continue
             for impl in args.impls:
-                label = LABEL[impl] if impl != "recompute-budget" else f"ours recompute, budget {args.recompute_budget:.1%}"
+                label = {"recompute-budget": f"ours recompute, budget {args.recompute_budget:.1%}",
+                         "recompute-peak": f"ours recompute, peak budget {args.recompute_budget:.1%}"}.get(impl, LABEL[impl])
                 mid, lo, hi = res["ratio_ci"][impl]
                 print(f"| {arch} | {T} | {B} | {label} | {res['median_s'][impl]:.2f} | {res['ratio_median'][impl]:.3f} | "
                       f"{res['ratio_min'][impl]:.3f}-{res['ratio_max'][impl]:.3f} | {mid:.3f} [{lo:.3f}, {hi:.3f}] | "
@@ -1088,7 +1089,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5, help="--beside: rounds (each runs every implementation once)")
     ap.add_argument("--beside-ts", nargs="*", type=int, default=[4], help="--beside: the T values")
     ap.add_argument("--recompute-budget", type=float, default=RECOMPUTE_BUDGET,
-                    help="--beside: the byte budget of impl recompute-budget, a fraction of none's saved bytes")
+                    help="--beside: the budget of impls recompute-budget (a fraction of none's saved bytes) and "
+                         "recompute-peak (of none's step peak of live tensors)")
     ap.add_argument("--beside-batch", type=int, default=None, help="--beside: the batch (default: the architecture's table batch)")
     ap.add_argument("--host-memory", choices=("system", "reuse"), default="system",
                     help="--beside: glibc's malloc as it is, or keeping freed blocks (`train.host_memory: reuse`)")

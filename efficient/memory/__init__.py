@@ -15,8 +15,9 @@ Levels (recipe key `train.memory`):
   With a `budget` (a fraction of `none`'s bytes, measured on example inputs), units also keep the
   outputs of the matmuls and convolutions that save the most rerun FLOPs per byte, as many as the
   budget allows (`plan.py`). With `budget_of="peak"` the budget is a fraction of `none`'s step peak
-  of live tensors (what `torch.cuda.max_memory_allocated` reports), and outputs are kept while the
-  step's peak stays within it or within the peak of every unit rerun whole, whichever is larger.
+  of live tensors (what `torch.cuda.max_memory_allocated` reports), and units run plainly (no rerun,
+  as at level `bits`) while the step's peak stays within it or within the peak of every unit rerun
+  whole, whichever is larger.
 
 Works on any model whose neurons are ours, spikingjelly's or snntorch's (a plain `nn.Module`
 tree; units of those libraries' models are their neurons). `measure.py` counts the bytes a step
@@ -47,7 +48,8 @@ def optimize(model: nn.Module, level: Level | str = "bits", *, budget: float | N
     the matmul/convolution outputs that save the most rerun FLOPs per byte while the step keeps at
     most `budget` x level none's bytes (see `plan.py`). `budget_of="peak"`: the budget is a fraction
     of level none's step peak of live tensors instead, and the step's peak stays within it or within
-    that of every unit rerun whole, whichever is larger (budget 0: keep what costs that peak nothing).
+    that of every unit rerun whole, whichever is larger, with the units that fit run plainly instead of
+    rerun (budget 0: those that cost that peak nothing).
     `keep` names them directly (`plan.keep` of an earlier plan: unit -> positions among its costly
     ops, in call order)."""
     check_level(level)

@@ -383,7 +383,7 @@ _NOT_LIGHT = object()  # `_light_region`: this call cannot be one
 # the stream's gradient reaches the block's input unchanged). Another unit whose outputs are larger than one
 # chunk of the chunked units (`bn_lif.RECOMPUTE_CHUNK` elements: a stem stage, a VGG's first units, whose
 # reruns set a step's peak) keeps torch's checkpoint, chosen from its previous call's output (its first call
-# is a checkpoint's, which measures it).
+# is a checkpoint's, which measures it; the size stays when a level is applied again).
 _OUT_NUMEL = "_efficient_out_numel"
 
 
