@@ -151,11 +151,11 @@ def choose_plain_for_peak(model: nn.Module, example: Any, budget: float,
     at level none.
 
     A plain unit keeps, from its forward to its backward, what it keeps at level bits less the input
-    its rerun would keep (measured: one forward per unit). The planner adds that over the unit's span to the live bytes of the
-    every-unit-whole step, in the order of matmul/convolution FLOPs saved per byte, keeps a unit plain
-    when the sum stays within the target, then measures the plan; when it is over (a plain unit's own
-    backward may hold more than its rerun by chunks did), it adds the chosen units one at a time, each
-    kept plain only if the measured peak stays within the target."""
+    its rerun would keep (measured: one forward per unit). The planner adds that over the unit's span
+    to the live bytes of the every-unit-whole step, in the order of matmul/convolution FLOPs saved per
+    byte, keeps a unit plain when the sum stays within the target, then measures the plan; when it is
+    over (a plain unit's own backward may hold more than its rerun by chunks did), it adds the chosen
+    units one at a time, each kept plain only if the measured peak stays within the target."""
     import numpy as np
 
     from efficient.memory.measure import step_peak_bytes
@@ -170,11 +170,12 @@ def choose_plain_for_peak(model: nn.Module, example: Any, budget: float,
             timeline = step_timeline(_step(model, example, loss_fn))
         # what each unit keeps more when it runs plainly: one forward each (a stem's stages save inside
         # the stem's own call, so a unit's share cannot be read from one forward's modules)
-        extra = {}
+        extra: dict[str, int] = {}
         for name, found in ops.items():
             if sum(fl for _, _, fl in found):
                 apply(model, "recompute", plain=[name])
-                extra[name] = max(0, activation_memory(model, example, loss_fn, backward=False).total_bytes - floor_kept)
+                kept = activation_memory(model, example, loss_fn, backward=False).total_bytes
+                extra[name] = max(0, kept - floor_kept)
     finally:
         apply(model, "none")
     floor = timeline.peak
@@ -192,10 +193,10 @@ def choose_plain_for_peak(model: nn.Module, example: Any, budget: float,
             candidates.append((name, more, sum(fl for _, _, fl in ops[name]), span))
     candidates.sort(key=lambda c: -c[2] / max(c[1], 1))
     chosen: list[tuple[str, int, int]] = []
-    for name, extra, flops, (a, b) in candidates:
-        if b > a and int((live[a:b] + added[a:b]).max()) + extra <= target:
-            added[a:b] += extra
-            chosen.append((name, extra, flops))
+    for name, more, flops, (a, b) in candidates:
+        if b > a and int((live[a:b] + added[a:b]).max()) + more <= target:
+            added[a:b] += more
+            chosen.append((name, more, flops))
 
     def measure(names: list[str]) -> int:
         apply(model, "recompute", plain=names)
