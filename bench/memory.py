@@ -112,6 +112,17 @@ LABEL = {"none": "ours none", "bits": "ours bits", "recompute": "ours recompute"
          "recompute-checkpoint": "ours recompute, every unit under torch's checkpoint",
          "recompute-in-backward": "ours recompute, SGD update inside backward",
          "recompute-wide-chunks": "ours recompute, a quarter as many chunks"}
+
+
+def label(impl: str, budget: float = RECOMPUTE_BUDGET) -> str:
+    """An implementation's table label, with the budget a budgeted plan was given."""
+    if impl == "recompute-budget":
+        return f"ours recompute, budget {budget:.1%}"
+    if impl == "recompute-peak":
+        return f"ours recompute, peak budget {budget:.1%}"
+    return LABEL[impl]
+
+
 WIDE_CHUNK_PARTS = 4  # recompute-wide-chunks (GPU rows): z in chunks of up to a quarter, not a sixteenth
 MiB, GiB = 2**20, 2**30
 RESULT = "RESULT "  # a child's last line: RESULT <json>
@@ -527,10 +538,9 @@ def beside_main(args) -> int:
                 print(f"| {arch} | {T} | {B} | | {res['error']} | | | | | |")
                 continue
             for impl in args.impls:
-                label = {"recompute-budget": f"ours recompute, budget {args.recompute_budget:.1%}",
-                         "recompute-peak": f"ours recompute, peak budget {args.recompute_budget:.1%}"}.get(impl, LABEL[impl])
+                name = label(impl, args.recompute_budget)
                 mid, lo, hi = res["ratio_ci"][impl]
-                print(f"| {arch} | {T} | {B} | {label} | {res['median_s'][impl]:.2f} | {res['ratio_median'][impl]:.3f} | "
+                print(f"| {arch} | {T} | {B} | {name} | {res['median_s'][impl]:.2f} | {res['ratio_median'][impl]:.3f} | "
                       f"{res['ratio_min'][impl]:.3f}-{res['ratio_max'][impl]:.3f} | {mid:.3f} [{lo:.3f}, {hi:.3f}] | "
                       f"{res['faults_median'][impl]:,.0f} | {res['system_median_s'][impl]:.2f} |", flush=True)
     print(f"\n# load after {_load()}")

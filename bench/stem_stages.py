@@ -113,7 +113,8 @@ def main() -> int:
                     help="what the step ends with: nothing (forward + loss + backward), an SGD update after backward, "
                          "or the update inside backward (train.optimizer_in_backward)")
     ap.add_argument("--recompute-budget", type=float, default=M.RECOMPUTE_BUDGET,
-                    help="recompute-budget: the fraction of none's saved bytes its plan may keep (planned on the step's batch)")
+                    help="the budget of recompute-budget (a fraction of none's saved bytes) and recompute-peak (of none's "
+                         "step peak of live tensors), planned on the step's batch")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.compile and {"sj", "sj-memopt"} & set(args.impls):
@@ -133,12 +134,12 @@ def main() -> int:
             rows[impl] = res
             out.append({**spec, **res})
             if "error" in res:
-                print(f"| {arch} | {M.LABEL[impl]} | {res['error']} | | | | | |", flush=True)
+                print(f"| {arch} | {M.label(impl, args.recompute_budget)} | {res['error']} | | | | | |", flush=True)
                 continue
             base = rows.get("none", {})
             def rel(k: str) -> str:
                 return f"{res[k] / base[k]:.3f}" if k in base else ""
-            print(f"| {arch} | {M.LABEL[impl]} | {res['peak_bytes'] / M.MiB:,.1f} | {rel('peak_bytes')} | "
+            print(f"| {arch} | {M.label(impl, args.recompute_budget)} | {res['peak_bytes'] / M.MiB:,.1f} | {rel('peak_bytes')} | "
                   f"{res['peak_without_grads_bytes'] / M.MiB:,.1f} | {rel('peak_without_grads_bytes')} | {res['step_s']:.2f} "
                   f"| {rel('step_s')} |", flush=True)
     print(f"\n# load {os.getloadavg()[0]:.2f} after")
