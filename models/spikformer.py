@@ -42,8 +42,8 @@ from efficient.models.stata import (  # noqa: F401 - the STATA names Spikformer 
     PrunePoint,
     Score,
     StataConfig,
+    after_attention,
     anchor_scores,
-    residual_block,
     kept_count,
     warmup_keep_ratio,
 )
@@ -385,11 +385,20 @@ class SSA(nn.Module):
         """Output rows `[T, B, n, D]` of the `n` queries `q` over all keys and values (no scores)."""
         return self.output(attention_ref(q, k, v, self.scale))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.attend(*self.qkv(x, split=False))[0]
+    def forward(self, x: torch.Tensor, anchor: bool = False, scores: bool = False):
+        """`[T, B, N, D]` -> (output `[T, B, N, D]`, STATA's anchor scores, mean-query scores) (None, None
+        unless `scores`)."""
+        return self.attend(*self.qkv(x, split=False), anchor=anchor, scores=scores)
 
 
 class MLP(nn.Module):
+    """fc1 -> fc2, two Linear -> BatchNorm -> LIF units on tokens `[T, B, N, D]`."""
+
+    # efficient.memory: the second residual half of a `Block` (the block adds its output to the stream), so
+    # the gradient of its output lives through its rerun anyway: it runs as a light region at any size
+    recompute_residual = True
+    recompute_count_bound: int | None = None  # set by `Spikformer`: its input is a count of spikes
+
     def __init__(self, dim: int, hidden: int, lif_cfg: dict) -> None:
         super().__init__()
         self.fc1 = LinearBNLIF(dim, hidden, lif_cfg)
@@ -399,15 +408,40 @@ class MLP(nn.Module):
         return self.fc2(self.fc1(x))
 
 
+class AttentionHalf(nn.Module):
+    """x + SSA(x), with STATA's scores: the first half of a `Block` as the unit memory level `recompute`
+    reruns. The residual sum is inside it, so its rerun adds the stream's gradient and the attention's
+    units' gradients to x's in the order level none does (x feeds q, k and v separately at small widths):
+    the step's gradients stay none's bit for bit. It holds the block's attention without owning it (the
+    block's parameter names stay)."""
+
+    recompute_unit = True
+    recompute_residual = True
+    recompute_count_bound: int | None = None  # the block's
+
+    def __init__(self, attn: SSA) -> None:
+        super().__init__()
+        object.__setattr__(self, "_attn", attn)
+
+    def recompute_modules(self) -> list[nn.Module]:
+        return [self._attn]
+
+    def forward(self, x: torch.Tensor, anchor: bool = False, scores: bool = False):
+        a, s, c = self._attn(x, anchor=anchor, scores=scores)
+        return x + a, s, c
+
+
 class Block(nn.Module):
     """x += SSA(x); [prune]; x += MLP(x). `step` (a `PruneStep` from the model's pruner, or None)
     gathers the kept tokens after the attention or after the block; `anchor`: token 0 is STATA's anchor."""
 
-    # efficient.memory: a block keeps only its input (the residual stream) and reruns in backward
+    # efficient.memory: recomputed in backward as two units, the attention and the MLP, each keeping only
+    # its input (the residual stream), so backward holds one half's rerun at a time and a memory plan can
+    # run one half plainly and rerun the other; a subclass with its own forward is one unit, keeping its input
     recompute_unit = True
     recompute_residual = True  # its output's gradient also reaches its input unchanged
     # efficient.memory: the largest count of spikes the block's input can hold when the model's residual
-    # stream is a sum of spikes by construction (set by `Spikformer`; kept as uint8), else None
+    # stream is a sum of spikes by construction (set by `Spikformer` and `QKFormer`; kept as uint8), else None
     recompute_count_bound: int | None = None
 
     def __init__(self, dim: int, heads: int, mlp_ratio: float, lif_cfg: dict, qkv_bias: bool = True,
@@ -415,6 +449,7 @@ class Block(nn.Module):
         super().__init__()
         self.attn = SSA(dim, heads, lif_cfg, qkv_bias=qkv_bias, kernel_backend=kernel_backend)
         self.mlp = MLP(dim, int(dim * mlp_ratio), lif_cfg)
+        object.__setattr__(self, "_attn_half", AttentionHalf(self.attn))  # not a child: no parameters of its own
         if reference_norms:
             # The reference code builds two LayerNorms per block that its forward never calls; the
             # published parameter counts (9.33M for 4-384) include them. Frozen, off the compute path.
@@ -424,9 +459,22 @@ class Block(nn.Module):
                 last: bool = False) -> torch.Tensor:
         if lean:
             return self.forward_lean(x, step, int(anchor), last)
-        q, k, v = self.attn.qkv(x, split=False)
-        a, s, c = self.attn.attend(q, k, v, anchor=anchor, scores=step is not None)
-        return residual_block(x, a, s, c, self.mlp, step)
+        x, s, c = self._attn_half(x, anchor=anchor, scores=step is not None)
+        return after_attention(x, s, c, self.mlp, step)
+
+    def recompute_parts(self) -> list[tuple[str, nn.Module]]:
+        return [("attn", self._attn_half), ("mlp", self.mlp)] if type(self).forward is Block.forward else []
+
+    def train(self, mode: bool = True) -> Block:
+        super().train(mode)
+        self._attn_half.training = mode  # not a child: its mode follows the block's
+        return self
+
+    def set_count_bound(self, bound: int | None) -> None:
+        """The stream's bound at the block's input (`recompute_count_bound`), and at its halves' inputs: the
+        attention adds one spike map before the MLP."""
+        self.recompute_count_bound = self._attn_half.recompute_count_bound = bound
+        self.mlp.recompute_count_bound = None if bound is None else bound + 1
 
     def forward_lean(self, x: torch.Tensor, step: PruneStep | None = None, p: int = 0, last: bool = False) -> torch.Tensor:
         """Inference (eval-mode BN, no fusion, pruning after attention): compute only the rows some
@@ -494,7 +542,7 @@ class Spikformer(SpikingTransformer):
         super().__init__(cfg)
         self.lean_inference = cfg.lean_inference
         for i, blk in enumerate(self.blocks):
-            blk.recompute_count_bound = self.stream_count_bound(i)
+            blk.set_count_bound(self.stream_count_bound(i))
 
     def stream_count_bound(self, i: int) -> int | None:
         """The largest value block `i`'s input can hold when it is a count of spikes by construction:

@@ -308,7 +308,12 @@ def residual_block(x: torch.Tensor, attn_out: torch.Tensor, s: torch.Tensor | No
                    mlp: nn.Module, step: PruneStep | None) -> torch.Tensor:
     """x += attention; x += MLP(x), pruned by `step` (if any) at its `prune_point`: after the
     attention residual (where EViT prunes) or after the whole block. `s`, `c`: the block's scores."""
-    x = x + attn_out
+    return after_attention(x + attn_out, s, c, mlp, step)
+
+
+def after_attention(x: torch.Tensor, s: torch.Tensor | None, c: torch.Tensor | None, mlp: nn.Module,
+                    step: PruneStep | None) -> torch.Tensor:
+    """`residual_block` from the stream with the attention already added."""
     if step is not None and step.point == "after_attn":
         x = step(x, s, c)
     x = x + mlp(x)

@@ -43,7 +43,7 @@ def _backward_inputs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -
 def test_compiled_regions_rerun_from_their_own_inputs() -> None:
     """Every stem unit after the first (stages 0 and 1 are one: `group_stages`) keeps its input (the
     stage before's spikes) for backward, as bits, so no stage is recomputed from the image and no stage
-    input is kept in fp32; the block keeps its input as uint8 counts. Level none keeps neither."""
+    input is kept in fp32; each half of the block keeps its input as uint8 counts. Level none keeps neither."""
     from efficient.kernels.spike_pack import packed_nbytes
 
     model = _tiny_spikformer()
@@ -64,31 +64,34 @@ def test_compiled_regions_rerun_from_their_own_inputs() -> None:
     pooled = [shape.numel() // 4 for shape in stage_shapes[2:]]  # a 2x2-stride max-pool quarters the map
     assert sorted(bits) == sorted(packed_nbytes(n) for n in [stage_shapes[1].numel(), *pooled]), bits
     assert not [name for name, shape in saved if shape in stage_shapes[:2]], saved
-    # the block's input, a sum of spikes, as uint8 counts; nothing else is copied
-    assert [shape for name, shape in saved if name.startswith("region_counts")] == [torch.Size([4, 2, 64, 32])], saved
+    # the inputs of the block's halves (the block's own and the stream after its attention), sums of spikes,
+    # as uint8 counts; nothing else is copied
+    assert [shape for name, shape in saved if name.startswith("region_counts")] == [torch.Size([4, 2, 64, 32])] * 2, saved
     assert not [name for name in saved if name[0].startswith("region_input")], saved
     memory.optimize(model, "none")
     assert not [n for n, _ in _backward_inputs(model, x, y) if n.startswith(("region_input", "region_counts", "pack_spikes"))]
 
 
 def test_spikformer_blocks_vouch_only_for_counts_their_inputs_hold() -> None:
-    """A compiled region keeps a Spikformer block's input as uint8 because the model says it is a
-    count of spikes: its inputs are whole numbers from 0 to the stated bound; a STATA model (anchor,
+    """A compiled region keeps the input of a Spikformer block's halves as uint8 because the model says it
+    is a count of spikes: its inputs are whole numbers from 0 to the stated bound; a STATA model (anchor,
     fused tokens) says nothing."""
     torch.manual_seed(0)
     model = create("spikformer-4-384", embed_dim=32, num_heads=2, depth=3).train()
     assert [b.recompute_count_bound for b in model.blocks] == [2, 4, 6]
+    assert [b.mlp.recompute_count_bound for b in model.blocks] == [3, 5, 7]  # the stream after the attention
     seen = []
-    hooks = [b.register_forward_pre_hook(lambda m, a: seen.append((m.recompute_count_bound, a[0].detach()))) for b in model.blocks]
+    hooks = [m.register_forward_pre_hook(lambda m, a: seen.append((m.recompute_count_bound, a[0].detach())))
+             for b in model.blocks for m in (b, b.mlp)]
     model(torch.randn(4, 3, 32, 32) * 3)
     for h in hooks:
         h.remove()
-    assert len(seen) == 3
+    assert len(seen) == 6
     for bound, x in seen:
         assert torch.equal(x, x.round()) and x.min() >= 0 and x.max() <= bound
     assert max(float(x.max()) for _, x in seen) >= 2  # the counts are not just spikes
     stata = create("spikformer-stata", embed_dim=32, num_heads=2, depth=4).train()
-    assert [b.recompute_count_bound for b in stata.blocks] == [None] * 4
+    assert [(b.recompute_count_bound, b.mlp.recompute_count_bound) for b in stata.blocks] == [(None, None)] * 4
 
 
 def test_region_counts_rebuild_the_input_exactly() -> None:
