@@ -195,6 +195,56 @@ def test_the_stem_is_recomputed_stage_by_stage(name: str, monkeypatch) -> None:
         assert staged[2] < whole[2], peaks
 
 
+@pytest.mark.parametrize("name, kw, shape", [
+    ("spikformer-4-384", {"img_size": 32, "mlp_ratio": 8}, (4, 3, 32, 32)),
+    ("spikformer-tiny-stata", {"img_size": 8, "prune_blocks": [1, 2], "keep_ratio": 0.5}, (16, 1, 8, 8)),
+], ids=["dense", "stata"])
+def test_spikformer_blocks_rerun_by_halves_with_nones_gradients(name: str, kw: dict, shape: tuple) -> None:
+    """At level recompute a Spikformer block is two units, x + attention and the MLP: the gradients and
+    running statistics of `none` bit for bit (at this width x feeds q, k and v separately, and the first half
+    sums their gradients with the stream's as `none` does), the same module tree and state dict, and a lower
+    step peak than the block rerun whole where a wide MLP's rerun sets it (ratio 8: backward holds one half's
+    rerun at a time)."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+
+    from efficient.memory.measure import step_peak_bytes
+    from efficient.zoo import create
+
+    torch.manual_seed(0)
+    base = create(name, embed_dim=64, depth=2, num_heads=2, **kw).train()
+    x, y = torch.rand(*shape), torch.arange(shape[0]) % 10
+
+    def run(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int]:
+        def step() -> None:
+            for p in model.parameters():
+                p.grad = None
+            out = model(x)
+            F.cross_entropy(out if torch.is_tensor(out) else out[0], y).backward()
+
+        peak = step_peak_bytes(step)
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return grads, copy.deepcopy(model.state_dict()), peak
+
+    none = run(copy.deepcopy(base))
+    halves_model = copy.deepcopy(base)
+    units = memory.optimize(halves_model, "recompute").units
+    assert [u for u in units if u.startswith("blocks")] == ["blocks.0.attn", "blocks.0.mlp", "blocks.1.attn", "blocks.1.mlp"]
+    halves = run(halves_model)
+    assert [n for n, _ in halves_model.named_modules()] == [n for n, _ in base.named_modules()]
+    assert halves[0].keys() == none[0].keys() and all(torch.equal(halves[0][n], none[0][n]) for n in none[0])
+    assert halves[1].keys() == none[1].keys() and all(torch.equal(halves[1][k], none[1][k]) for k in none[1])
+    if name == "spikformer-4-384":
+        whole_model = copy.deepcopy(base)
+        for blk in whole_model.blocks:
+            blk.recompute_parts = list  # the block as one unit
+        assert "blocks.0" in memory.optimize(whole_model, "recompute").units
+        whole = run(whole_model)
+        assert halves[2] < whole[2] < none[2], (halves[2], whole[2], none[2])
+
+
 def test_a_folded_stem_stays_folded_in_its_stages() -> None:
     """The stages call the stem's modules as they are when called: folding BatchNorm for inference
     (which replaces the stem's BatchNorms) changes what the stages compute, and matches the unfolded
