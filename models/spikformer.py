@@ -45,6 +45,7 @@ from efficient.models.stata import (  # noqa: F401 - the STATA names Spikformer 
     after_attention,
     anchor_scores,
     kept_count,
+    residual_block,
     warmup_keep_ratio,
 )
 from efficient.zoo import InputSpec, Variant, config_from_options, register_variants
