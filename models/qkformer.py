@@ -210,6 +210,11 @@ class SSABlock(Block):
         super().__init__(dim, heads, mlp_ratio, lif_cfg, qkv_bias=False, kernel_backend=kernel_backend)
         self.token_score = token_score
 
+    def recompute_parts(self) -> list[tuple[str, nn.Module]]:
+        """Spikformer's halves where the block runs Spikformer's forward; one unit where it scores tokens by
+        its queries' token attention, which it reads outside the attention."""
+        return [] if self.token_score else [("attn", self._attn_half), ("mlp", self.mlp)]
+
     def forward(self, x: torch.Tensor, step: PruneStep | None = None, anchor: bool = False, lean: bool = False,
                 last: bool = False) -> torch.Tensor:
         if step is None or not self.token_score:
@@ -356,7 +361,7 @@ class QKFormer(SpikingTransformer):
             st.downsample.recompute_count_bound = 2 + 2 * len(st.blocks)
         if not (self.stata.n_prefix or self.stata.prune_at or self.cfg.stata_score == "token"):
             for j, blk in enumerate(self.blocks):
-                blk.recompute_count_bound = 2 + 2 * j
+                blk.set_count_bound(2 + 2 * j)
 
     @property
     def grid(self) -> int:
