@@ -178,12 +178,15 @@ def region_modules(unit: nn.Module) -> list[nn.Module]:
     """Every module a unit's forward calls, each once: its own modules, or for a part that owns
     none (a stem stage calling its stem's modules), those it names (`recompute_modules()`)."""
     named = getattr(unit, "recompute_modules", None)
-    if named is None:
-        return list(unit.modules())
     seen: dict[int, nn.Module] = {}
-    for top in named():
-        for m in top.modules():
-            seen.setdefault(id(m), m)
+    # `Module.modules()`'s order (pre-order, each module once) without its generators and prefixes: a region
+    # asks for this on every call, forward and rerun
+    stack = list(reversed(named())) if named is not None else [unit]
+    while stack:
+        m = stack.pop()
+        if id(m) not in seen:
+            seen[id(m)] = m
+            stack.extend(c for c in reversed(m._modules.values()) if c is not None)
     return list(seen.values())
 
 
@@ -234,7 +237,7 @@ class _BufferReplay:
     def buffers(self) -> list[torch.Tensor]:
         """The buffers of the modules the unit calls (`region_modules`, unless given)."""
         modules = region_modules(self.module) if self.modules is None else self.modules
-        return [b for m in modules for b in m.buffers(recurse=False)]
+        return [b for m in modules for b in m._buffers.values() if b is not None]  # `buffers(recurse=False)`
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
