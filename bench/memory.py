@@ -524,7 +524,7 @@ def beside_main(args) -> int:
     print(f"# command: python bench/memory.py {' '.join(sys.argv[1:])}")
     print(f"# host memory: {args.host_memory}")
     print("\n| architecture | T | batch | impl | median step s | time vs %s (median of rounds) | range over rounds | "
-          "geometric mean, 95 %% interval | minor faults / step | system s / step |" % LABEL[args.impls[0]])
+          "geometric mean, 95 %% interval | minor faults / step | system s / step |" % label(args.impls[0], args.recompute_budget))
     print("|---|---|---|---|---|---|---|---|---|---|")
     out = []
     for arch in args.archs:
