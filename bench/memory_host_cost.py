@@ -73,7 +73,7 @@ def measure(name: str, rounds: int) -> dict:
             step(m)
         work[level] = counter.work
     med = {level: 1e3 * statistics.median(v) for level, v in times.items()}
-    # per round: the halves' step over whole blocks' (only Spikformer's blocks differ between the two)
+    # per round: the step with the blocks' halves over the step with each block one unit
     halves = statistics.median(a / b for a, b in zip(times["recompute"], times["recompute-whole-blocks"]))
     return {"model": name, "toy": kw, "median_ms": med, "packed_per_step": packed,
             "over_none_ms": {level: med[level] - med["none"] for level in LEVELS[1:]}, "work_ops": work,
