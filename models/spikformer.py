@@ -424,6 +424,15 @@ class AttentionHalf(nn.Module):
         super().__init__()
         object.__setattr__(self, "_attn", attn)
 
+    @property
+    def training(self) -> bool:  # type: ignore[override]
+        """The attention's mode: the half is no child of the block, so `train()` never reaches it."""
+        return self._attn.training
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        pass  # `Module.__init__` sets it; the mode is the attention's
+
     def recompute_modules(self) -> list[nn.Module]:
         return [self._attn]
 
@@ -465,11 +474,6 @@ class Block(nn.Module):
 
     def recompute_parts(self) -> list[tuple[str, nn.Module]]:
         return [("attn", self._attn_half), ("mlp", self.mlp)] if type(self).forward is Block.forward else []
-
-    def train(self, mode: bool = True) -> Block:
-        super().train(mode)
-        self._attn_half.training = mode  # not a child: its mode follows the block's
-        return self
 
     def set_count_bound(self, bound: int | None) -> None:
         """The stream's bound at the block's input (`recompute_count_bound`), and at its halves' inputs: the

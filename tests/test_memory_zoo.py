@@ -133,6 +133,27 @@ STEM_PARTS = {"spikformer-4-384": ["stage0-1", "stage2", "stage3", "rpe"],
 STEM_SETS_PEAK = {"sdt-2-512"}
 
 
+def _recorded_step(model, x, y) -> tuple[dict, dict, int]:
+    """One cross-entropy training step of `model`: its parameters' gradients by name, its state dict after
+    the step, and the step's peak of live tensor bytes."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+
+    from efficient.memory.measure import step_peak_bytes
+
+    def step() -> None:
+        for p in model.parameters():
+            p.grad = None
+        out = model(x)
+        F.cross_entropy(out if torch.is_tensor(out) else out[0], y).backward()
+
+    peak = step_peak_bytes(step)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return grads, copy.deepcopy(model.state_dict()), peak
+
+
 @pytest.mark.parametrize("name", sorted(STEM_PARTS))
 def test_the_stem_is_recomputed_stage_by_stage(name: str, monkeypatch) -> None:
     """At level recompute the SPS stem (Spikformer's; the Spike-driven Transformer's MS-SPS) is a
@@ -143,9 +164,7 @@ def test_the_stem_is_recomputed_stage_by_stage(name: str, monkeypatch) -> None:
     import copy
 
     import torch
-    import torch.nn.functional as F
 
-    from efficient.memory.measure import step_peak_bytes
     from efficient.zoo import create
 
     from efficient.kernels import bn_lif
@@ -157,24 +176,15 @@ def test_the_stem_is_recomputed_stage_by_stage(name: str, monkeypatch) -> None:
     base = create(name, embed_dim=64, depth=1, num_heads=2, img_size=32, mlp_ratio=1).train()
     x, y = torch.rand(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])
 
-    def run(model: torch.nn.Module) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], int]:
-        def step() -> None:
-            for p in model.parameters():
-                p.grad = None
-            F.cross_entropy(model(x), y).backward()
-
-        peak = step_peak_bytes(step)
-        return [p.grad.clone() for p in model.parameters() if p.requires_grad], copy.deepcopy(model.state_dict()), peak
-
-    none = run(copy.deepcopy(base))
+    none = _recorded_step(copy.deepcopy(base), x, y)
     staged_model = copy.deepcopy(base)
     plan = memory.optimize(staged_model, "recompute")
     assert [u for u in plan.units if u.startswith("patch_embed")] == [f"patch_embed.{p}" for p in STEM_PARTS[name]]
-    staged = run(staged_model)
+    staged = _recorded_step(staged_model, x, y)
     whole_model = copy.deepcopy(base)
     whole_model.patch_embed.recompute_parts = list  # the stem as one unit
     assert "patch_embed" in memory.optimize(whole_model, "recompute").units
-    whole = run(whole_model)
+    whole = _recorded_step(whole_model, x, y)
     # reruns that keep their membrane traces and pool inputs, as outside a region (wrap(lean=False))
     from efficient.memory import recompute as rc
 
@@ -182,11 +192,12 @@ def test_the_stem_is_recomputed_stage_by_stage(name: str, monkeypatch) -> None:
     units = dict(rc.units(kept_model))
     for unit in memory.optimize(kept_model, "recompute").units:
         rc.wrap(units[unit], lean=False)
-    kept = run(kept_model)
+    kept = _recorded_step(kept_model, x, y)
     assert staged_model.state_dict().keys() == base.state_dict().keys()
     for other in (whole, kept, none):
-        for a, b in zip(staged[0], other[0]):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        assert staged[0].keys() == other[0].keys()
+        for k in staged[0]:
+            torch.testing.assert_close(staged[0][k], other[0][k], rtol=1e-4, atol=1e-6)
         for k in base.state_dict():
             torch.testing.assert_close(staged[1][k], other[1][k], rtol=1e-5, atol=1e-6)
     peaks = f"peaks staged {staged[2]}, staged keeping H {kept[2]}, whole stem {whole[2]}, none {none[2]}"
@@ -208,31 +219,18 @@ def test_spikformer_blocks_rerun_by_halves_with_nones_gradients(name: str, kw: d
     import copy
 
     import torch
-    import torch.nn.functional as F
 
-    from efficient.memory.measure import step_peak_bytes
     from efficient.zoo import create
 
     torch.manual_seed(0)
     base = create(name, embed_dim=64, depth=2, num_heads=2, **kw).train()
     x, y = torch.rand(*shape), torch.arange(shape[0]) % 10
 
-    def run(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int]:
-        def step() -> None:
-            for p in model.parameters():
-                p.grad = None
-            out = model(x)
-            F.cross_entropy(out if torch.is_tensor(out) else out[0], y).backward()
-
-        peak = step_peak_bytes(step)
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        return grads, copy.deepcopy(model.state_dict()), peak
-
-    none = run(copy.deepcopy(base))
+    none = _recorded_step(copy.deepcopy(base), x, y)
     halves_model = copy.deepcopy(base)
     units = memory.optimize(halves_model, "recompute").units
     assert [u for u in units if u.startswith("blocks")] == ["blocks.0.attn", "blocks.0.mlp", "blocks.1.attn", "blocks.1.mlp"]
-    halves = run(halves_model)
+    halves = _recorded_step(halves_model, x, y)
     assert [n for n, _ in halves_model.named_modules()] == [n for n, _ in base.named_modules()]
     assert halves[0].keys() == none[0].keys() and all(torch.equal(halves[0][n], none[0][n]) for n in none[0])
     assert halves[1].keys() == none[1].keys() and all(torch.equal(halves[1][k], none[1][k]) for k in none[1])
@@ -241,7 +239,7 @@ def test_spikformer_blocks_rerun_by_halves_with_nones_gradients(name: str, kw: d
         for blk in whole_model.blocks:
             blk.recompute_parts = list  # the block as one unit
         assert "blocks.0" in memory.optimize(whole_model, "recompute").units
-        whole = run(whole_model)
+        whole = _recorded_step(whole_model, x, y)
         assert halves[2] < whole[2] < none[2], (halves[2], whole[2], none[2])
 
 
