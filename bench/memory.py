@@ -99,7 +99,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 LEVELS = ("none", "bits", "recompute")
-IMPLS = ("none", "bits", "bits-keep-membrane", "recompute", "recompute-budget", "recompute-peak", "recompute-whole-stem", "recompute-keep-membrane",
+IMPLS = ("none", "bits", "bits-keep-membrane", "recompute", "recompute-budget", "recompute-peak", "recompute-peak-lean",
+         "recompute-whole-stem", "recompute-keep-membrane",
          "recompute-whole-conv", "recompute-checkpoint", "sj", "sj-memopt")
 RECOMPUTE_BUDGET = 0.2  # recompute-budget: at most this fraction of none's saved bytes (planned on the step's own batch)
 LABEL = {"none": "ours none", "bits": "ours bits", "recompute": "ours recompute", "sj": "spikingjelly",
@@ -120,6 +121,8 @@ def label(impl: str, budget: float = RECOMPUTE_BUDGET) -> str:
         return f"ours recompute, budget {budget:.1%}"
     if impl == "recompute-peak":
         return f"ours recompute, peak budget {budget:.1%}"
+    if impl == "recompute-peak-lean":
+        return f"ours recompute, peak budget {budget:.1%}, every rerun lean"
     return LABEL[impl]
 
 
@@ -354,6 +357,9 @@ def _whole_convs(model) -> list:
     return [m.register_forward_hook(lambda *_: None) for m in model.modules() if type(m) is torch.nn.Conv2d]
 
 
+_PEAK_PLAINS: dict[tuple, list[str]] = {}  # (arch, T, img, budget) -> the units a peak plan runs plainly
+
+
 def build(arch: str, impl: str, T: int, img: int | None = None, example: Any = None,
           budget: float = RECOMPUTE_BUDGET) -> tuple[Any, Any, dict]:
     """The model of `impl` at T (training mode), its memory plan (ours) and what was done to it.
@@ -362,7 +368,8 @@ def build(arch: str, impl: str, T: int, img: int | None = None, example: Any = N
     import torch
 
     torch.manual_seed(0)
-    if impl in LEVELS or impl in ("recompute-budget", "recompute-peak", "recompute-whole-stem", "recompute-keep-membrane",
+    if impl in LEVELS or impl in ("recompute-budget", "recompute-peak", "recompute-peak-lean", "recompute-whole-stem",
+                                  "recompute-keep-membrane",
                                   "recompute-whole-conv", "recompute-checkpoint", "bits-keep-membrane"):
         import efficient
         from efficient import memory
@@ -388,10 +395,24 @@ def build(arch: str, impl: str, T: int, img: int | None = None, example: Any = N
             plan = memory.optimize(m, "bits")
             m._efficient_memory.rebuild = False
             return m, plan, {"summary": plan.summary()}
-        if impl in ("recompute-budget", "recompute-peak"):
+        if impl == "recompute-peak-lean" and (arch, T, img, budget) in _PEAK_PLAINS:
+            # the units recompute-peak runs plainly (planned on the same inputs), every rerun lean, as before
+            # reruns off the peak kept their traces
+            from efficient.memory.levels import apply
+
+            plan = apply(m, "recompute", plain=_PEAK_PLAINS[arch, T, img, budget])
+            return m, plan, {"summary": plan.summary()}
+        if impl in ("recompute-budget", "recompute-peak", "recompute-peak-lean"):
             t0 = time.perf_counter()
             plan = memory.optimize(m, "recompute", budget=budget, example=example,
-                                   budget_of="peak" if impl == "recompute-peak" else "saved")
+                                   budget_of="saved" if impl == "recompute-budget" else "peak")
+            if impl != "recompute-budget":
+                _PEAK_PLAINS[arch, T, img, budget] = plan.plain
+            if impl == "recompute-peak-lean":
+                from efficient.memory.levels import apply
+
+                plan = apply(m, "recompute", plain=plan.plain)
+                return m, plan, {"summary": plan.summary()}
             return m, plan, {"summary": plan.summary(), "plan_s": time.perf_counter() - t0, "keep": plan.keep,
                              "kept_fraction": plan.kept_fraction, "rerun_share": plan.rerun_share}
         plan = memory.optimize(m, impl)
@@ -482,8 +503,9 @@ def run_beside(spec: dict) -> dict:
     budget = spec.get("budget", RECOMPUTE_BUDGET)
     built = {impl: build(arch, impl, T, img, example=x, budget=budget) for impl in impls}
     models = {impl: b[0] for impl, b in built.items()}
-    for m in models.values():  # warm-up: one-off allocations and compilations
-        train_step(m, x, y)
+    for _ in range(spec.get("warmup", 1)):  # warm-up: one-off allocations and compilations; with freed blocks
+        for m in models.values():  # kept, the heap settles over a few steps
+            train_step(m, x, y)
     times: dict[str, list[float]] = {impl: [] for impl in impls}
     # what each step cost the kernel: minor page faults (a fresh page of a freed and mapped-again
     # block, zero-filled) and system CPU seconds, the part of a CPU step that is the allocator's
@@ -531,7 +553,8 @@ def beside_main(args) -> int:
         for T in args.beside_ts:
             B = args.beside_batch or ARCHS[arch].batch
             res = _child("beside", {"arch": arch, "T": T, "batch": B, "rounds": args.rounds, "impls": args.impls,
-                                    "img": None, "budget": args.recompute_budget, "host_memory": args.host_memory},
+                                    "img": None, "budget": args.recompute_budget, "host_memory": args.host_memory,
+                                    "warmup": args.warmup},
                          timeout=7200)
             out.append(res)
             if "error" in res:
@@ -1098,6 +1121,7 @@ def main(argv: list[str] | None = None) -> int:
                          "rounds, ratios to the first of --impls")
     ap.add_argument("--rounds", type=int, default=5, help="--beside: rounds (each runs every implementation once)")
     ap.add_argument("--beside-ts", nargs="*", type=int, default=[4], help="--beside: the T values")
+    ap.add_argument("--warmup", type=int, default=1, help="--beside: untimed rounds before the timed ones")
     ap.add_argument("--recompute-budget", type=float, default=RECOMPUTE_BUDGET,
                     help="--beside: the budget of impls recompute-budget (a fraction of none's saved bytes) and "
                          "recompute-peak (of none's step peak of live tensors)")

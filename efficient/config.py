@@ -136,7 +136,7 @@ class TrainConfig:
     # what memory_budget is a fraction of: saved (none's activation bytes; matmul/convolution outputs
     # kept) | peak (none's step peak of live tensors, what a GPU's max_memory_allocated reports; units
     # run plainly, without a rerun, while the step's peak stays within it or within the peak of every
-    # unit rerun whole, whichever is larger)
+    # unit rerun whole, whichever is larger; reruns off that peak keep their membrane traces)
     memory_budget_of: Literal["saved", "peak"] = "saved"
     # host memory (efficient.memory.host): system (glibc as it is) | reuse (freed tensors stay with
     # malloc for the next step: no page faults per step; memory is not given back to the OS; glibc only)

@@ -17,7 +17,8 @@ Levels (recipe key `train.memory`):
   budget allows (`plan.py`). With `budget_of="peak"` the budget is a fraction of `none`'s step peak
   of live tensors (what `torch.cuda.max_memory_allocated` reports), and units run plainly (no rerun,
   as at level `bits`) while the step's peak stays within it or within the peak of every unit rerun
-  whole, whichever is larger.
+  whole, whichever is larger; units whose reruns do not hold the step's peak then rerun keeping their
+  membrane traces, as a plain call does, instead of rebuilding them by chunks in backward.
 
 Works on any model whose neurons are ours, spikingjelly's or snntorch's (a plain `nn.Module`
 tree; units of those libraries' models are their neurons). `measure.py` counts the bytes a step
@@ -49,7 +50,7 @@ def optimize(model: nn.Module, level: Level | str = "bits", *, budget: float | N
     most `budget` x level none's bytes (see `plan.py`). `budget_of="peak"`: the budget is a fraction
     of level none's step peak of live tensors instead, and the step's peak stays within it or within
     that of every unit rerun whole, whichever is larger, with the units that fit run plainly instead of
-    rerun (budget 0: those that cost that peak nothing).
+    rerun (budget 0: those that cost that peak nothing), and the reruns that fit keep their membrane traces.
     `keep` names them directly (`plan.keep` of an earlier plan: unit -> positions among its costly
     ops, in call order)."""
     check_level(level)
@@ -68,7 +69,7 @@ def optimize(model: nn.Module, level: Level | str = "bits", *, budget: float | N
             raise ConfigError("memory budget: pass example inputs (example=...) to measure the budget on, "
                               "or drop the budget to rerun every unit whole")
         choice = (choose_plain_for_peak if budget_of == "peak" else choose_kept)(model, example, budget, loss_fn)
-        plan = apply(model, level, keep=choice.keep, plain=choice.plain)
+        plan = apply(model, level, keep=choice.keep, plain=choice.plain, keeping=choice.keeping)
         plan.budget, plan.kept_fraction, plan.budget_of = choice.budget, choice.fraction, choice.of
         plan.floor_fraction = choice.floor_bytes / choice.none_bytes if choice.none_bytes else None
         plan.rerun_share = choice.rerun_flops / choice.flops if choice.flops else None

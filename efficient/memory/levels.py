@@ -36,6 +36,9 @@ class MemoryPlan:
     rerun_share: float | None = None
     budget_of: str = "saved"  # "peak": kept_fraction is the step's peak of live tensors over none's
     plain: list[str] = field(default_factory=list)  # units that run plainly (as at level bits), not rerun
+    # rerun units whose reruns keep what a plain call keeps (membrane traces, pool inputs, a convolution's
+    # backward whole) instead of rebuilding it by chunks: a peak budget's choice, for reruns off the step's peak
+    keeping: list[str] = field(default_factory=list)
     floor_fraction: float | None = None  # the same fraction with every unit rerun whole
 
     def summary(self) -> str:
@@ -48,6 +51,8 @@ class MemoryPlan:
             text += f", {len(self.units)} units recomputed in backward"
             if self.plain:
                 text += f", {len(self.plain)} run plainly (as at level bits)"
+            if self.keeping:
+                text += f", {len(self.keeping)} rerun keeping their membrane traces (no rebuild by chunks)"
             if self.keep:
                 text += (f", {sum(map(len, self.keep.values()))} matmul/convolution outputs kept "
                          f"in {len(self.keep)} of them")
@@ -110,10 +115,13 @@ def check_level(level: str, where: str = "memory level") -> str:
 
 
 def apply(model: nn.Module, level: Level | str = "bits", *, keep: dict[str, Sequence[int]] | None = None,
-          plain: Sequence[str] | None = None) -> MemoryPlan:
+          plain: Sequence[str] | None = None, keeping: Sequence[str] | None = None) -> MemoryPlan:
     """Apply memory level `level` to `model` in place (replacing any level applied before), with
-    `keep` naming per recompute unit the costly ops whose outputs it keeps and `plain` the units that
-    are not rerun (they keep what they keep at level bits); say what was done.
+    `keep` naming per recompute unit the costly ops whose outputs it keeps, `plain` the units that
+    are not rerun (they keep what they keep at level bits) and `keeping` the rerun units whose reruns
+    keep what a plain call keeps in its backward (membrane traces, pool inputs) rather than rebuild it
+    by chunks (`recompute.wrap(lean=False)`: faster, more memory while the unit's rerun lasts); say what
+    was done.
     `optimize` is the public entry (it checks its arguments and plans a budget); `keep` is read at
     level recompute only."""
     check_level(level)
@@ -127,10 +135,14 @@ def apply(model: nn.Module, level: Level | str = "bits", *, keep: dict[str, Sequ
     regions = units(model) if level == "recompute" else []
     keep = {name: sorted(set(v)) for name, v in (keep or {}).items() if v}
     plain = sorted(set(plain or ()))
-    unknown = sorted((set(keep) | set(plain)) - {n for n, _ in regions})
+    keeping = sorted(set(keeping or ()))
+    unknown = sorted((set(keep) | set(plain) | set(keeping)) - {n for n, _ in regions})
     if unknown:
         raise ConfigError(f"memory: {', '.join(map(repr, unknown))} not a recompute unit of {type(model).__name__} "
                           f"(its units: {', '.join(n for n, _ in regions) or 'none'})")
+    if both := sorted(set(plain) & set(keeping)):
+        raise ConfigError(f"memory: {', '.join(map(repr, both))} both run plainly and rerun keeping their traces; "
+                          "a unit run plainly is not rerun: name it in one of plain and keeping")
     if keep:
         require_budget_support()
     if not neurons and not regions:
@@ -142,12 +154,12 @@ def apply(model: nn.Module, level: Level | str = "bits", *, keep: dict[str, Sequ
     tracker.watch(model)
     hooks = BitsHooks(tracker)
     wrapped: list[nn.Module] = []
-    plan = MemoryPlan(level, neurons, hooks=hooks, keep=keep, plain=plain)
+    plan = MemoryPlan(level, neurons, hooks=hooks, keep=keep, plain=plain, keeping=keeping)
     for name, m in regions:
         if not is_wrapped(m):
             if name in plain:
                 continue
-            wrap(m, KeptOps(frozenset(keep[name])) if name in keep else None)
+            wrap(m, KeptOps(frozenset(keep[name])) if name in keep else None, lean=name not in keeping)
             wrapped.append(m)
             plan.units.append(name)
     state = _State(plan, tracker, hooks, [], wrapped)
@@ -171,7 +183,7 @@ def _record_once_under_compile() -> None:
 
 def restore(model: nn.Module, plan: MemoryPlan) -> MemoryPlan:
     """Apply `plan` (from `optimize` or `apply`) to `model` again: the same units keep the same outputs."""
-    again = apply(model, plan.level, keep=plan.keep, plain=plan.plain)
+    again = apply(model, plan.level, keep=plan.keep, plain=plan.plain, keeping=plan.keeping)
     again.budget, again.kept_fraction, again.rerun_share = plan.budget, plan.kept_fraction, plan.rerun_share
     again.budget_of, again.floor_fraction = plan.budget_of, plan.floor_fraction
     return again

@@ -22,6 +22,13 @@ reach backward early often cost the peak nothing, and skip their rerun. The plan
 live bytes over time once (every unit whole, each unit's forward and backward marked), runs units
 plainly in the order of FLOPs saved per byte while the predicted peak stays within the target, and
 measures the result.
+
+A rerun that does not hold the step's peak need not be lean either: the units that keep least rebuild
+their membrane traces in backward a chunk of channels at a time (on a CPU 1.7x the BatchNorm + LIF
+backward of a unit that kept its trace, at a spiking transformer's MLP width), which is what lets the
+largest rerun fit. The planner then lets every rerun keep what a plain call keeps during its own rerun
+and backward (`keeping`), measures the step, and while its peak is over the target makes lean again
+the unit whose rerun holds that peak, one at a time.
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ class BudgetChoice:
     of: str = "saved"  # "peak": none_bytes and kept_bytes are the step's peaks of live tensors
     floor_bytes: int = 0  # with every unit rerun whole (saved bytes, or the peak)
     plain: list[str] = field(default_factory=list)  # units run plainly (a peak budget's choice)
+    keeping: list[str] = field(default_factory=list)  # rerun units whose reruns keep their traces (the same)
 
     @property
     def fraction(self) -> float:
@@ -213,11 +221,44 @@ def choose_plain_for_peak(model: nn.Module, example: Any, budget: float,
                     fits.append(c)
                     total = peak
             chosen = fits
+        plain = sorted(c[0] for c in chosen)
+        keeping, peak = _reruns_keeping(model, example, loss_fn, plain, target)
+        total = total if peak is None else peak
     finally:
         apply(model, "none")
     flops = sum(fl for found in ops.values() for _, _, fl in found)
     return BudgetChoice(budget, {}, none, total, flops, flops - sum(c[2] for c in chosen), ops, of="peak",
-                        floor_bytes=floor, plain=sorted(c[0] for c in chosen))
+                        floor_bytes=floor, plain=plain, keeping=keeping)
+
+
+def _reruns_keeping(model: nn.Module, example: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
+                    plain: list[str], target: float) -> tuple[list[str], int | None]:
+    """The rerun units (all but `plain`) whose reruns may keep their membrane traces with the step's peak of
+    live tensors within `target`, and that peak: all of them, less the unit whose rerun holds the measured
+    peak, one at a time, while the peak is over. ([], None) when the peak lies elsewhere (in forward, or in a
+    unit already lean): then every rerun stays lean."""
+    import numpy as np
+
+    names = [name for name, _ in units(model) if name not in plain]
+    while names:
+        apply(model, "recompute", plain=plain, keeping=names)
+        with _marking(model):
+            timeline = step_timeline(_step(model, example, loss_fn))
+        if timeline.peak <= target:
+            return names, timeline.peak
+        at = _rerun_at(timeline.marks, int(np.argmax(timeline.live)))
+        if at not in names:
+            break
+        names.remove(at)
+    return [], None
+
+
+def _rerun_at(marks: dict[str, list[int]], k: int) -> str | None:
+    """The unit whose rerun and backward were under way at record `k`: the one whose outputs' last gradient
+    arrived last before it (None in forward)."""
+    started = [(max(i for i in at if i <= k), name[4:]) for name, at in marks.items()
+               if name.startswith("bwd:") and any(i <= k for i in at)]
+    return max(started)[1] if started else None
 
 
 @contextlib.contextmanager
