@@ -846,7 +846,7 @@ def run_cuda_ours(spec: dict) -> dict:
             except RuntimeError as e:
                 rows[level] = {"check": "error", "why": str(e)[:300]}
                 continue
-            rows[level] = {"plan_s": time.perf_counter() - t0, "plain": plan.plain, "summary": plan.summary()}
+            rows[level] = {"plan_s": time.perf_counter() - t0, "plain": plan.plain, "keeping": plan.keeping, "summary": plan.summary()}
         else:
             plan = memory.optimize(m, level if level in LEVELS else level.split("-")[0])
         # a quarter as many chunks (and batch slices) per rebuilt unit: fewer launches for a higher peak
