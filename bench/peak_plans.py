@@ -1,7 +1,8 @@
 """What a memory budget of the step's peak chooses (`optimize(..., budget_of="peak")`): per architecture and
 budget, level none's step peak of live tensors, the peak with every unit rerun whole, the plan's measured
-peak, the units it runs plainly, the reruns that keep their membrane traces (those off the step's peak), the share of the units' matmul/convolution FLOPs still rerun, and how long
-planning took. Bytes are the same on any machine; planning time is this machine's.
+peak, the units it runs plainly, the reruns that keep their membrane traces (those off the step's peak), the
+share of the units' matmul/convolution FLOPs still rerun, and how long planning took. Bytes are the same on
+any machine; planning time is this machine's.
 
     python bench/peak_plans.py --archs spikformer-4-384 --budgets 0 0.2 0.3 0.5
 """
