@@ -18,6 +18,9 @@
 - `--compare bits-input`: a checkpointed unit whose input is spikes kept as bits only and rerun on a
   placeholder (`recompute_input_from_bits`) against the checkpoint keeping the input (as bits) and
   rerunning on it unpacked.
+- `--compare pooled-rerun`: a Spikformer stem stage's rerun leaving its pooled spikes uncomputed
+  (`bn_lif_max_pool(compute=False)`: its backward runs each chunk's BatchNorm, LIF and pool once) against
+  the rerun computing them.
 
 The cases alternate in each round; ratios are geometric means of the per-round ratios with a 95 % interval.
 
@@ -28,6 +31,7 @@ The cases alternate in each round; ratios are geometric means of the per-round r
     python bench/rebuild_paths.py --step sdt-2-512 --impls bits recompute --compare unit-chunks --rounds 10
     python bench/rebuild_paths.py --step stable-snn-vgg11 --impls none recompute --compare conv-slices --rounds 10
     python bench/rebuild_paths.py --step stable-snn-vgg11 --impls none recompute --compare bits-input --rounds 10
+    python bench/rebuild_paths.py --step spikformer-4-384 --impls none recompute --compare pooled-rerun --rounds 10
 """
 
 from __future__ import annotations
@@ -81,9 +85,11 @@ def _before(compare: str):
     """The path as it was before the change `compare` names."""
     from efficient.memory import conv_backward as CB
     from efficient.memory import recompute as RC
+    from efficient.models import spikformer as SF
     from efficient.models import stable_snn as V
 
     new, lo, pooled, fslice, reads_bits = K._bn_rebuild, K.RECOMPUTE_CHUNK_MIN, K._pooled_backward, CB.FORWARD_SLICE, RC._reads_bits
+    pooled_rerun, stem_replays = K._pooled_rerun_backward, SF.replays_whole
     unit_calls = V.replays_whole, V.plain_conv, V.region_conv2d
     if compare == "bn-statistics":
         K._bn_rebuild = _training_call
@@ -92,10 +98,13 @@ def _before(compare: str):
     elif compare == "unit-chunks":  # the forward without H in one piece, the pooled backward's own gradient buffer
         K.FORWARD_BY_CHUNKS = False
         K._pooled_backward = lambda *args, donate=False: pooled(*args, donate=False)
+        K._pooled_rerun_backward = lambda *args, donate=False: pooled_rerun(*args, donate=False)
     elif compare == "conv-slices":  # every convolution forward in one call
         CB.FORWARD_SLICE = 1 << 62
     elif compare == "bits-input":  # the checkpoint keeps the input and reruns on it
         RC._reads_bits = lambda module, x: False
+    elif compare == "pooled-rerun":  # a stem stage's rerun computes its pooled spikes
+        SF.replays_whole = lambda unit: False
     else:  # the rerun computes the spikes, backward allocates z's gradient, aten's convolution
         V.replays_whole = V.plain_conv = lambda m: False
         V.region_conv2d = lambda conv, x, spikes=False, bits=None: conv(x)
@@ -103,6 +112,7 @@ def _before(compare: str):
         yield
     finally:
         K._bn_rebuild, K.RECOMPUTE_CHUNK_MIN, K._pooled_backward, K.FORWARD_BY_CHUNKS = new, lo, pooled, True
+        K._pooled_rerun_backward, SF.replays_whole = pooled_rerun, stem_replays
         CB.FORWARD_SLICE, RC._reads_bits = fslice, reads_bits
         V.replays_whole, V.plain_conv, V.region_conv2d = unit_calls
 
@@ -149,7 +159,8 @@ def main() -> int:
     ap.add_argument("--step", default=None, help="an architecture of bench/memory.py: time whole steps instead")
     ap.add_argument("--impls", nargs="+", default=["none", "bits", "recompute"])
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--compare", default="bn-statistics", choices=["bn-statistics", "chunk", "rerun", "unit-chunks", "conv-slices", "bits-input"])
+    ap.add_argument("--compare", default="bn-statistics", choices=["bn-statistics", "chunk", "rerun", "unit-chunks", "conv-slices", "bits-input",
+                                                                   "pooled-rerun"])
     args = ap.parse_args()
     print(f"# bench/rebuild_paths.py -- {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f} before\n")

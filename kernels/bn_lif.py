@@ -931,18 +931,32 @@ def _pooled_forward(z, steps, weight, bias, running_mean, running_var, training,
 
 
 class _BNLIFMaxPool(torch.autograd.Function):
-    """`bn_lif_max_pool`'s autograd: keeps z, the argmax offsets and BatchNorm's statistics; backward
-    routes the pooled gradient to a chunk of channels, rebuilds that chunk's H and runs its LIF and
-    BatchNorm backward (`_recompute_chunk`), so only z and its gradient are whole."""
+    """`bn_lif_max_pool`'s autograd on the CPU paths: keeps z alone (and BatchNorm's statistics, two
+    numbers per channel, outside autograd's saved tensors); backward runs each chunk of channels'
+    BatchNorm, LIF and pool forward again, keeping its H and spikes, and then its backward
+    (`_pooled_rerun_backward`), so only z and its gradient are whole. `compute` False: nothing reads the
+    output (a recomputed region's rerun, which serves only its backward), so the forward computes
+    nothing and returns zeros of the output's shape that own no memory; its backward, lacking the
+    statistics, takes them from each chunk again (per channel, so the forward's bit for bit). Triton:
+    the forward keeps the argmax offsets and the statistics, and backward rebuilds only H
+    (`_pooled_backward`, whose fused kernel reads the statistics)."""
 
     @staticmethod
     def forward(ctx, z, weight, bias, running_mean, running_var, steps, training, momentum, eps, c, v_threshold,
-                v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl, pool, donate):
-        with torch._C.DisableTorchFunction():  # as the op would: modes see the call, not its insides
-            out, offsets, stats = _pooled_forward(z, steps, weight, bias, running_mean, running_var, training, momentum,
-                                                  eps, c, v_threshold, v_reset, charge, surrogate, alpha, detach_reset,
-                                                  spike_dtype, impl, pool)
-        ctx.save_for_backward(z, weight, bias, stats, offsets)
+                v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl, pool, donate, compute):
+        ctx.stats = offsets = None
+        if compute:
+            with torch._C.DisableTorchFunction():  # as the op would: modes see the call, not its insides
+                out, offsets, ctx.stats = _pooled_forward(z, steps, weight, bias, running_mean, running_var, training,
+                                                          momentum, eps, c, v_threshold, v_reset, charge, surrogate,
+                                                          alpha, detach_reset, spike_dtype, impl, pool)
+        else:
+            out = _unread_output(z, pool, spike_dtype)
+        if impl == "triton":
+            ctx.save_for_backward(z, weight, bias, ctx.stats, offsets)
+            ctx.stats = None
+        else:
+            ctx.save_for_backward(z, weight, bias)
         ctx.steps, ctx.pool, ctx.spike_dtype, ctx.donate = steps, pool, spike_dtype, donate
         ctx.params = (training, eps, c, v_threshold, v_reset, charge, surrogate, alpha, detach_reset, impl)
         ctx.set_materialize_grads(False)
@@ -951,14 +965,60 @@ class _BNLIFMaxPool(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         if grad is None:
-            return (None,) * 20
-        z, weight, bias, stats, offsets = ctx.saved_tensors
+            return (None,) * 21
         need = ctx.needs_input_grad
         # a donated z is overwritten in place: its version moves on, so a second backward through
         # this graph (retain_graph) fails autograd's saved-tensor check instead of reading gradients
-        gz, gw, gb = _pooled_backward(grad, z, weight, bias, stats, offsets, ctx.steps, ctx.pool, ctx.spike_dtype,
-                                      *ctx.params, donate=ctx.donate and need[0])
-        return (gz if need[0] else None, gw if need[1] else None, gb if need[2] else None) + (None,) * 17
+        donate = ctx.donate and need[0]
+        saved = ctx.saved_tensors
+        if len(saved) == 5:
+            z, weight, bias, stats, offsets = saved
+            gz, gw, gb = _pooled_backward(grad, z, weight, bias, stats, offsets, ctx.steps, ctx.pool, ctx.spike_dtype,
+                                          *ctx.params, donate=donate)
+        else:
+            gz, gw, gb = _pooled_rerun_backward(grad, *saved, ctx.stats, ctx.steps, ctx.pool, ctx.spike_dtype,
+                                                *ctx.params, donate=donate)
+        return (gz if need[0] else None, gw if need[1] else None, gb if need[2] else None) + (None,) * 18
+
+
+def _unread_output(z: Tensor, pool: PoolArgs, spike_dtype: torch.dtype) -> Tensor:
+    """Zeros of the pooled output's shape that own no memory (stride 0): a rerun's output nothing reads."""
+    shape = torch.ops.aten.max_pool2d_with_indices(torch.empty(z.shape, device="meta"), *pool)[0].shape
+    return z.new_zeros((), dtype=spike_dtype).expand(shape)
+
+
+def _pooled_rerun_backward(grad, z, weight, bias, stats, steps, pool, spike_dtype, training, eps, c, v_threshold,
+                           v_reset, charge, surrogate, alpha, detach_reset, impl, donate=False):
+    """(grad z, grad weight, grad bias) of `bn_lif_max_pool` from z alone: a chunk of channels'
+    BatchNorm output (from `stats`, or, None, from the chunk in training), its LIF's spikes and H, the
+    pool's argmax over those spikes, then the pool's, LIF's and BatchNorm's backward. Per channel, so
+    each chunk's values are the whole forward's bit for bit. `donate`: z's gradient written into z."""
+    gz = z.detach() if donate else torch.empty(z.shape, dtype=z.dtype, device=z.device)
+    gw, gb = torch.empty_like(weight), torch.empty_like(weight)
+    for c0, c1 in _channel_chunks(z):
+        zc = z[:, c0:c1].contiguous()
+        w, b = weight[c0:c1], bias[c0:c1]
+        if stats is not None:
+            st = stats[:, c0:c1].contiguous()
+            y = (_bn_rebuild(zc, w, b, st, eps) if training
+                 else torch.native_batch_norm(zc, w, b, st[0], st[1], False, 0.0, eps)[0])
+        else:
+            y, mean, invstd = torch.native_batch_norm(zc, w, b, None, None, True, 0.0, eps)
+            st = torch.stack([mean, invstd])
+        s, h = _lif._run_forward(y.view(steps, -1), None, c, v_threshold, v_reset, charge, spike_dtype, impl)
+        del y
+        _, offsets = max_pool_offsets(s.view(zc.shape), pool)
+        del s
+        gs = max_pool_offsets_backward(grad[:, c0:c1].contiguous(), offsets, pool, zc.shape, dtype=spike_dtype)
+        del offsets
+        gy, _, _ = _lif._run_backward(gs.view(steps, -1), None, h, None, c, v_threshold, v_reset, charge, surrogate,
+                                      alpha, detach_reset, z.dtype, impl)
+        del gs, h
+        gzc, gw[c0:c1], gb[c0:c1] = _bn_backward(gy.view(zc.shape), zc, w, st, training, eps)
+        del gy, zc
+        gz[:, c0:c1] = gzc
+        del gzc
+    return gz, gw, gb
 
 
 def _pooled_backward(grad, z, weight, bias, stats, offsets, steps, pool, spike_dtype, *params, donate=False):
@@ -1102,12 +1162,13 @@ def bn_lif_max_pool(
     backend: str = "auto",
     impl: Optional[str] = None,
     donate: bool = False,
+    compute: bool = True,
 ) -> Optional[Tensor]:
     """`max_pool2d(bn_lif(z, ...), *pool)` for a conv stage's z [T*R, C, H, W] (`pool`: aten's kernel,
     stride, padding, dilation, ceil_mode), computed a chunk of channels at a time in forward and in
-    backward, so neither the spikes nor the membrane trace ever exist whole: autograd keeps z, one
-    small argmax offset per output (`efficient.kernels.pool_offsets`) and BatchNorm's statistics, and
-    backward holds z, its gradient and one chunk. The values are `bn_lif`'s and the pool's (on the CPU
+    backward, so neither the spikes nor the membrane trace ever exist whole: autograd keeps z and
+    BatchNorm's statistics (Triton: and one small argmax offset per output,
+    `efficient.kernels.pool_offsets`), and backward holds z, its gradient and one chunk. The values are `bn_lif`'s and the pool's (on the CPU
     bit for bit; the gradients within the rounding of the surrogate's exp, as `keep_membrane=False`).
     Running statistics are updated in place as `bn_lif` does; `backend` / `impl` as `bn_lif`'s.
 
@@ -1118,6 +1179,11 @@ def bn_lif_max_pool(
     backward then writes z's gradient into z's storage, a chunk of channels at a time, so it holds z
     and its gradient as one tensor (compiled: `efficient::bn_lif_max_pool_backward_into`, which
     mutates z).
+
+    `compute=False` says nothing will read the output (a recomputed region's rerun, which serves only
+    its backward): eager in training on the CPU paths, the call then computes nothing (nor updates the
+    running statistics) and returns zeros that own no memory, and its backward runs each chunk's
+    forward once, keeping its H and spikes, before that chunk's backward. Elsewhere it is ignored.
 
     Returns None where this path does not apply, and the caller runs `bn_lif` and its pool: the
     "torch" backend (the reference), an eager call that a dispatch or function mode must see as ops
@@ -1141,7 +1207,8 @@ def bn_lif_max_pool(
             _store_running([running_mean, running_var], new_mean, new_var)
         return out
     return _BNLIFMaxPool.apply(z, weight, bias, running_mean, running_var, int(steps), bool(training), float(momentum),
-                               float(eps), *lif_args, spike_dtype or z.dtype, impl, pool_args(*pool), bool(donate))
+                               float(eps), *lif_args, spike_dtype or z.dtype, impl, pool_args(*pool), bool(donate),
+                               bool(compute) or not training or impl == "triton")
 
 
 # ---------------------------------------------------------------------------------------------

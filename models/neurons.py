@@ -407,14 +407,16 @@ def _update_factor(bn: nn.Module, counted: bool) -> float:
 
 
 def pooled_fire(bn: nn.Module, neuron: nn.Module, pool: nn.Module, z: torch.Tensor, steps: int,
-                donate: bool = False) -> torch.Tensor | None:
+                donate: bool = False, spikes: bool = True) -> torch.Tensor | None:
     """`pool(neuron(bn(z)))` of a conv stage, z [T*R, C, H, W], as one op that never holds the
     stage's spikes or membrane trace whole (`bn_lif_max_pool`: BatchNorm, LIF and max-pool a chunk
     of channels at a time, and so again in backward). Only inside a region memory level `recompute`
     reruns in backward (`rebuild_membrane`), where a stem stage's rerun sets the step's peak; None
     elsewhere, or where the three cannot run as one, and the caller runs them as usual. `donate`: z is
     a fresh output nothing else reads, so backward may write z's gradient into it
-    (`bn_lif_max_pool(donate=True)`)."""
+    (`bn_lif_max_pool(donate=True)`). `spikes` False: nothing reads the pooled spikes (a unit's rerun
+    that only its backward needs): they are not computed where the op allows it
+    (`bn_lif_max_pool(compute=False)`), and observers are not called."""
     if not (rebuild_membrane(neuron) and _recorded(neuron) and type(pool) is nn.MaxPool2d and not pool.return_indices
             and not watched(pool) and z.dim() == 4 and _fusable_pair(bn, neuron)):
         return None
@@ -425,12 +427,13 @@ def pooled_fire(bn: nn.Module, neuron: nn.Module, pool: nn.Module, z: torch.Tens
                           bn.eps, tau=neuron.tau, v_threshold=neuron.v_threshold, v_reset=neuron.v_reset,
                           detach_reset=neuron.detach_reset, decay_input=neuron.decay_input,
                           surrogate=neuron.surrogate, alpha=neuron.alpha, spike_dtype=neuron.spike_dtype,
-                          backend=neuron.backend_for_shape(shape, z.device), donate=donate)
+                          backend=neuron.backend_for_shape(shape, z.device), donate=donate, compute=spikes)
     if out is None:  # not this path after all (`bn_lif_max_pool` says where): the caller's call counts the batch
         return None
     if bn.training and bn.num_batches_tracked is not None:
         bn.num_batches_tracked.add_(1)
-    _notify_observers(neuron, out)  # a max-pool of spikes is spikes
+    if spikes:
+        _notify_observers(neuron, out)  # a max-pool of spikes is spikes
     return out
 
 

@@ -26,6 +26,7 @@ from efficient.kernels.token_select import gather_tokens
 from efficient.memory.conv_backward import plain_conv, region_conv2d
 from efficient.memory.spikes import is_neuron, region_max_pool
 from efficient.models.neurons import _one_call_allowed, bn_fire, fusable, norm_fire, pooled_fire
+from efficient.models.replay import replays_whole
 from efficient.models.spiking_transformer import (  # noqa: F401 - ModelLIF, share_neuron_backend: public here too
     CIFAR_MEAN,
     check_stem_grid,
@@ -106,10 +107,12 @@ class StemStage(nn.Module):
         """As the stable-SNN conv unit's (efficient.memory): spikes in, read only through a plain convolution."""
         return self.recompute_spike_input() and plain_conv(self.modules_now()[0])
 
-    def forward(self, x: torch.Tensor, T: int, spike_bits: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, T: int, spike_bits: torch.Tensor | None = None,
+                unread: bool = False) -> torch.Tensor:
         """`spike_bits`: x's bits, which a compiled recomputed region keeps (efficient.memory). The first
         stage takes the images `[T, B, C, H, W]` and flattens them itself: a region then keeps a static
-        image repeated over T (an expanded view) at the size of one copy, not T."""
+        image repeated over T (an expanded view) at the size of one copy, not T. `unread`: the caller's
+        rerun reads nothing of the output (the last stage of a `StemStages` rerun)."""
         if x.dim() == 5:
             x = x.flatten(0, 1)
         conv, bn, lif, pool, pool_first = self.modules_now()
@@ -118,8 +121,12 @@ class StemStage(nn.Module):
             x = pool(bn(x))
             return lif(x.reshape(T, -1, *x.shape[1:])).flatten(0, 1)
         # a plain convolution's output is fresh and read by nothing else: its gradient may take its storage
-        if pool is not None and (pooled := pooled_fire(bn, lif, pool, x, T, donate=plain_conv(conv))) is not None:
-            return pooled  # inside a recomputed region: the stage's spikes never exist whole
+        # inside a recomputed region the stage's spikes never exist whole; in its rerun, which serves only
+        # its backward, nothing reads them (`replays_whole`), and they are not made at all
+        unread = not torch.compiler.is_compiling() and (unread or replays_whole(self))
+        if pool is not None and (pooled := pooled_fire(bn, lif, pool, x, T, donate=plain_conv(conv),
+                                                       spikes=not unread)) is not None:
+            return pooled
         x = norm_fire(bn, lif, x, (T, x.shape[0] // T, *x.shape[1:])).flatten(0, 1)
         return x if pool is None else region_max_pool(pool, x)
 
@@ -146,9 +153,11 @@ class StemStages(nn.Module):
         return self._members[0].recompute_input_from_bits()
 
     def forward(self, x: torch.Tensor, T: int, spike_bits: torch.Tensor | None = None) -> torch.Tensor:
-        x = self._members[0](x, T, spike_bits)
-        for st in self._members[1:]:
-            x = st(x, T)
+        unread = not torch.compiler.is_compiling() and replays_whole(self)  # the rerun: the last output is unread
+        last = len(self._members) - 1
+        x = self._members[0](x, T, spike_bits, unread=unread and last == 0)
+        for i, st in enumerate(self._members[1:], 1):
+            x = st(x, T, unread=unread and i == last)
         return x
 
 

@@ -618,6 +618,36 @@ def test_the_pooled_stage_writes_z_gradient_into_a_donated_z(monkeypatch) -> Non
 
 
 @pytest.mark.parametrize("donate", [False, True], ids=["kept", "donated"])
+def test_the_pooled_stage_left_uncomputed_has_the_computed_calls_gradients(donate: bool, monkeypatch) -> None:
+    """`bn_lif_max_pool(compute=False)` (a rerun whose output nothing reads): zeros of the pooled shape
+    that own no memory, the running statistics left alone, and a backward whose gradients are the
+    computed call's bit for bit (its chunks take BatchNorm's statistics again, per channel)."""
+    from efficient.kernels import bn_lif as K
+    from efficient.kernels.bn_lif import bn_lif_max_pool
+
+    bn, x0 = _pair((4 * 4, 8, 16, 16), 8, seed=21)
+    w = torch.randn(8, 8, 1, 1, generator=torch.Generator().manual_seed(5))
+    monkeypatch.setattr(K, "RECOMPUTE_CHUNK", 3 * x0.numel() // 8)  # 3 chunks, the last short
+    g = torch.linspace(-1, 1, 16 * 8 * 8 * 8).view(16, 8, 8, 8)
+
+    def run(compute: bool):
+        b, x, cw = copy.deepcopy(bn), x0.clone().requires_grad_(), w.clone().requires_grad_()
+        z = torch.nn.functional.conv2d(x, cw)
+        p = bn_lif_max_pool(z, 4, b.weight, b.bias, b.running_mean, b.running_var, POOL, True, 0.1, 1e-5,
+                            backend="loop", donate=donate, compute=compute)
+        p.backward(g)
+        return p, [x.grad, cw.grad, b.weight.grad, b.bias.grad], [b.running_mean, b.running_var]
+
+    p, grads, running = run(True)
+    q, grads_unread, running_unread = run(False)
+    assert q.shape == p.shape == (16, 8, 8, 8) and q.stride() == (0, 0, 0, 0) and not q.any()
+    assert torch.equal(running_unread[0], bn.running_mean) and torch.equal(running_unread[1], bn.running_var)
+    assert not torch.equal(running[0], bn.running_mean)
+    for a, c in zip(grads, grads_unread):
+        assert torch.equal(a, c)
+
+
+@pytest.mark.parametrize("donate", [False, True], ids=["kept", "donated"])
 def test_the_pooled_stage_compiled_runs_as_its_op_pair_with_the_eager_values(donate: bool, monkeypatch) -> None:
     """Under torch.compile `bn_lif_max_pool` runs as `efficient::bn_lif_max_pool_forward` / `_backward`
     (the eager path's autograd.Function is not traced): the pooled spikes, running statistics and

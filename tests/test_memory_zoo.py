@@ -180,7 +180,21 @@ def test_the_stem_is_recomputed_stage_by_stage(name: str, monkeypatch) -> None:
     staged_model = copy.deepcopy(base)
     plan = memory.optimize(staged_model, "recompute")
     assert [u for u in plan.units if u.startswith("patch_embed")] == [f"patch_embed.{p}" for p in STEM_PARTS[name]]
+    # a pooled stage computes its spikes in forward only: its rerun, which serves its backward, leaves them
+    calls = {"forward": 0, "backward": 0}
+
+    def counted(key, fn):
+        def run(*args, **kwargs):
+            calls[key] += 1
+            return fn(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(bn_lif, "_pooled_forward", counted("forward", bn_lif._pooled_forward))
+    monkeypatch.setattr(bn_lif, "_pooled_rerun_backward", counted("backward", bn_lif._pooled_rerun_backward))
     staged = _recorded_step(staged_model, x, y)
+    monkeypatch.undo()
+    monkeypatch.setattr(bn_lif, "RECOMPUTE_CHUNK", 1 << 15)
+    assert calls["forward"] == calls["backward"] > 0, calls
     whole_model = copy.deepcopy(base)
     whole_model.patch_embed.recompute_parts = list  # the stem as one unit
     assert "patch_embed" in memory.optimize(whole_model, "recompute").units
