@@ -1,8 +1,8 @@
 """What a memory budget of the step's peak chooses (`optimize(..., budget_of="peak")`): per architecture and
 budget, level none's step peak of live tensors, the peak with every unit rerun whole, the plan's measured
-peak, the units it runs plainly, the reruns that keep their membrane traces (those off the step's peak), the
-share of the units' matmul/convolution FLOPs still rerun, and how long planning took. Bytes are the same on
-any machine; planning time is this machine's.
+peak, the units it runs plainly (starred: keeping their membrane traces from forward to backward), the reruns
+that keep their membrane traces (those off the step's peak), the share of the units' matmul/convolution FLOPs
+still rerun, and how long planning took. Bytes are the same on any machine; planning time is this machine's.
 
     python bench/peak_plans.py --archs spikformer-4-384 --budgets 0 0.2 0.3 0.5
 """
@@ -46,10 +46,13 @@ def main() -> int:
         for budget in args.budgets:
             t0 = time.perf_counter()
             c = choose_plain_for_peak(model, x, budget)
+            # a plain unit that keeps its membrane traces from forward to backward is starred
+            plains = ", ".join(u + ("*" if u in c.keeping else "") for u in c.plain)
             took = time.perf_counter() - t0
             print(f"| {arch} | {c.none_bytes / M.MiB:,.1f} | {c.floor_bytes / M.MiB:,.1f} | {budget:g} | "
-                  f"{c.kept_bytes / M.MiB:,.1f} | {c.fraction:.1%} | {', '.join(c.plain) or '-'} | "
-                  f"{', '.join(c.keeping) or '-'} | {c.rerun_flops / c.flops:.0%} | {took:.0f} |", flush=True)
+                  f"{c.kept_bytes / M.MiB:,.1f} | {c.fraction:.1%} | {plains or '-'} | "
+                  f"{', '.join(u for u in c.keeping if u not in c.plain) or '-'} | {c.rerun_flops / c.flops:.0%} | "
+                  f"{took:.0f} |", flush=True)
     print(f"\n# load {os.getloadavg()[0]:.2f} after")
     return 0
 

@@ -31,7 +31,8 @@ The cases alternate in each round; ratios are geometric means of the per-round r
     python bench/rebuild_paths.py --step sdt-2-512 --impls bits recompute --compare unit-chunks --rounds 10
     python bench/rebuild_paths.py --step stable-snn-vgg11 --impls none recompute --compare conv-slices --rounds 10
     python bench/rebuild_paths.py --step stable-snn-vgg11 --impls none recompute --compare bits-input --rounds 10
-    python bench/rebuild_paths.py --step spikformer-4-384 --impls none recompute --compare pooled-rerun --rounds 10
+    python bench/rebuild_paths.py --step spikformer-4-384 --impls none recompute-peak --compare pooled-rerun \
+        --rounds 10 --warmup 3 --host-memory reuse --budget 0.2
 """
 
 from __future__ import annotations
@@ -117,14 +118,23 @@ def _before(compare: str):
         V.replays_whole, V.plain_conv, V.region_conv2d = unit_calls
 
 
-def steps(arch: str, impls: list[str], rounds: int, compare: str) -> None:
+def steps(arch: str, impls: list[str], rounds: int, compare: str, budget: float, warmup: int) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import memory as M
     from scipy import stats as S
 
+    from efficient.memory.levels import restore
+
     x, y = M._inputs(arch, 64)
     cases = [i for i in impls if i == "none"] + [c for i in impls if i != "none" for c in (i, i + "-before")]
-    models = {c: M.build(arch, c.replace("-before", ""), 4, None, example=x)[0] for c in cases}
+    models = {}
+    for c in cases:
+        if c.endswith("-before") and c.replace("-before", "") in ("recompute-budget", "recompute-peak"):
+            # a planned level: the same plan on a fresh copy of the model, not planned again
+            models[c] = M.build(arch, "none", 4, None, example=x)[0]
+            restore(models[c], models[c.replace("-before", "")]._efficient_memory.plan)
+        else:
+            models[c] = M.build(arch, c.replace("-before", ""), 4, None, example=x, budget=budget)[0]
 
     def step(case: str) -> float:
         with _before(compare) if case.endswith("-before") else contextlib.nullcontext():
@@ -132,8 +142,9 @@ def steps(arch: str, impls: list[str], rounds: int, compare: str) -> None:
             M.train_step(models[case], x, y)
             return time.perf_counter() - t0
 
-    for c in cases:  # warm-up
-        step(c)
+    for _ in range(warmup):
+        for c in cases:
+            step(c)
     times: dict[str, list[float]] = {c: [] for c in cases}
     for r in range(rounds):
         for c in cases if r % 2 == 0 else cases[::-1]:
@@ -159,13 +170,21 @@ def main() -> int:
     ap.add_argument("--step", default=None, help="an architecture of bench/memory.py: time whole steps instead")
     ap.add_argument("--impls", nargs="+", default=["none", "bits", "recompute"])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1, help="untimed rounds before the timed ones")
+    ap.add_argument("--budget", type=float, default=0.2, help="of recompute-budget / recompute-peak")
+    ap.add_argument("--host-memory", choices=("system", "reuse"), default="system",
+                    help="reuse: glibc keeps freed blocks (train.host_memory), so steps pay no page faults")
     ap.add_argument("--compare", default="bn-statistics", choices=["bn-statistics", "chunk", "rerun", "unit-chunks", "conv-slices", "bits-input",
                                                                    "pooled-rerun"])
     args = ap.parse_args()
     print(f"# bench/rebuild_paths.py -- {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f} before\n")
+          f"{torch.get_num_threads()} threads, host memory {args.host_memory}, load {os.getloadavg()[0]:.2f} before\n")
+    if args.host_memory == "reuse":  # before any tensor exists: every block then comes from the heap
+        from efficient.memory import host
+
+        host.keep_freed_memory()
     if args.step:
-        steps(args.step, args.impls, args.rounds, args.compare)
+        steps(args.step, args.impls, args.rounds, args.compare, args.budget, args.warmup)
     else:
         calls(args.repeats)
     print(f"\n# load {os.getloadavg()[0]:.2f} after")

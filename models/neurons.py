@@ -316,7 +316,7 @@ def bn_fire(z: torch.Tensor, shape: tuple[int, ...], neuron: "LIF", weight: torc
     by chunks of channels) and at a memory level's step (`rebuild_exact`: in one piece, so the gradients
     are those of a unit that kept it bit for bit), True elsewhere."""
     steps = shape[0]
-    whole = keep_membrane is None and rebuild_exact()  # a level's step outside regions: none's gradients exactly
+    whole = keep_membrane is None and rebuild_exact(neuron)  # a level's step outside regions: none's gradients exactly
     if keep_membrane is None:
         keep_membrane = not (whole or rebuild_membrane(neuron))
     s = bn_lif(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, tau=neuron.tau,

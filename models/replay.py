@@ -62,15 +62,21 @@ def memory_level_step() -> Iterator[None]:
         level_state.depth -= 1
 
 
-def rebuild_exact() -> bool:
+KEEP_TRACE_MARK = "_efficient_keeps_trace"  # set by `efficient.memory.levels.apply` on a plain unit's modules
+
+
+def rebuild_exact(module: nn.Module | None = None) -> bool:
     """Whether a fused BatchNorm + LIF unit called now should keep z but not its membrane trace, which its
     backward rebuilds from z (`bn_lif(keep_membrane=False)`): at a memory level's eager step. The rebuilt
     trace is the forward's bit for bit, and BatchNorm's backward runs per channel, so the gradients are
     those of a unit that kept it: the level's promise (level `bits`: `none`'s gradients exactly) holds,
     while a step keeps one fp32 tensor less per unit. Not inside a recomputed region, whose forward and
     rerun (in backward, outside the level's step) must keep the same tensors: `rebuild_membrane` decides
-    there. Not under torch.compile, where the level enters nothing and inductor decides what a step keeps."""
-    return not torch.compiler.is_compiling() and getattr(level_state, "depth", 0) > 0 and not in_region()
+    there. Not for `module` (the neuron) of a unit run plainly that a peak budget lets keep its trace
+    (`KEEP_TRACE_MARK`). Not under torch.compile, where the level enters nothing and inductor decides what a
+    step keeps."""
+    return (not torch.compiler.is_compiling() and getattr(level_state, "depth", 0) > 0 and not in_region()
+            and not (module is not None and module.__dict__.get(KEEP_TRACE_MARK, False)))
 
 
 REGION_MARK = "_efficient_region_lean"  # set by `recompute.wrap` on every module of a recomputed unit

@@ -18,7 +18,8 @@ Levels (recipe key `train.memory`):
   of live tensors (what `torch.cuda.max_memory_allocated` reports), and units run plainly (no rerun,
   as at level `bits`) while the step's peak stays within it or within the peak of every unit rerun
   whole, whichever is larger; units whose reruns do not hold the step's peak then rerun keeping their
-  membrane traces, as a plain call does, instead of rebuilding them by chunks in backward.
+  membrane traces, as a plain call does, instead of rebuilding them by chunks in backward, and units
+  run plainly keep theirs from forward to backward, as at level `none`, where the peak allows it.
 
 Works on any model whose neurons are ours, spikingjelly's or snntorch's (a plain `nn.Module`
 tree; units of those libraries' models are their neurons). `measure.py` counts the bytes a step

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from efficient.errors import ConfigError
-from efficient.memory.recompute import KeptOps, is_wrapped, require_budget_support, units, unwrap, wrap
+from efficient.memory.recompute import KeptOps, is_wrapped, region_modules, require_budget_support, units, unwrap, wrap
 from efficient.memory.spikes import BitsHooks, SpikePropagation, SpikeTracker, iter_neurons
-from efficient.models.replay import memory_level_step
+from efficient.models.replay import KEEP_TRACE_MARK, memory_level_step
 
 Level = Literal["none", "bits", "recompute"]
 LEVELS: tuple[str, ...] = ("none", "bits", "recompute")
@@ -37,7 +37,9 @@ class MemoryPlan:
     budget_of: str = "saved"  # "peak": kept_fraction is the step's peak of live tensors over none's
     plain: list[str] = field(default_factory=list)  # units that run plainly (as at level bits), not rerun
     # rerun units whose reruns keep what a plain call keeps (membrane traces, pool inputs, a convolution's
-    # backward whole) instead of rebuilding it by chunks: a peak budget's choice, for reruns off the step's peak
+    # backward whole) instead of rebuilding it by chunks, and plain units whose fused BatchNorm + LIF units keep
+    # their membrane traces from forward to backward (as at level none) instead of rebuilding them there:
+    # a peak budget's choice, where the step's peak allows it
     keeping: list[str] = field(default_factory=list)
     floor_fraction: float | None = None  # the same fraction with every unit rerun whole
 
@@ -51,8 +53,10 @@ class MemoryPlan:
             text += f", {len(self.units)} units recomputed in backward"
             if self.plain:
                 text += f", {len(self.plain)} run plainly (as at level bits)"
-            if self.keeping:
-                text += f", {len(self.keeping)} rerun keeping their membrane traces (no rebuild by chunks)"
+            if reruns := [u for u in self.keeping if u not in self.plain]:
+                text += f", {len(reruns)} rerun keeping their membrane traces (no rebuild by chunks)"
+            if plains := [u for u in self.keeping if u in self.plain]:
+                text += f", {len(plains)} run plainly keeping their membrane traces (no rebuild in backward)"
             if self.keep:
                 text += (f", {sum(map(len, self.keep.values()))} matmul/convolution outputs kept "
                          f"in {len(self.keep)} of them")
@@ -75,8 +79,9 @@ class _State:
     """What `optimize` attached to a model, so that a second call (or level `none`) undoes it."""
 
     def __init__(self, plan: MemoryPlan, tracker: SpikeTracker, hooks: BitsHooks, handles: list[Any],
-                 wrapped: list[nn.Module]) -> None:
+                 wrapped: list[nn.Module], marked: list[nn.Module] | None = None) -> None:
         self.plan, self.tracker, self.hooks, self.handles, self.wrapped = plan, tracker, hooks, handles, wrapped
+        self.marked = marked or []  # modules of plain units that keep their membrane traces
         self.active: list[Any] = []
         # fused BatchNorm + LIF units leave their membrane traces to their backward (`rebuild_exact`); False
         # keeps them, as the level did before (for comparison in bench/)
@@ -105,6 +110,8 @@ class _State:
         self.tracker.close()
         for m in self.wrapped:
             unwrap(m)
+        for m in self.marked:
+            m.__dict__.pop(KEEP_TRACE_MARK, None)
 
 
 def check_level(level: str, where: str = "memory level") -> str:
@@ -120,8 +127,10 @@ def apply(model: nn.Module, level: Level | str = "bits", *, keep: dict[str, Sequ
     `keep` naming per recompute unit the costly ops whose outputs it keeps, `plain` the units that
     are not rerun (they keep what they keep at level bits) and `keeping` the rerun units whose reruns
     keep what a plain call keeps in its backward (membrane traces, pool inputs) rather than rebuild it
-    by chunks (`recompute.wrap(lean=False)`: faster, more memory while the unit's rerun lasts); say what
-    was done.
+    by chunks (`recompute.wrap(lean=False)`: faster, more memory while the unit's rerun lasts), and the
+    plain units whose fused BatchNorm + LIF units keep their membrane traces from forward to backward,
+    as at level none, rather than rebuild them in backward (faster, more memory over the unit's span);
+    say what was done.
     `optimize` is the public entry (it checks its arguments and plans a budget); `keep` is read at
     level recompute only."""
     check_level(level)
@@ -140,9 +149,6 @@ def apply(model: nn.Module, level: Level | str = "bits", *, keep: dict[str, Sequ
     if unknown:
         raise ConfigError(f"memory: {', '.join(map(repr, unknown))} not a recompute unit of {type(model).__name__} "
                           f"(its units: {', '.join(n for n, _ in regions) or 'none'})")
-    if both := sorted(set(plain) & set(keeping)):
-        raise ConfigError(f"memory: {', '.join(map(repr, both))} both run plainly and rerun keeping their traces; "
-                          "a unit run plainly is not rerun: name it in one of plain and keeping")
     if keep:
         require_budget_support()
     if not neurons and not regions:
@@ -155,14 +161,19 @@ def apply(model: nn.Module, level: Level | str = "bits", *, keep: dict[str, Sequ
     hooks = BitsHooks(tracker)
     wrapped: list[nn.Module] = []
     plan = MemoryPlan(level, neurons, hooks=hooks, keep=keep, plain=plain, keeping=keeping)
+    marked: list[nn.Module] = []
     for name, m in regions:
         if not is_wrapped(m):
             if name in plain:
+                if name in keeping:  # its neurons keep their traces (`rebuild_exact`)
+                    for inner in region_modules(m):
+                        inner.__dict__[KEEP_TRACE_MARK] = True
+                        marked.append(inner)
                 continue
             wrap(m, KeptOps(frozenset(keep[name])) if name in keep else None, lean=name not in keeping)
             wrapped.append(m)
             plan.units.append(name)
-    state = _State(plan, tracker, hooks, [], wrapped)
+    state = _State(plan, tracker, hooks, [], wrapped, marked)
     state.handles.append(model.register_forward_pre_hook(state.enter))
     state.handles.append(model.register_forward_hook(state.exit, always_call=True))
     model._efficient_memory = state  # type: ignore[assignment]

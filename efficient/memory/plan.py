@@ -28,7 +28,9 @@ their membrane traces in backward a chunk of channels at a time (on a CPU 1.7x t
 backward of a unit that kept its trace, at a spiking transformer's MLP width), which is what lets the
 largest rerun fit. The planner then lets every rerun keep what a plain call keeps during its own rerun
 and backward (`keeping`), measures the step, and while its peak is over the target makes lean again
-the unit whose rerun holds that peak, one at a time.
+the unit whose rerun holds that peak, one at a time. Last, a unit run plainly may keep its membrane traces
+from forward to backward, as at level `none`, instead of rebuilding them in backward as level `bits` does:
+each one, the last in forward first, keeps them if the measured peak stays within the target.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class BudgetChoice:
     of: str = "saved"  # "peak": none_bytes and kept_bytes are the step's peaks of live tensors
     floor_bytes: int = 0  # with every unit rerun whole (saved bytes, or the peak)
     plain: list[str] = field(default_factory=list)  # units run plainly (a peak budget's choice)
-    keeping: list[str] = field(default_factory=list)  # rerun units whose reruns keep their traces (the same)
+    keeping: list[str] = field(default_factory=list)  # units whose reruns or plain calls keep their traces (the same)
 
     @property
     def fraction(self) -> float:
@@ -224,6 +226,8 @@ def choose_plain_for_peak(model: nn.Module, example: Any, budget: float,
         plain = sorted(c[0] for c in chosen)
         keeping, peak = _reruns_keeping(model, example, loss_fn, plain, target)
         total = total if peak is None else peak
+        keeping, peak = _plains_keeping(model, example, loss_fn, plain, keeping, target)
+        total = total if peak is None else peak
     finally:
         apply(model, "none")
     flops = sum(fl for found in ops.values() for _, _, fl in found)
@@ -251,6 +255,23 @@ def _reruns_keeping(model: nn.Module, example: Any, loss_fn: Callable[[Any], tor
             break
         names.remove(at)
     return [], None
+
+
+def _plains_keeping(model: nn.Module, example: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
+                    plain: list[str], keeping: list[str], target: float) -> tuple[list[str], int | None]:
+    """`keeping` and the plain units that may keep their membrane traces from forward to backward with the
+    step's peak of live tensors within `target` (tried one at a time, the last in forward first: its traces
+    live the shortest), and the last peak measured of the plan returned (None when none is added)."""
+    from efficient.memory.measure import step_peak_bytes
+
+    chosen, peak = list(keeping), None
+    for name in reversed([n for n, _ in units(model) if n in plain]):
+        apply(model, "recompute", plain=plain, keeping=chosen + [name])
+        measured = step_peak_bytes(_step(model, example, loss_fn))
+        if measured <= target:
+            chosen.append(name)
+            peak = measured
+    return sorted(chosen), peak
 
 
 def _rerun_at(marks: dict[str, list[int]], k: int) -> str | None:
