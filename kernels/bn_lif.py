@@ -1167,8 +1167,8 @@ def bn_lif_max_pool(
     """`max_pool2d(bn_lif(z, ...), *pool)` for a conv stage's z [T*R, C, H, W] (`pool`: aten's kernel,
     stride, padding, dilation, ceil_mode), computed a chunk of channels at a time in forward and in
     backward, so neither the spikes nor the membrane trace ever exist whole: autograd keeps z and
-    BatchNorm's statistics (Triton: and one small argmax offset per output,
-    `efficient.kernels.pool_offsets`), and backward holds z, its gradient and one chunk. The values are `bn_lif`'s and the pool's (on the CPU
+    BatchNorm's statistics (Triton: and one small argmax offset per output, `efficient.kernels.pool_offsets`),
+    and backward holds z, its gradient and one chunk. The values are `bn_lif`'s and the pool's (on the CPU
     bit for bit; the gradients within the rounding of the surrogate's exp, as `keep_membrane=False`).
     Running statistics are updated in place as `bn_lif` does; `backend` / `impl` as `bn_lif`'s.
 
