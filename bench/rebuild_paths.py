@@ -21,6 +21,9 @@
 - `--compare pooled-rerun`: a Spikformer stem stage's rerun leaving its pooled spikes uncomputed
   (`bn_lif_max_pool(compute=False)`: its backward runs each chunk's BatchNorm, LIF and pool once) against
   the rerun computing them.
+- `--compare plain-traces`: a peak plan's plain units keeping their membrane traces (`plan.keeping`) against
+  their rebuilding them in backward, as level `bits` does.
+- Changes joined by `+` (`--compare pooled-rerun+plain-traces`) are undone together.
 
 The cases alternate in each round; ratios are geometric means of the per-round ratios with a 95 % interval.
 
@@ -33,6 +36,8 @@ The cases alternate in each round; ratios are geometric means of the per-round r
     python bench/rebuild_paths.py --step stable-snn-vgg11 --impls none recompute --compare bits-input --rounds 10
     python bench/rebuild_paths.py --step spikformer-4-384 --impls none recompute-peak --compare pooled-rerun \
         --rounds 10 --warmup 3 --host-memory reuse --budget 0.2
+    python bench/rebuild_paths.py --step spikformer-4-384 --impls none recompute-peak \
+        --compare pooled-rerun+plain-traces --rounds 12 --warmup 3 --host-memory reuse --budget 0.2
 """
 
 from __future__ import annotations
@@ -81,16 +86,29 @@ def calls(repeats: int) -> None:
         print(f"| {list(shape)} | {a * 1e3:.1f} | {r * 1e3:.1f} | {r / a:.2f} |", flush=True)
 
 
+CHANGES = ("bn-statistics", "chunk", "rerun", "unit-chunks", "conv-slices", "bits-input", "pooled-rerun", "plain-traces")
+
+
 @contextmanager
 def _before(compare: str):
+    """The path as it was before the changes `compare` names (joined by `+`)."""
+    with contextlib.ExitStack() as stack:
+        for change in compare.split("+"):
+            stack.enter_context(_before_one(change))
+        yield
+
+
+@contextmanager
+def _before_one(compare: str):
     """The path as it was before the change `compare` names."""
     from efficient.memory import conv_backward as CB
     from efficient.memory import recompute as RC
+    from efficient.models import neurons as N
     from efficient.models import spikformer as SF
     from efficient.models import stable_snn as V
 
     new, lo, pooled, fslice, reads_bits = K._bn_rebuild, K.RECOMPUTE_CHUNK_MIN, K._pooled_backward, CB.FORWARD_SLICE, RC._reads_bits
-    pooled_rerun, stem_replays = K._pooled_rerun_backward, SF.replays_whole
+    pooled_rerun, stem_replays, exact = K._pooled_rerun_backward, SF.replays_whole, N.rebuild_exact
     unit_calls = V.replays_whole, V.plain_conv, V.region_conv2d
     if compare == "bn-statistics":
         K._bn_rebuild = _training_call
@@ -106,6 +124,8 @@ def _before(compare: str):
         RC._reads_bits = lambda module, x: False
     elif compare == "pooled-rerun":  # a stem stage's rerun computes its pooled spikes
         SF.replays_whole = lambda unit: False
+    elif compare == "plain-traces":  # a plain unit rebuilds its traces in backward, as at level bits
+        N.rebuild_exact = lambda module=None: exact()
     else:  # the rerun computes the spikes, backward allocates z's gradient, aten's convolution
         V.replays_whole = V.plain_conv = lambda m: False
         V.region_conv2d = lambda conv, x, spikes=False, bits=None: conv(x)
@@ -113,7 +133,7 @@ def _before(compare: str):
         yield
     finally:
         K._bn_rebuild, K.RECOMPUTE_CHUNK_MIN, K._pooled_backward, K.FORWARD_BY_CHUNKS = new, lo, pooled, True
-        K._pooled_rerun_backward, SF.replays_whole = pooled_rerun, stem_replays
+        K._pooled_rerun_backward, SF.replays_whole, N.rebuild_exact = pooled_rerun, stem_replays, exact
         CB.FORWARD_SLICE, RC._reads_bits = fslice, reads_bits
         V.replays_whole, V.plain_conv, V.region_conv2d = unit_calls
 
@@ -174,9 +194,11 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=0.2, help="of recompute-budget / recompute-peak")
     ap.add_argument("--host-memory", choices=("system", "reuse"), default="system",
                     help="reuse: glibc keeps freed blocks (train.host_memory), so steps pay no page faults")
-    ap.add_argument("--compare", default="bn-statistics", choices=["bn-statistics", "chunk", "rerun", "unit-chunks", "conv-slices", "bits-input",
-                                                                   "pooled-rerun"])
+    ap.add_argument("--compare", default="bn-statistics",
+                    help=f"a change ({', '.join(CHANGES)}), or several joined by +")
     args = ap.parse_args()
+    if unknown := [c for c in args.compare.split("+") if c not in CHANGES]:
+        ap.error(f"--compare: {', '.join(unknown)} not a change; choose from {', '.join(CHANGES)} (joined by +)")
     print(f"# bench/rebuild_paths.py -- {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, host memory {args.host_memory}, load {os.getloadavg()[0]:.2f} before\n")
     if args.host_memory == "reuse":  # before any tensor exists: every block then comes from the heap
