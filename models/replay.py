@@ -63,6 +63,19 @@ def memory_level_step() -> Iterator[None]:
 
 
 KEEP_TRACE_MARK = "_efficient_keeps_trace"  # set by `efficient.memory.levels.apply` on a plain unit's modules
+_rebuilds = threading.local()  # the neurons `rebuild_exact` said yes for, while `recording_rebuilds` runs
+
+
+@contextlib.contextmanager
+def recording_rebuilds() -> Iterator[set[int]]:
+    """Collect the ids of the neurons whose fused units leave their traces to their backward to rebuild
+    (`rebuild_exact(neuron)` True) while the block runs: the units that have a trace to keep."""
+    seen: set[int] = set()
+    _rebuilds.seen = seen
+    try:
+        yield seen
+    finally:
+        _rebuilds.seen = None
 
 
 def rebuild_exact(module: nn.Module | None = None) -> bool:
@@ -75,8 +88,11 @@ def rebuild_exact(module: nn.Module | None = None) -> bool:
     there. Not for `module` (the neuron) of a unit run plainly that a peak budget lets keep its trace
     (`KEEP_TRACE_MARK`). Not under torch.compile, where the level enters nothing and inductor decides what a
     step keeps."""
-    return (not torch.compiler.is_compiling() and getattr(level_state, "depth", 0) > 0 and not in_region()
-            and not (module is not None and module.__dict__.get(KEEP_TRACE_MARK, False)))
+    rebuild = (not torch.compiler.is_compiling() and getattr(level_state, "depth", 0) > 0 and not in_region()
+               and not (module is not None and module.__dict__.get(KEEP_TRACE_MARK, False)))
+    if rebuild and module is not None and (seen := getattr(_rebuilds, "seen", None)) is not None:
+        seen.add(id(module))
+    return rebuild
 
 
 REGION_MARK = "_efficient_region_lean"  # set by `recompute.wrap` on every module of a recomputed unit

@@ -305,6 +305,8 @@ def test_a_peak_budget_runs_plainly_the_units_that_cost_the_peak_nothing() -> No
     assert floor < none
     plan = memory.optimize(net, "recompute", budget=0, example=x, budget_of="peak")
     assert "4" in plan.plain and set(plan.units) == {"0", "1", "3", "4"} - set(plan.plain) and plan.keep == {}
+    # these units call BatchNorm and the LIF apart: no fused unit leaves a trace to keep
+    assert not set(plan.keeping) & set(plan.plain) and "run plainly keeping" not in plan.summary()
     assert peak(net) <= floor and plan.kept_fraction == pytest.approx(peak(net) / none)
     assert plan.budget_of == "peak" and plan.floor_fraction == pytest.approx(floor / none)
     assert "run plainly (as at level bits)" in plan.summary()
@@ -334,8 +336,8 @@ def test_a_peak_budget_lets_the_reruns_off_the_peak_keep_their_membrane_traces(m
     """Under a peak budget the reruns that do not hold the step's peak keep their membrane traces as a
     plain call does (their backward rebuilds nothing); the rerun at the peak stays lean, so the step's
     peak (measured independently) stays within the target, where every rerun keeping its trace would
-    exceed it. Gradients are level none's within fp32 rounding, BatchNorm updates once, and the choice
-    survives `restore`."""
+    exceed it; the units run plainly keep their traces from forward to backward. Gradients are level none's
+    within fp32 rounding, BatchNorm updates once, and the choice survives `restore`."""
     from efficient.kernels import bn_lif
     from efficient.memory import levels
     from efficient.memory.measure import activation_memory, step_peak_bytes
@@ -372,6 +374,9 @@ def test_a_peak_budget_lets_the_reruns_off_the_peak_keep_their_membrane_traces(m
     reruns = set(plan.units)
     kept = set(plan.keeping) & reruns
     assert kept and kept < reruns and set(plan.keeping) <= reruns | set(plan.plain), (plan.plain, plan.keeping)
+    # the narrow units run plainly keep their traces too: over their short spans they cost the peak nothing
+    assert plan.plain and set(plan.plain) <= set(plan.keeping), (plan.plain, plan.keeping)
+    assert f"{len(plan.plain)} run plainly keeping their membrane traces" in plan.summary()
     assert f"{len(kept)} rerun keeping their membrane traces" in plan.summary()
     assert all(net[int(n)].__dict__["_efficient_lean"] is (n not in plan.keeping) for n in reruns)
     assert peak(net) <= floor

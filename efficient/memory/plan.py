@@ -263,9 +263,16 @@ def _plains_keeping(model: nn.Module, example: Any, loss_fn: Callable[[Any], tor
     step's peak of live tensors within `target` (tried one at a time, the last in forward first: its traces
     live the shortest), and the last peak measured of the plan returned (None when none is added)."""
     from efficient.memory.measure import step_peak_bytes
+    from efficient.memory.recompute import region_modules
+    from efficient.models.replay import recording_rebuilds
 
+    # only a unit whose fused BatchNorm + LIF leaves its trace to its backward has a trace to keep: one forward
+    apply(model, "recompute", plain=plain, keeping=keeping)
+    with recording_rebuilds() as rebuilt:
+        activation_memory(model, example, loss_fn, backward=False)
+    fused = [n for n, m in units(model) if n in plain and any(id(x) in rebuilt for x in region_modules(m))]
     chosen, peak = list(keeping), None
-    for name in reversed([n for n, _ in units(model) if n in plain]):
+    for name in reversed(fused):
         apply(model, "recompute", plain=plain, keeping=chosen + [name])
         measured = step_peak_bytes(_step(model, example, loss_fn))
         if measured <= target:
