@@ -970,14 +970,12 @@ class _BNLIFMaxPool(torch.autograd.Function):
         # a donated z is overwritten in place: its version moves on, so a second backward through
         # this graph (retain_graph) fails autograd's saved-tensor check instead of reading gradients
         donate = ctx.donate and need[0]
-        saved = ctx.saved_tensors
-        if len(saved) == 5:
-            z, weight, bias, stats, offsets = saved
-            gz, gw, gb = _pooled_backward(grad, z, weight, bias, stats, offsets, ctx.steps, ctx.pool, ctx.spike_dtype,
-                                          *ctx.params, donate=donate)
+        if ctx.params[-1] == "triton":  # impl: the forward kept the statistics and argmax offsets
+            gz, gw, gb = _pooled_backward(grad, *ctx.saved_tensors, ctx.steps, ctx.pool, ctx.spike_dtype, *ctx.params,
+                                          donate=donate)
         else:
-            gz, gw, gb = _pooled_rerun_backward(grad, *saved, ctx.stats, ctx.steps, ctx.pool, ctx.spike_dtype,
-                                                *ctx.params, donate=donate)
+            gz, gw, gb = _pooled_rerun_backward(grad, *ctx.saved_tensors, ctx.stats, ctx.steps, ctx.pool,
+                                                ctx.spike_dtype, *ctx.params, donate=donate)
         return (gz if need[0] else None, gw if need[1] else None, gb if need[2] else None) + (None,) * 18
 
 

@@ -153,11 +153,11 @@ class StemStages(nn.Module):
         return self._members[0].recompute_input_from_bits()
 
     def forward(self, x: torch.Tensor, T: int, spike_bits: torch.Tensor | None = None) -> torch.Tensor:
-        unread = not torch.compiler.is_compiling() and replays_whole(self)  # the rerun: the last output is unread
+        # its rerun: the last stage's output is unread (no replay state is read while tracing)
+        unread = not torch.compiler.is_compiling() and replays_whole(self)
         last = len(self._members) - 1
-        x = self._members[0](x, T, spike_bits, unread=unread and last == 0)
-        for i, st in enumerate(self._members[1:], 1):
-            x = st(x, T, unread=unread and i == last)
+        for i, st in enumerate(self._members):
+            x = st(x, T, spike_bits if i == 0 else None, unread=unread and i == last)
         return x
 
 
