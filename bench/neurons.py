@@ -43,7 +43,15 @@ def saved_bytes(fn, x: torch.Tensor) -> tuple[torch.Tensor, int]:
 def make_impls(detach_reset: bool):
     """name -> callable(x) returning spikes; each callable is stateless across calls."""
     impls = {}
-    impls["ours auto"] = lambda x: K.lif(x, TAU, VTH, 0.0, detach_reset, True, "sigmoid", ALPHA, backend="auto")
+    def ours(x, stepwise: bool = True):
+        K.STEPWISE_BACKWARD = True
+        s = K.lif(x, TAU, VTH, 0.0, detach_reset, True, "sigmoid", ALPHA, backend="auto")
+        if not stepwise and s.requires_grad:  # the all-T backward loop, set once the output's gradient arrives
+            s.register_hook(lambda g: setattr(K, "STEPWISE_BACKWARD", False))
+        return s
+
+    impls["ours auto"] = ours
+    impls["ours auto, all-T backward"] = lambda x: ours(x, stepwise=False)
     impls["ours reference"] = lambda x: K.lif(x, TAU, VTH, 0.0, detach_reset, True, "sigmoid", ALPHA, backend="torch")
     try:
         from spikingjelly.activation_based import functional, neuron, surrogate

@@ -23,6 +23,9 @@
   the rerun computing them.
 - `--compare plain-traces`: a peak plan's plain units keeping their membrane traces (`plan.keeping`) against
   their rebuilding them in backward, as level `bits` does.
+- `--compare lif-steps`: the compiled LIF backward one fused loop per step, writing its gradient over a
+  membrane nothing reads again (`lif.STEPWISE_BACKWARD`), against the loop over all T; it runs at every
+  level, so `none` is timed without it too (`none-before`).
 - Changes joined by `+` (`--compare pooled-rerun+plain-traces`) are undone together.
 
 The cases alternate in each round; ratios are geometric means of the per-round ratios with a 95 % interval.
@@ -38,6 +41,8 @@ The cases alternate in each round; ratios are geometric means of the per-round r
         --rounds 10 --warmup 3 --host-memory reuse --budget 0.2
     python bench/rebuild_paths.py --step spikformer-4-384 --impls none recompute-peak \
         --compare pooled-rerun+plain-traces --rounds 12 --warmup 3 --host-memory reuse --budget 0.2
+    python bench/rebuild_paths.py --step spikformer-4-384 --impls none recompute-peak --compare lif-steps \
+        --rounds 10 --warmup 2 --host-memory reuse --budget 0.2
 """
 
 from __future__ import annotations
@@ -86,7 +91,9 @@ def calls(repeats: int) -> None:
         print(f"| {list(shape)} | {a * 1e3:.1f} | {r * 1e3:.1f} | {r / a:.2f} |", flush=True)
 
 
-CHANGES = ("bn-statistics", "chunk", "rerun", "unit-chunks", "conv-slices", "bits-input", "pooled-rerun", "plain-traces")
+CHANGES = ("bn-statistics", "chunk", "rerun", "unit-chunks", "conv-slices", "bits-input", "pooled-rerun", "plain-traces",
+           "lif-steps")
+OF_EVERY_LEVEL = ("lif-steps",)  # changes that level `none` runs too
 
 
 @contextmanager
@@ -101,6 +108,7 @@ def _before(compare: str):
 @contextmanager
 def _before_one(compare: str):
     """The path as it was before the change `compare` names."""
+    from efficient.kernels import lif as L
     from efficient.memory import conv_backward as CB
     from efficient.memory import recompute as RC
     from efficient.models import neurons as N
@@ -126,6 +134,8 @@ def _before_one(compare: str):
         SF.replays_whole = lambda unit: False
     elif compare == "plain-traces":  # a plain unit rebuilds its traces in backward, as at level bits
         N.rebuild_exact = lambda module=None: exact()
+    elif compare == "lif-steps":  # the compiled LIF backward over all T, into a new tensor
+        L.STEPWISE_BACKWARD = False
     else:  # the rerun computes the spikes, backward allocates z's gradient, aten's convolution
         V.replays_whole = V.plain_conv = lambda m: False
         V.region_conv2d = lambda conv, x, spikes=False, bits=None: conv(x)
@@ -136,6 +146,7 @@ def _before_one(compare: str):
         K._pooled_rerun_backward, SF.replays_whole, N.rebuild_exact = pooled_rerun, stem_replays, exact
         CB.FORWARD_SLICE, RC._reads_bits = fslice, reads_bits
         V.replays_whole, V.plain_conv, V.region_conv2d = unit_calls
+        L.STEPWISE_BACKWARD = True
 
 
 def steps(arch: str, impls: list[str], rounds: int, compare: str, budget: float, warmup: int) -> None:
@@ -146,10 +157,14 @@ def steps(arch: str, impls: list[str], rounds: int, compare: str, budget: float,
     from efficient.memory.levels import restore
 
     x, y = M._inputs(arch, 64)
-    cases = [i for i in impls if i == "none"] + [c for i in impls if i != "none" for c in (i, i + "-before")]
+    every_level = any(c in OF_EVERY_LEVEL for c in compare.split("+"))
+    cases = [c for i in impls if i == "none" for c in (("none", "none-before") if every_level else ("none",))]
+    cases += [c for i in impls if i != "none" for c in (i, i + "-before")]
     models = {}
     for c in cases:
-        if c.endswith("-before") and c.replace("-before", "") in ("recompute-budget", "recompute-peak"):
+        if c == "none-before":  # level none itself, run without the change
+            models[c] = models["none"]
+        elif c.endswith("-before") and c.replace("-before", "") in ("recompute-budget", "recompute-peak"):
             # a planned level: the same plan on a fresh copy of the model, not planned again
             models[c] = M.build(arch, "none", 4, None, example=x)[0]
             restore(models[c], models[c.replace("-before", "")]._efficient_memory.plan)
@@ -180,6 +195,8 @@ def steps(arch: str, impls: list[str], rounds: int, compare: str, budget: float,
     print("|---|---|---|---|")
     for c in cases:
         vs_none = ratio(c, "none") if "none" in times and c != "none" else ""
+        if c.endswith("-before") and "none-before" in times and c != "none-before":  # each path against its own none
+            vs_none = ratio(c, "none-before")
         pair = ratio(c, c + "-before") if c + "-before" in times else ""
         print(f"| {c} | {statistics.median(times[c]):.2f} | {vs_none} | {pair} |", flush=True)
 

@@ -77,6 +77,13 @@ def _modes_let_through(op: str | None) -> bool:
     return not any(getattr(torch._C._get_function_stack_at(i), "sees_op", lambda name: True)(op) for i in range(n))
 
 
+def graph_kept() -> bool:
+    """Whether the backward now running keeps its graph (`retain_graph` or `create_graph`), so a saved
+    tensor may be read again by a later backward; True outside a backward, or where torch cannot say."""
+    kept = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if kept is None else bool(kept())
+
+
 def eager_function(name: str, forward, setup_context, backward) -> type:
     """A `torch.autograd.Function` named `name` that runs a custom op's implementation `forward`
     with the op's own `setup_context(ctx, inputs, output)` and `backward(ctx, *grads)`: the op's

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from efficient.kernels import lif as _lif
-from efficient.kernels._backend import eager_call, eager_function, register_flops
+from efficient.kernels._backend import eager_call, eager_function, graph_kept, register_flops
 from efficient.kernels.lif_common import (
     _BLOCK, _NUM_WARPS, HAS_TRITON, IMPLS, _check_compiler, _choose_impl, _register_flops, _surrogate_id,
     _triton_ready, default_alpha,
@@ -402,10 +402,12 @@ def bn_lif_backward_op(
 
 
 def _backward_impl(grad_spikes, z, h, weight, stats, training, eps, c, v_threshold, v_reset, charge, surrogate, alpha,
-                   detach_reset, impl):
+                   detach_reset, impl, overwrite=False):
+    """`overwrite`: nothing reads H after this backward, so the LIF's gradient is written over it (one
+    tensor of z's size fewer while BatchNorm's backward runs)."""
     steps = h.shape[0]
     gy, _, _ = _lif._run_backward(grad_spikes.contiguous().view(steps, -1), None, h, None, c, v_threshold, v_reset,
-                                  charge, surrogate, alpha, detach_reset, z.dtype, impl)
+                                  charge, surrogate, alpha, detach_reset, z.dtype, impl, overwrite=overwrite)
     return _bn_backward(gy.view(z.shape), z, weight, stats, training, eps)
 
 
@@ -513,7 +515,7 @@ def _recompute_chunk(gs, z, steps, weight, bias, stats, training, eps, c, v_thre
         _, h = _lif._run_forward(y.view(steps, -1), None, c, v_threshold, v_reset, charge, z.dtype, impl, spikes=False)
         del y
         gy, _, _ = _lif._run_backward(gs.view(steps, -1), None, h, None, c, v_threshold, v_reset, charge, surrogate,
-                                      alpha, detach_reset, z.dtype, impl)
+                                      alpha, detach_reset, z.dtype, impl, overwrite=True)  # H is this chunk's own
         del h
     return _bn_backward(gy.view(z.shape), z, weight, stats, training, eps)
 
@@ -616,8 +618,14 @@ def _backward(ctx, grad_spikes, *_grads_of_statistics, backward_fn=bn_lif_backwa
 
 bn_lif_forward_op.register_autograd(_backward, setup_context=_setup_context)
 
+def _kept_h_backward(*args):
+    """The eager backward from a kept H, which it writes the LIF's gradient over unless the graph is
+    kept for another backward (the op's own backward cannot: it declares no mutation)."""
+    return _backward_impl(*args, overwrite=not graph_kept())
+
+
 _EagerBNLIF = eager_function("_EagerBNLIF", functools.partial(_forward_impl, inplace=True), _setup_context,
-                             lambda ctx, gs, *rest: _backward(ctx, gs, backward_fn=_backward_impl,
+                             lambda ctx, gs, *rest: _backward(ctx, gs, backward_fn=_kept_h_backward,
                                                               recompute_fn=_recompute_backward_impl))
 
 # flops as the separate calls count them, so a profile does not change with the path: the LIF's 6
@@ -711,9 +719,9 @@ def linear_bn_lif_backward_op(
 
 
 def _linear_backward_impl(grad_spikes, x, lin_weight, z, h, weight, stats, training, eps, c, v_threshold, v_reset, charge,
-                          surrogate, alpha, detach_reset, impl):
+                          surrogate, alpha, detach_reset, impl, overwrite=False):
     gz, gw, gb = _backward_impl(grad_spikes, z, h, weight, stats, training, eps, c, v_threshold, v_reset, charge,
-                                surrogate, alpha, detach_reset, impl)
+                                surrogate, alpha, detach_reset, impl, overwrite)
     return (*_linear_grads(gz, x, lin_weight), gw, gb)
 
 
@@ -779,8 +787,9 @@ register_flops((torch.ops.efficient.linear_bn_lif_forward, _linear_flops),
 
 _EagerLinearBNLIF = eager_function(
     "_EagerLinearBNLIF", functools.partial(_linear_forward_impl, inplace=True), _linear_setup_context,
-    lambda ctx, gs, *rest: _linear_backward(ctx, gs, backward_fn=_linear_backward_impl,
-                                            recompute_fn=_recompute_backward_impl))
+    lambda ctx, gs, *rest: _linear_backward(
+        ctx, gs, backward_fn=lambda *args: _linear_backward_impl(*args, overwrite=not graph_kept()),
+        recompute_fn=_recompute_backward_impl))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1010,7 +1019,7 @@ def _pooled_rerun_backward(grad, z, weight, bias, stats, steps, pool, spike_dtyp
         gs = max_pool_offsets_backward(grad[:, c0:c1].contiguous(), offsets, pool, zc.shape, dtype=spike_dtype)
         del offsets
         gy, _, _ = _lif._run_backward(gs.view(steps, -1), None, h, None, c, v_threshold, v_reset, charge, surrogate,
-                                      alpha, detach_reset, z.dtype, impl)
+                                      alpha, detach_reset, z.dtype, impl, overwrite=True)  # H is this chunk's own
         del gs, h
         gzc, gw[c0:c1], gb[c0:c1] = _bn_backward(gy.view(zc.shape), zc, w, st, training, eps)
         del gy, zc
@@ -1260,7 +1269,7 @@ def _gain_backward(grad, z, gain, weight, bias, stats, steps, eps, lif_args, imp
         y = _bn_rebuild(zc, weight[c0:c1], bias[c0:c1], stats[:, c0:c1].contiguous(), eps).view(steps, -1)
         _, h = _lif._run_forward(y * g, None, c, v_th, v_reset, charge, z.dtype, impl, spikes=False)
         gcur, _, _ = _lif._run_backward(grad[:, c0:c1].contiguous().view(steps, -1), None, h, None, c, v_th, v_reset,
-                                        charge, surrogate, alpha, detach, z.dtype, impl)
+                                        charge, surrogate, alpha, detach, z.dtype, impl, overwrite=True)
         del h
         ggain += (gcur * y).sum(1, dtype=torch.float32)  # d current / d gain[t] = y[t]
         gzc, gwc, gbc = _bn_backward((gcur * g).view(zc.shape), zc, weight[c0:c1], stats[:, c0:c1], True, eps)

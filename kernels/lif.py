@@ -44,6 +44,7 @@ assign it in `lif_common`, where it is read).
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Optional
 
 import torch
@@ -51,7 +52,7 @@ from torch import Tensor
 
 from efficient.kernels import leaky as _leaky_module
 from efficient.kernels import lif_common as _common
-from efficient.kernels._backend import BACKENDS, eager_call, eager_function
+from efficient.kernels._backend import BACKENDS, eager_call, eager_function, graph_kept
 # re-exported: snntorch's order, and what both orders share
 from efficient.kernels.leaky import (  # noqa: F401
     RESET_NONE, RESET_SUBTRACT, RESET_ZERO, RESETS, _EagerLeaky, _reset_id, leaky, leaky_backward_op, leaky_forward_op,
@@ -423,6 +424,49 @@ def _loop_backward(
     return (gx if gx.dtype == x_dtype else gx.to(x_dtype)), gk, gv0
 
 
+def _step_backward(
+    h_t, g, gm, carry, c, v_th, v_reset, alpha, one, *,
+    charge: int, hard: bool, detach: bool, surrogate: int, first: bool, last: bool,
+):
+    """Step t of `_loop_backward`'s recurrence, the same arithmetic, all of it one fused loop under
+    inductor: writes grad x[t] over H[t] (each element read before it is written) and returns the carry
+    into step t - 1 (None at the `last` step when there is no v0 to differentiate)."""
+    sg = surrogate_grad(h_t - v_th, surrogate, alpha, one)
+    a = (g if g.dtype == torch.float32 else g.float()) * sg
+    if gm is not None:
+        a = a + (gm if gm.dtype == torch.float32 else gm.float())
+    if hard:
+        r = h_t < v_th
+        r = r.to(a.dtype) if detach else r + (v_reset - h_t) * sg
+    elif detach:
+        r = None  # the carry passes unchanged
+    else:
+        r = torch.sub(one, v_th * sg)
+    if first:  # no carry into the last step: add(a, r, alpha=0.0), as `_loop_backward`
+        gh = torch.add(a, one if r is None else r, alpha=0.0)
+    else:
+        gh = a + (carry if r is None else carry * r)
+    out = None
+    if not last:
+        out = gh * c if charge == CHARGE_LEAK else torch.addcdiv(gh, gh, c, value=-1.0)
+    h_t.copy_(gh / c if charge == CHARGE_DECAY_INPUT else gh)
+    return out
+
+
+def _stepwise_backward(gs, gm, h, c, v_th, v_reset, alpha, one, v0, static, overwrite):
+    """(grad x, None, grad v0) from H one compiled step at a time (`_step_backward`), grad x written over
+    H itself (`overwrite`: nothing reads H after this backward) or over a copy of it. Beside H and the
+    spikes' gradient it holds two steps' carries, where `_loop_backward` makes three tensors of H's size
+    (the surrogate's share, the reset gradient, the stacked gradients); fewer passes over memory too."""
+    out = h if overwrite else h.clone()
+    T = h.shape[0]
+    carry = None
+    for t in range(T - 1, -1, -1):
+        step = _compiled(_step_backward, static + (("first", t == T - 1), ("last", t == 0 and v0 is None)))
+        carry = step(*_unviewed((out[t], gs[t], None if gm is None else gm[t], carry, c, v_th, v_reset, alpha, one)))
+    return out, None, carry
+
+
 def _run_forward(x, rate, c, v_th, v_reset, charge, spike_dtype, impl, v0=None, membrane=True, spikes=True):
     """(spikes, H) of the CPU loops (or the Triton kernel); `membrane` False: (spikes, None), H not made
     where the loop is compiled (the Triton kernel always writes it); `spikes` False (the eager loop): (None, H),
@@ -441,14 +485,25 @@ def _run_forward(x, rate, c, v_th, v_reset, charge, spike_dtype, impl, v0=None, 
     return _loop_forward(*args, **dict(static), spikes=spikes)
 
 
-def _run_backward(gs, gm, h, rate, c, v_th, v_reset, charge, surrogate, alpha, detach, x_dtype, impl, v0=None):
+# the compiled backward one fused loop per step (`_stepwise_backward`); False: the all-T loop
+# (`_loop_backward`), which bench/neurons.py and bench/rebuild_paths.py --compare lif-steps time beside it
+STEPWISE_BACKWARD = True
+
+
+def _run_backward(gs, gm, h, rate, c, v_th, v_reset, charge, surrogate, alpha, detach, x_dtype, impl, v0=None,
+                  overwrite=False):
+    """(grad x, grad rate, grad v0) of the implementation `impl`. `overwrite`: H is the caller's to write
+    over (nothing reads it after this call), and the compiled loop writes grad x into H's storage."""
     if impl == "triton":
         return _triton_backward(gs, gm, h, rate, c, v_th, v_reset, charge, surrogate, alpha, detach, x_dtype, v0)
     hard = v_reset is not None
-    static = (
-        ("charge", charge), ("hard", hard), ("detach", detach), ("surrogate", surrogate), ("x_dtype", x_dtype),
-    )
-    args = (gs, gm, h, rate, *_scalars(h.device, c, v_th, v_reset if hard else 0.0, alpha, 1.0), v0)
+    static = (("charge", charge), ("hard", hard), ("detach", detach), ("surrogate", surrogate))
+    scalars = _scalars(h.device, c, v_th, v_reset if hard else 0.0, alpha, 1.0)
+    if impl == "inductor" and rate is None and STEPWISE_BACKWARD:  # PLIF's rate gradient reads every step's: all-T
+        gx, _, gv0 = _stepwise_backward(gs, gm, h, *scalars, v0, static, overwrite)
+        return (gx if gx.dtype == x_dtype else gx.to(x_dtype)), None, gv0
+    args = (gs, gm, h, rate, *scalars, v0)
+    static += (("x_dtype", x_dtype),)
     if impl == "inductor":
         return _compiled(_loop_backward, static)(*_unviewed(args))
     return _loop_backward(*args, **dict(static))
@@ -533,12 +588,12 @@ def lif_backward_op(
 
 
 def _lif_backward_impl(grad_spikes, grad_h, h, rate, c, v_threshold, v_reset, charge, surrogate, alpha, detach_reset,
-                       x_dtype, impl, v0=None):
+                       x_dtype, impl, v0=None, overwrite=False):
     gs = grad_spikes.contiguous()
     gm = grad_h.contiguous() if grad_h is not None else None
     v0 = v0.contiguous() if v0 is not None else None
     return _run_backward(
-        gs, gm, h, rate, c, v_threshold, v_reset, charge, surrogate, alpha, detach_reset, x_dtype, impl, v0
+        gs, gm, h, rate, c, v_threshold, v_reset, charge, surrogate, alpha, detach_reset, x_dtype, impl, v0, overwrite
     )
 
 
@@ -553,6 +608,7 @@ def _setup_context(ctx, inputs, output) -> None:
     x, rate, c, v_th, v_reset, charge, surrogate, alpha, detach, spike_dtype, impl, *rest = inputs
     v0 = rest[0] if rest else None
     ctx.save_for_backward(output[1], rate, v0)  # only H (fp32), the 0-d rate and v0: x is not kept
+    ctx.h_out = weakref.ref(output[1])  # dead once the caller has dropped H (and every view of it)
     ctx.params = (c, v_th, v_reset, charge, surrogate, alpha, detach)
     ctx.x_dtype, ctx.impl = x.dtype, impl
     ctx.set_materialize_grads(False)
@@ -573,8 +629,15 @@ lif_forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 # eager calls (`_backend.eager_call`): the op's checks, implementations and saved tensors, without
 # its per-call dispatch
-_EagerLIF = eager_function("_EagerLIF", _lif_forward_impl, _setup_context,
-                           lambda ctx, gs, gh: _backward(ctx, gs, gh, backward_fn=_lif_backward_impl))
+def _eager_backward(ctx, grad_spikes, grad_h):
+    """The eager backward writes grad x over the saved H where nothing can read H again: the caller
+    dropped it (no `return_membrane`) and no later backward runs through this graph."""
+    overwrite = ctx.h_out() is None and not graph_kept()
+    return _backward(ctx, grad_spikes, grad_h,
+                     backward_fn=lambda *args: _lif_backward_impl(*args, overwrite=overwrite))
+
+
+_EagerLIF = eager_function("_EagerLIF", _lif_forward_impl, _setup_context, _eager_backward)
 
 
 # forward per element and step: charge 4, compare 1, reset select 1;

@@ -156,6 +156,49 @@ def test_the_compiled_cpu_loop_is_the_two_calls_bit_for_bit() -> None:
     assert all(torch.equal(a, b) for a, b in zip(sep, fus))
 
 
+def test_a_kept_membrane_is_written_over_only_when_no_backward_reads_it_again() -> None:
+    """The eager unit's compiled backward writes the LIF's gradient over its kept H, one tensor of z's size
+    fewer at the step's peak; with the graph kept (`retain_graph`) it leaves H alone, so a second
+    backward gives the first one's gradients. Gradients are the same either way, bit for bit."""
+    from efficient.kernels._backend import have_cxx_compiler
+    from efficient.memory.measure import step_peak_bytes
+
+    if not have_cxx_compiler():
+        pytest.skip("no C++ compiler: inductor cannot compile on CPU")
+    T, R, D, C = 4, 64, 16, 32
+    x = (torch.rand(T * R, D, generator=torch.Generator().manual_seed(2)) < 0.3).float()
+    lin = nn.Linear(D, C)
+    bn, _ = _pair((T * R, C), C, seed=6)
+    neuron = LIF(backend="compile")
+    g = torch.randn(T, R, C, generator=torch.Generator().manual_seed(3))
+
+    def grads(retain: bool, twice: bool = False):
+        for p in (*lin.parameters(), *bn.parameters()):
+            p.grad = None
+        out = []
+
+        def step() -> None:
+            s = norm_fire(bn, neuron, x, (T, R, C), linear=lin)
+            loss = (s * g).sum()
+            loss.backward(retain_graph=retain)
+            if twice:
+                first = [p.grad.clone() for p in (*lin.parameters(), *bn.parameters())]
+                for p in (*lin.parameters(), *bn.parameters()):
+                    p.grad = None
+                loss.backward()
+                out.append(first)
+
+        peak = step_peak_bytes(step)
+        return [p.grad.clone() for p in (*lin.parameters(), *bn.parameters())], peak, out
+
+    over, peak_over, _ = grads(False)
+    kept, peak_kept, _ = grads(True)
+    again, _, (first,) = grads(True, twice=True)
+    for a, b, c, d in zip(over, kept, again, first):
+        assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(a, d)
+    assert peak_kept - peak_over >= 0.9 * T * R * C * 4, (peak_over, peak_kept)  # H's bytes, less per-channel ones
+
+
 def test_reference_backend_is_batch_norm_then_the_lif_reference() -> None:
     zshape, nshape = LAYOUTS["conv"]
     bn, z = _pair(zshape, 3, seed=4, dtype=torch.float64)

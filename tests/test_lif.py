@@ -491,6 +491,78 @@ def test_lif_eager_path_equals_the_custom_op(case, impl):
         assert torch.equal(a, b)
 
 
+@needs_cxx
+@pytest.mark.parametrize("case", ["hard-detach-sigmoid", "hard-atan", "soft-triangle-v0", "leak-gm"])
+def test_the_compiled_backward_runs_step_by_step_over_h(case):
+    """The compiled CPU backward (`impl="inductor"`) runs one fused loop per step: grad x (and v0's) equal
+    the eager loop's to rounding; given H to overwrite it writes grad x into H's storage and holds no
+    tensor of H's size besides (two steps' carries; the all-T formulation held three), and otherwise
+    leaves H as it was."""
+    from efficient.memory.measure import step_peak_bytes
+
+    hard = case.startswith(("hard", "leak"))
+    surrogate = K._surrogate_id({"hard-detach-sigmoid": "sigmoid", "hard-atan": "atan", "soft-triangle-v0": "triangle",
+                                 "leak-gm": "sigmoid"}[case])
+    charge = K.CHARGE_LEAK if case == "leak-gm" else K.CHARGE_DECAY_INPUT
+    detach = case == "hard-detach-sigmoid"
+    g = torch.Generator().manual_seed(5)
+    T, N = 5, 4096
+    h = torch.randn(T, N, generator=g) * 0.8 + 0.7
+    gs = torch.randn(T, N, generator=g)
+    gm = torch.randn(T, N, generator=g) if case == "leak-gm" else None
+    v0 = torch.randn(N, generator=g) if case.endswith("v0") else None
+    args = (gs, gm, h, None, 0.9 if charge == K.CHARGE_LEAK else 2.0, 1.0, 0.0 if hard else None, charge, surrogate,
+            4.0, detach, torch.float32)
+    ref = K._run_backward(*args, "loop", v0)
+    h0 = h.clone()
+    kept = K._run_backward(*args, "inductor", v0)
+    assert torch.equal(h, h0)  # not overwritten unless given up
+    over = K._run_backward(*args, "inductor", v0, overwrite=True)
+    assert over[0].data_ptr() == h.data_ptr()
+    for a, b, c in zip(ref, kept, over):
+        if a is None:
+            assert b is None and c is None
+            continue
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+        assert torch.equal(b, c)
+    h = h0.clone()
+    peak_over = step_peak_bytes(lambda: K._run_backward(*args[:2], h, *args[3:], "inductor", v0, overwrite=True))
+    peak_kept = step_peak_bytes(lambda: K._run_backward(*args, "inductor", v0))
+    assert peak_over < h.nbytes <= peak_kept < 2 * h.nbytes, (peak_over, peak_kept, h.nbytes)
+
+
+@needs_cxx
+def test_the_eager_lif_writes_over_its_membrane_only_when_nobody_holds_it():
+    """Eager `lif` with the compiled loop gives H's storage to grad x when the caller dropped H and no
+    later backward reads it (a smaller peak); a caller holding H (`return_membrane`) or keeping the
+    graph finds H unchanged. Gradients bit for bit the same every way."""
+    from efficient.memory.measure import step_peak_bytes
+
+    x0 = torch.randn(4, 4096, generator=torch.Generator().manual_seed(8)) + 0.6
+    g = torch.randn(4, 4096, generator=torch.Generator().manual_seed(9))
+    res = {}
+
+    def run(name, membrane=False, retain=False):
+        x = x0.clone().requires_grad_()
+
+        def step():
+            out = K.lif(x, impl="inductor", return_membrane=membrane)
+            s, h = out if membrane else (out, None)
+            before = h.detach().clone() if membrane else None
+            (s * g).sum().backward(retain_graph=retain)
+            if membrane:
+                assert torch.equal(h, before)
+            res[name] = x.grad.clone()
+
+        return step_peak_bytes(step)
+
+    peak_over = run("over")
+    peak_held = run("held", membrane=True)
+    peak_kept = run("kept", retain=True)
+    assert torch.equal(res["over"], res["held"]) and torch.equal(res["over"], res["kept"])
+    assert peak_kept - peak_over >= 0.9 * x0.nbytes, (peak_over, peak_kept)
+
+
 def test_lif_runs_the_op_only_where_something_observes_it():
     """Plain eager calls take the direct path; a dispatch mode (FLOP counters, FakeTensor) or a
     torch-function mode (memory's spike tracking) sees the custom op."""
