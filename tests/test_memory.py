@@ -322,6 +322,32 @@ def test_a_peak_budget_runs_plainly_the_units_that_cost_the_peak_nothing() -> No
     assert "within the budget of 100 %" in wide.summary()
 
 
+def test_the_peak_planner_tries_again_the_units_a_wrongly_admitted_one_turned_away() -> None:
+    """A unit predicted to fit whose measured step peak is over the target is dropped, and the units its
+    predicted bytes had turned away are predicted again without it and, where they fit, measured and run
+    plainly: the planner leaves no room that a measured unit fits in."""
+    import numpy as np
+
+    from efficient.memory.plan import _admit_plain
+
+    live = np.full(100, 10)
+    # (unit, bytes kept more when plain, FLOPs saved, span): "a" saves the most per byte over the whole step
+    candidates = [("a", 15, 1000, (0, 100)), ("b", 10, 100, (10, 50)), ("c", 10, 90, (60, 90))]
+    measured: list[list[str]] = []
+
+    def measure(names: list[str]) -> int:  # "a"'s own backward holds more than its kept bytes
+        measured.append(list(names))
+        return 40 if "a" in names else 10 + 10 * len(names)
+
+    chosen, total = _admit_plain(candidates, live, 30, 10, measure)
+    assert [c[0] for c in chosen] == ["b", "c"] and total == 30, (chosen, measured)
+    assert measured == [["a"], ["a"], ["b"], ["b", "c"]]
+    # a correct prediction is measured once
+    measured.clear()
+    chosen, total = _admit_plain(candidates[1:], live, 30, 10, measure)
+    assert [c[0] for c in chosen] == ["b", "c"] and total == 30 and measured == [["b", "c"]]
+
+
 def _wide_units() -> nn.Module:
     """Spikformer's fused Linear -> BatchNorm -> LIF units on [T, B, N, C], one wide (512 channels) among narrow ones."""
     from efficient.models.spikformer import LinearBNLIF

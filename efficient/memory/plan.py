@@ -21,7 +21,8 @@ keeps over its span only, from its forward to its backward, so units that run la
 reach backward early often cost the peak nothing, and skip their rerun. The planner reads the step's
 live bytes over time once (every unit whole, each unit's forward and backward marked), runs units
 plainly in the order of FLOPs saved per byte while the predicted peak stays within the target, and
-measures the result.
+measures the result (where a unit's own backward held more than predicted, the units are measured one
+at a time, and those its predicted bytes had turned away are tried again).
 
 A rerun that does not hold the step's peak need not be lean either: the units that keep least rebuild
 their membrane traces in backward a chunk of channels at a time (on a CPU 1.7x the BatchNorm + LIF
@@ -165,7 +166,9 @@ def choose_plain_for_peak(model: nn.Module, example: Any, budget: float,
     to the live bytes of the every-unit-whole step, in the order of matmul/convolution FLOPs saved per
     byte, keeps a unit plain when the sum stays within the target, then measures the plan; when it is
     over (a plain unit's own backward may hold more than its rerun by chunks did), it adds the chosen
-    units one at a time, each kept plain only if the measured peak stays within the target."""
+    units one at a time, each kept plain only if the measured peak stays within the target, and then
+    the units the prediction turned away while a unit that did not fit held their room: each predicted
+    again beside those kept and, where it fits, measured."""
     import numpy as np
 
     from efficient.memory.measure import step_peak_bytes
@@ -195,34 +198,20 @@ def choose_plain_for_peak(model: nn.Module, example: Any, budget: float,
                            "bytes (budget_of='saved') or no budget")
     target = max(budget * none, floor)
     live = np.asarray(timeline.live, dtype=np.int64)
-    added = np.zeros_like(live)
     candidates = []
     for name, more in extra.items():
         span = _span(timeline.marks, name, len(live))
         if span is not None:
             candidates.append((name, more, sum(fl for _, _, fl in ops[name]), span))
-    candidates.sort(key=lambda c: -c[2] / max(c[1], 1))
-    chosen: list[tuple[str, int, int]] = []
-    for name, more, flops, (a, b) in candidates:
-        if b > a and int((live[a:b] + added[a:b]).max()) + more <= target:
-            added[a:b] += more
-            chosen.append((name, more, flops))
+    # FLOPs saved per byte first; among equals (a transformer's blocks), the shortest span holds its bytes least
+    candidates.sort(key=lambda c: (-c[2] / max(c[1], 1), c[3][1] - c[3][0]))
 
     def measure(names: list[str]) -> int:
         apply(model, "recompute", plain=names)
         return step_peak_bytes(_step(model, example, loss_fn))
 
     try:
-        total = measure([c[0] for c in chosen]) if chosen else floor
-        if total > target:  # one unit's own backward held more than predicted: add them one at a time
-            fits: list[tuple[str, int, int]] = []
-            total = floor
-            for c in chosen:
-                peak = measure([f[0] for f in fits] + [c[0]])
-                if peak <= target:
-                    fits.append(c)
-                    total = peak
-            chosen = fits
+        chosen, total = _admit_plain(candidates, live, target, floor, measure)
         plain = sorted(c[0] for c in chosen)
         keeping, peak = _reruns_keeping(model, example, loss_fn, plain, target)
         total = total if peak is None else peak
@@ -233,6 +222,51 @@ def choose_plain_for_peak(model: nn.Module, example: Any, budget: float,
     flops = sum(fl for found in ops.values() for _, _, fl in found)
     return BudgetChoice(budget, {}, none, total, flops, flops - sum(c[2] for c in chosen), ops, of="peak",
                         floor_bytes=floor, plain=plain, keeping=keeping)
+
+
+Candidate = tuple[str, int, int, tuple[int, int]]  # unit, bytes it keeps more run plainly, FLOPs saved, span
+
+
+def _admit_plain(candidates: list[Candidate], live: Any, target: float, floor: int,
+                 measure: Callable[[list[str]], int]) -> tuple[list[tuple[str, int, int]], int]:
+    """The units to run plainly, (unit, bytes, FLOPs) in the order of `candidates`, and the step peak that
+    `measure(units)` gave them (`floor` for none). A unit is predicted to fit when the live bytes over its
+    span (`live`, every unit rerun whole), with those of the units already admitted that overlap it and its
+    own, stay within `target`. The predicted set is measured; when it is over, its units are measured one at
+    a time, and then the candidates it turned away are predicted again beside those kept and measured
+    where they fit (a unit that did not fit had held their room)."""
+    import numpy as np
+
+    spans = {c[0]: c[3] for c in candidates}
+
+    def predicted_fit(c: Candidate, admitted: list[tuple[str, int, int]]) -> bool:
+        name, more, _, (a, b) = c
+        if b <= a:
+            return False
+        added = np.zeros(b - a, dtype=np.int64)
+        for other, bytes_, _ in admitted:
+            lo, hi = max(spans[other][0], a), min(spans[other][1], b)
+            if hi > lo:
+                added[lo - a:hi - a] += bytes_
+        return int((live[a:b] + added).max()) + more <= target
+
+    chosen: list[tuple[str, int, int]] = []
+    for c in candidates:
+        if predicted_fit(c, chosen):
+            chosen.append(c[:3])
+    total = measure([c[0] for c in chosen]) if chosen else floor
+    if total <= target:
+        return chosen, total
+    fits: list[tuple[str, int, int]] = []  # one unit's own backward held more than predicted
+    total = floor
+    tried = {c[0] for c in chosen}
+    for c in chosen + [c for c in candidates if c[0] not in tried]:
+        if c[0] in tried or predicted_fit(c, fits):
+            peak = measure([f[0] for f in fits] + [c[0]])
+            if peak <= target:
+                fits.append(c[:3])
+                total = peak
+    return fits, total
 
 
 def _reruns_keeping(model: nn.Module, example: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
