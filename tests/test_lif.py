@@ -492,7 +492,7 @@ def test_lif_eager_path_equals_the_custom_op(case, impl):
 
 
 @needs_cxx
-@pytest.mark.parametrize("case", ["hard-detach-sigmoid", "hard-atan", "soft-triangle-v0", "leak-gm"])
+@pytest.mark.parametrize("case", ["hard-detach-sigmoid", "leak-soft-atan-v0-gm"])
 def test_the_compiled_backward_runs_step_by_step_over_h(case):
     """The compiled CPU backward (`impl="inductor"`) runs one fused loop per step: grad x (and v0's) equal
     the eager loop's to rounding; given H to overwrite it writes grad x into H's storage and holds no
@@ -500,17 +500,17 @@ def test_the_compiled_backward_runs_step_by_step_over_h(case):
     leaves H as it was."""
     from efficient.memory.measure import step_peak_bytes
 
-    hard = case.startswith(("hard", "leak"))
-    surrogate = K._surrogate_id({"hard-detach-sigmoid": "sigmoid", "hard-atan": "atan", "soft-triangle-v0": "triangle",
-                                 "leak-gm": "sigmoid"}[case])
-    charge = K.CHARGE_LEAK if case == "leak-gm" else K.CHARGE_DECAY_INPUT
-    detach = case == "hard-detach-sigmoid"
+    # Spikformer's neuron, and every other branch at once: DLIF's leak, soft reset through the reset's
+    # gradient, atan, an initial membrane and a gradient of H
+    hard = detach = case == "hard-detach-sigmoid"
+    surrogate = K._surrogate_id("sigmoid" if hard else "atan")
+    charge = K.CHARGE_DECAY_INPUT if hard else K.CHARGE_LEAK
     g = torch.Generator().manual_seed(5)
     T, N = 5, 4096
     h = torch.randn(T, N, generator=g) * 0.8 + 0.7
     gs = torch.randn(T, N, generator=g)
-    gm = torch.randn(T, N, generator=g) if case == "leak-gm" else None
-    v0 = torch.randn(N, generator=g) if case.endswith("v0") else None
+    gm = None if hard else torch.randn(T, N, generator=g)
+    v0 = None if hard else torch.randn(N, generator=g)
     args = (gs, gm, h, None, 0.9 if charge == K.CHARGE_LEAK else 2.0, 1.0, 0.0 if hard else None, charge, surrogate,
             4.0, detach, torch.float32)
     ref = K._run_backward(*args, "loop", v0)
