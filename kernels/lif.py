@@ -369,15 +369,9 @@ def _loop_forward(x, rate, c, v_th, v_reset, v0, *, charge: int, hard: bool, spi
     return (H >= v_th).to(spike_dtype), H
 
 
-def _loop_backward(
-    gs, gm, h, rate, c, v_th, v_reset, alpha, one, v0, *,
-    charge: int, hard: bool, detach: bool, surrogate: int, x_dtype: torch.dtype,
-):
-    """Reverse-time recurrence of the backward; returns (grad x [T, N], grad rate 0-d, grad v0 [N] or [0])."""
-    # Everything that does not depend on the carried gradient runs once over all T: the surrogate,
-    # the reset gradient and the spike gradient's share (a = dL/dS * dS/dH + dL/dH); only
-    # gh[t] = a[t] + carry * r[t] and the carry run per step.
-    T = h.shape[0]
+def _backward_terms(gs, gm, h, v_th, v_reset, alpha, one, hard: bool, detach: bool, surrogate: int):
+    """What a backward step needs besides the carried gradient, over any steps of H: the spikes' share
+    a = dL/dS * dS/dH (+ dL/dH) and the reset's factor r on the carry (None: the carry passes unchanged)."""
     sg = surrogate_grad(h - v_th, surrogate, alpha, one)
     a = (gs if gs.dtype == torch.float32 else gs.float()) * sg
     if gm is not None:
@@ -387,9 +381,22 @@ def _loop_backward(
         # as fp32 once: a bool operand would be cast to 1.0 / 0.0 inside every step's product
         r = r.to(a.dtype) if detach else r + (v_reset - h) * sg
     elif detach:
-        r = None  # the carry passes unchanged
+        r = None
     else:
         r = torch.sub(one, v_th * sg)
+    return a, r
+
+
+def _loop_backward(
+    gs, gm, h, rate, c, v_th, v_reset, alpha, one, v0, *,
+    charge: int, hard: bool, detach: bool, surrogate: int, x_dtype: torch.dtype,
+):
+    """Reverse-time recurrence of the backward; returns (grad x [T, N], grad rate 0-d, grad v0 [N] or [0])."""
+    # Everything that does not depend on the carried gradient runs once over all T: the surrogate,
+    # the reset gradient and the spike gradient's share (a = dL/dS * dS/dH + dL/dH); only
+    # gh[t] = a[t] + carry * r[t] and the carry run per step.
+    T = h.shape[0]
+    a, r = _backward_terms(gs, gm, h, v_th, v_reset, alpha, one, hard, detach, surrogate)
     ghs = []  # from the last step back (appended: torch 2.11's dynamo cannot trace a list's item assignment)
     a_t = a.unbind(0)
     r_t = r.unbind(0) if r is not None else None
@@ -431,17 +438,7 @@ def _step_backward(
     """Step t of `_loop_backward`'s recurrence, the same arithmetic, all of it one fused loop under
     inductor: writes grad x[t] over H[t] (each element read before it is written) and returns the carry
     into step t - 1 (None at the `last` step when there is no v0 to differentiate)."""
-    sg = surrogate_grad(h_t - v_th, surrogate, alpha, one)
-    a = (g if g.dtype == torch.float32 else g.float()) * sg
-    if gm is not None:
-        a = a + (gm if gm.dtype == torch.float32 else gm.float())
-    if hard:
-        r = h_t < v_th
-        r = r.to(a.dtype) if detach else r + (v_reset - h_t) * sg
-    elif detach:
-        r = None  # the carry passes unchanged
-    else:
-        r = torch.sub(one, v_th * sg)
+    a, r = _backward_terms(g, gm, h_t, v_th, v_reset, alpha, one, hard, detach, surrogate)
     if first:  # no carry into the last step: add(a, r, alpha=0.0), as `_loop_backward`
         gh = torch.add(a, one if r is None else r, alpha=0.0)
     else:
