@@ -618,14 +618,14 @@ def _backward(ctx, grad_spikes, *_grads_of_statistics, backward_fn=bn_lif_backwa
 
 bn_lif_forward_op.register_autograd(_backward, setup_context=_setup_context)
 
-def _kept_h_backward(*args):
-    """The eager backward from a kept H, which it writes the LIF's gradient over unless the graph is
-    kept for another backward (the op's own backward cannot: it declares no mutation)."""
-    return _backward_impl(*args, overwrite=not graph_kept())
+def _over_kept_h(backward_impl):
+    """An eager backward from a kept H that writes the LIF's gradient over H unless the graph is kept for
+    another backward (the op's own backward cannot: it declares no mutation)."""
+    return lambda *args: backward_impl(*args, overwrite=not graph_kept())
 
 
 _EagerBNLIF = eager_function("_EagerBNLIF", functools.partial(_forward_impl, inplace=True), _setup_context,
-                             lambda ctx, gs, *rest: _backward(ctx, gs, backward_fn=_kept_h_backward,
+                             lambda ctx, gs, *rest: _backward(ctx, gs, backward_fn=_over_kept_h(_backward_impl),
                                                               recompute_fn=_recompute_backward_impl))
 
 # flops as the separate calls count them, so a profile does not change with the path: the LIF's 6
@@ -787,9 +787,8 @@ register_flops((torch.ops.efficient.linear_bn_lif_forward, _linear_flops),
 
 _EagerLinearBNLIF = eager_function(
     "_EagerLinearBNLIF", functools.partial(_linear_forward_impl, inplace=True), _linear_setup_context,
-    lambda ctx, gs, *rest: _linear_backward(
-        ctx, gs, backward_fn=lambda *args: _linear_backward_impl(*args, overwrite=not graph_kept()),
-        recompute_fn=_recompute_backward_impl))
+    lambda ctx, gs, *rest: _linear_backward(ctx, gs, backward_fn=_over_kept_h(_linear_backward_impl),
+                                            recompute_fn=_recompute_backward_impl))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -237,36 +237,33 @@ def _admit_plain(candidates: list[Candidate], live: Any, target: float, floor: i
     where they fit (a unit that did not fit had held their room)."""
     import numpy as np
 
-    spans = {c[0]: c[3] for c in candidates}
-
-    def predicted_fit(c: Candidate, admitted: list[tuple[str, int, int]]) -> bool:
-        name, more, _, (a, b) = c
+    def predicted_fit(c: Candidate, admitted: list[Candidate]) -> bool:
+        _, more, _, (a, b) = c
         if b <= a:
             return False
         added = np.zeros(b - a, dtype=np.int64)
-        for other, bytes_, _ in admitted:
-            lo, hi = max(spans[other][0], a), min(spans[other][1], b)
+        for _, bytes_, _, (lo, hi) in admitted:
+            lo, hi = max(lo, a), min(hi, b)
             if hi > lo:
                 added[lo - a:hi - a] += bytes_
         return int((live[a:b] + added).max()) + more <= target
 
-    chosen: list[tuple[str, int, int]] = []
+    chosen: list[Candidate] = []
     for c in candidates:
         if predicted_fit(c, chosen):
-            chosen.append(c[:3])
+            chosen.append(c)
     total = measure([c[0] for c in chosen]) if chosen else floor
-    if total <= target:
-        return chosen, total
-    fits: list[tuple[str, int, int]] = []  # one unit's own backward held more than predicted
-    total = floor
-    tried = {c[0] for c in chosen}
-    for c in chosen + [c for c in candidates if c[0] not in tried]:
-        if c[0] in tried or predicted_fit(c, fits):
-            peak = measure([f[0] for f in fits] + [c[0]])
-            if peak <= target:
-                fits.append(c[:3])
-                total = peak
-    return fits, total
+    if total > target:  # one unit's own backward held more than predicted
+        fits: list[Candidate] = []
+        total = floor
+        for c in chosen + [c for c in candidates if c not in chosen]:
+            if c in chosen or predicted_fit(c, fits):
+                peak = measure([f[0] for f in fits] + [c[0]])
+                if peak <= target:
+                    fits.append(c)
+                    total = peak
+        chosen = fits
+    return [c[:3] for c in chosen], total
 
 
 def _reruns_keeping(model: nn.Module, example: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
