@@ -402,12 +402,15 @@ def bn_lif_backward_op(
 
 
 def _backward_impl(grad_spikes, z, h, weight, stats, training, eps, c, v_threshold, v_reset, charge, surrogate, alpha,
-                   detach_reset, impl, overwrite=False):
+                   detach_reset, impl, overwrite=False, over_z=False):
     """`overwrite`: nothing reads H after this backward, so the LIF's gradient is written over it (one
-    tensor of z's size fewer while BatchNorm's backward runs)."""
+    tensor of z's size fewer while BatchNorm's backward runs); `over_z`: nor z (the unit made it), so
+    where it is large z's gradient is written over z (`_bn_backward_over_z`)."""
     steps = h.shape[0]
     gy, _, _ = _lif._run_backward(grad_spikes.contiguous().view(steps, -1), None, h, None, c, v_threshold, v_reset,
                                   charge, surrogate, alpha, detach_reset, z.dtype, impl, overwrite=overwrite)
+    if over_z and _over_z_pays(z):
+        return _bn_backward_over_z(gy.view(z.shape), z, weight, stats, training, eps)
     return _bn_backward(gy.view(z.shape), z, weight, stats, training, eps)
 
 
@@ -419,6 +422,50 @@ def _bn_backward(gy, z, weight, stats, training, eps):
                                                          [True, True, True])
     return torch.ops.aten.native_batch_norm_backward(gy, z, weight, stats[0], stats[1], None, None, False, eps,
                                                      [True, True, True])
+
+
+# Elements of z from which BatchNorm's backward is written over z by chunks of channels on a CPU. aten's CPU
+# kernel allocates its input gradient (and, unwritten, a second buffer of that size) for the whole call; by
+# chunks, the backward holds a chunk's copies instead, and at 64 MiB and more it was also faster than the
+# whole call (a 96 MiB [16384, 1536] z: 31.7 against 38.6 ms), where a 24 MiB z, in cache whole, was not.
+BN_BACKWARD_OVER_Z_MIN = 1 << 24
+
+
+# A 2-D z's chunks start at multiples of this many channels: aten's CPU kernel runs each row's channels in
+# vectors from the row's start and the last few apart, so chunks that start on a multiple of every vector
+# width leave the same channels to that tail as the whole call does (chunks of 6 of 96 channels did not
+# give its bits)
+OVER_Z_ALIGN = 64
+
+
+def _over_z_chunks(z: Tensor) -> list[tuple[int, int]]:
+    """Spans of channels of about `chunk_limit` elements each; for a 2-D z, of a multiple of `OVER_Z_ALIGN`."""
+    C = z.shape[1]
+    per = z.numel() // max(C, 1)
+    width = max(1, chunk_limit(z.numel()) // max(per, 1))
+    if z.dim() == 2:
+        width = max(OVER_Z_ALIGN, width // OVER_Z_ALIGN * OVER_Z_ALIGN)
+    return [(c, min(c + width, C)) for c in range(0, C, width)]
+
+
+def _over_z_pays(z: Tensor) -> bool:
+    return (z.device.type == "cpu" and z.dim() >= 2 and z.is_contiguous() and z.numel() >= BN_BACKWARD_OVER_Z_MIN
+            and len(_over_z_chunks(z)) > 1)
+
+
+def _bn_backward_over_z(gy, z, weight, stats, training, eps):
+    """`_bn_backward` a chunk of channels at a time (`_over_z_chunks`), each chunk's gradient written over
+    z's channels (z is returned as the gradient): BatchNorm is per channel, so each chunk's values are the
+    whole call's bit for bit, and the backward never holds z's gradient whole beside z and gy."""
+    gw, gb = torch.empty_like(weight), torch.empty_like(weight)
+    z = z.detach()
+    for c0, c1 in _over_z_chunks(z):
+        zc, gyc = z[:, c0:c1].contiguous(), gy[:, c0:c1].contiguous()
+        gzc, gw[c0:c1], gb[c0:c1] = _bn_backward(gyc, zc, weight[c0:c1], stats[:, c0:c1].contiguous(), training, eps)
+        del zc, gyc
+        z[:, c0:c1] = gzc
+        del gzc
+    return z, gw, gb
 
 
 @functools.lru_cache(maxsize=None)
@@ -546,10 +593,10 @@ def _chunked_recompute(grad_of, z, steps, weight, bias, stats, *args, whole: boo
 
 
 def _recompute_backward_impl(grad_spikes, z, steps, weight, bias, stats, training, eps, c, v_threshold, v_reset, charge,
-                             surrogate, alpha, detach_reset, impl, whole=False):
+                             surrogate, alpha, detach_reset, impl, whole=False, donate=False):
     return _chunked_recompute(lambda c0, c1, _: grad_spikes[:, c0:c1].contiguous(), z, steps, weight, bias, stats,
                               training, eps, c, v_threshold, v_reset, charge, surrogate, alpha, detach_reset, impl,
-                              whole=whole)
+                              whole=whole, donate=donate)
 
 
 @torch.library.custom_op("efficient::bn_lif_backward_recompute", mutates_args=(), **_ANY_LAYOUT)
@@ -719,9 +766,9 @@ def linear_bn_lif_backward_op(
 
 
 def _linear_backward_impl(grad_spikes, x, lin_weight, z, h, weight, stats, training, eps, c, v_threshold, v_reset, charge,
-                          surrogate, alpha, detach_reset, impl, overwrite=False):
+                          surrogate, alpha, detach_reset, impl):
     gz, gw, gb = _backward_impl(grad_spikes, z, h, weight, stats, training, eps, c, v_threshold, v_reset, charge,
-                                surrogate, alpha, detach_reset, impl, overwrite)
+                                surrogate, alpha, detach_reset, impl)
     return (*_linear_grads(gz, x, lin_weight), gw, gb)
 
 
@@ -785,10 +832,33 @@ def _linear_backward_flops(g_shape, x_shape, *args, out_shape=None, **kwargs) ->
 register_flops((torch.ops.efficient.linear_bn_lif_forward, _linear_flops),
                (torch.ops.efficient.linear_bn_lif_backward, _linear_backward_flops))
 
-_EagerLinearBNLIF = eager_function(
-    "_EagerLinearBNLIF", functools.partial(_linear_forward_impl, inplace=True), _linear_setup_context,
-    lambda ctx, gs, *rest: _linear_backward(ctx, gs, backward_fn=_over_kept_h(_linear_backward_impl),
-                                            recompute_fn=_recompute_backward_impl))
+def _eager_linear_backward(ctx, grad_spikes, *_grads_of_statistics):
+    """`_linear_backward` of an eager call, the same calls in an order that holds less: unless the graph is
+    kept for another backward, the LIF's gradient is written over H and BatchNorm's over z (the unit's own
+    Linear output, which nothing else reads), and the Linear's input (unpacked from bits at the memory
+    levels) is read for the weight's gradient and dropped before the input's gradient exists."""
+    if grad_spikes is None:
+        return (None,) * len(ctx.needs_input_grad)
+    x, lw, z, h_or_bias, weight, stats = ctx.saved_tensors
+    box = [x]
+    del x
+    if ctx.keep_membrane:
+        over = not graph_kept()
+        gz, gw, gb = _backward_impl(grad_spikes, z, h_or_bias, weight, stats, *ctx.params, overwrite=over, over_z=over)
+    else:  # H rebuilt by chunks of channels, each chunk's gradient written over z's where the graph is not kept
+        gz, gw, gb = _recompute_backward_impl(grad_spikes, z, ctx.steps, weight, h_or_bias, stats, *ctx.params,
+                                              whole=ctx.whole, donate=not graph_kept())
+    del z, h_or_bias
+    need = ctx.needs_input_grad
+    glw = gz.t().mm(box.pop()) if need[1] else None  # the mm of `_linear_grads`
+    box.clear()
+    gx = gz.mm(lw) if need[0] else None
+    glb = gz.sum(0) if need[2] else None
+    return (gx, glw, glb, None, gw if need[4] else None, gb if need[5] else None) + (None,) * (len(need) - 6)
+
+
+_EagerLinearBNLIF = eager_function("_EagerLinearBNLIF", functools.partial(_linear_forward_impl, inplace=True),
+                                   _linear_setup_context, _eager_linear_backward)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -442,22 +442,37 @@ def _ssa_unit_backward_impl(gy: Tensor, gs: Tensor | None, gc: Tensor | None, q:
     T, B, H, n, d = q.shape
     g3 = _split(gy, heads).reshape(-1, n, d).mul_(scale)  # (gy * scale) element for element
     q3, kt3, v3 = _bmm_operands(q, k, v)
+    # each operand copy is dropped after the last product that reads it, and each gradient merged one at a
+    # time: beside its inputs the backward holds at most four tensors of Q's size and the two small products
+    # ([d, d] or [n, n]), where it held ten and them (the attention's backward sets a recomputed spiking
+    # transformer step's peak); the same products, so the same bits
     if n > d:
         m3 = torch.bmm(kt3, v3)
-        dq3 = g3.bmm(m3.transpose(1, 2))
         dm3 = q3.transpose(1, 2).bmm(g3)
+        del q3
+        dq3 = g3.bmm(m3.transpose(1, 2))
+        del g3, m3
         dkt3 = dm3.bmm(v3.transpose(1, 2))
+        del v3
         dv3 = kt3.transpose(1, 2).bmm(dm3)
+        del kt3, dm3
     else:
         a3 = torch.bmm(q3, kt3)
         da3 = g3.bmm(v3.transpose(1, 2))
+        del v3
         dv3 = a3.transpose(1, 2).bmm(g3)
+        del a3, g3
         dq3 = da3.bmm(kt3.transpose(1, 2))
+        del kt3
         dkt3 = q3.transpose(1, 2).bmm(da3)
-    dq, dk, dv = dq3.view(q.shape), dkt3.view(T, B, H, d, n).transpose(-2, -1), dv3.view(q.shape)
-    if gs is not None or gc is not None:
-        dq, dk = _score_grads(dq, dk, q, k, gs, gc, anchor)
-    return _merge(dq), _merge(dk), _merge(dv)
+        del q3, da3
+    grads = [dq3.view(q.shape), dkt3.view(T, B, H, d, n).transpose(-2, -1), dv3.view(q.shape)]
+    del dq3, dkt3, dv3
+    if gs is not None or gc is not None:  # into the products' own tensors, which nothing else holds
+        grads[0], grads[1] = _score_grads(grads[0], grads[1], q, k, gs, gc, anchor, inplace=True)
+    for i in range(3):
+        grads[i] = _merge(grads[i])
+    return grads[0], grads[1], grads[2]
 
 
 def _score_grads(dq: Tensor, dk: Tensor, q: Tensor, k: Tensor, gs: Tensor | None, gc: Tensor | None,

@@ -199,6 +199,111 @@ def test_a_kept_membrane_is_written_over_only_when_no_backward_reads_it_again() 
     assert peak_kept - peak_over >= 0.9 * T * R * C * 4, (peak_over, peak_kept)  # H's bytes, less per-channel ones
 
 
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("shape", [(4 * 64, 192), (4 * 64, 200), (4 * 4, 24, 6, 6)], ids=["linear", "linear-tail", "conv"])
+def test_batchnorm_backward_over_z_is_the_whole_call_bit_for_bit(shape, training: bool, monkeypatch) -> None:
+    """BatchNorm's backward a chunk of channels at a time, each chunk's gradient written over z, gives the
+    whole call's input, weight and bias gradients bit for bit (BatchNorm is per channel; a Linear's chunks
+    start on multiples of 64 channels, so the channels past the last full vector are the whole call's), in
+    z's storage."""
+    from efficient.kernels import bn_lif as K
+
+    monkeypatch.setattr(K, "RECOMPUTE_CHUNK_MIN", 64)  # several chunks at this size
+    bn, z = _pair(shape, shape[1], seed=11)
+    gy = torch.randn(shape, generator=torch.Generator().manual_seed(12))
+    if training:
+        _, mean, invstd = torch.native_batch_norm(z, bn.weight, bn.bias, None, None, True, 0.0, bn.eps)
+        stats = torch.stack([mean, invstd])
+    else:
+        stats = torch.stack([bn.running_mean, bn.running_var])
+    chunks = K._over_z_chunks(z)
+    assert len(chunks) > 1 and all(c0 % 64 == 0 for c0, _ in chunks[1:]) if len(shape) == 2 else len(chunks) > 1
+    whole = K._bn_backward(gy, z, bn.weight.detach(), stats, training, bn.eps)
+    z_over = z.clone()
+    over = K._bn_backward_over_z(gy, z_over, bn.weight.detach(), stats, training, bn.eps)
+    assert over[0].data_ptr() == z_over.data_ptr()
+    for a, b in zip(over, whole):
+        assert torch.equal(a, b)
+
+
+class _LinearUnit(nn.Module):
+    def __init__(self, shape: tuple[int, int, int], d_in: int) -> None:
+        super().__init__()
+        self.shape = shape
+        self.lin, self.bn, self.lif = nn.Linear(d_in, shape[-1]), nn.BatchNorm1d(shape[-1]), LIF(backend="compile")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return norm_fire(self.bn, self.lif, x, self.shape, linear=self.lin)
+
+
+def test_the_eager_linear_unit_writes_batchnorm_gradient_over_z_unless_the_graph_is_kept(monkeypatch) -> None:
+    """Without a kept graph the eager Linear unit's backward from its kept H writes BatchNorm's gradient over
+    z (its own Linear output, which nothing else reads) where z is large: the step's peak falls by z's
+    gradient and H beside the retained graph's, and the gradients are the same, bit for bit."""
+    from efficient.kernels import bn_lif as K
+    from efficient.kernels._backend import have_cxx_compiler
+    from efficient.memory.measure import step_peak_bytes
+
+    if not have_cxx_compiler():
+        pytest.skip("no C++ compiler: inductor cannot compile on CPU")
+    monkeypatch.setattr(K, "RECOMPUTE_CHUNK_MIN", 1 << 10)
+    monkeypatch.setattr(K, "BN_BACKWARD_OVER_Z_MIN", 1 << 12)
+    T, R, D, C = 4, 64, 16, 256
+    torch.manual_seed(0)
+    unit = _LinearUnit((T, R, C), D)
+    x = (torch.rand(T * R, D, generator=torch.Generator().manual_seed(2)) < 0.3).float()
+    g = torch.randn(T, R, C, generator=torch.Generator().manual_seed(3))
+    assert len(K._over_z_chunks(torch.empty(T * R, C))) > 1
+
+    def grads(retain: bool):
+        for p in unit.parameters():
+            p.grad = None
+        peak = step_peak_bytes(lambda: (unit(x) * g).sum().backward(retain_graph=retain))
+        return [p.grad.clone() for p in unit.parameters()], peak
+
+    over, peak_over = grads(False)
+    kept, peak_kept = grads(True)
+    for a, b in zip(over, kept):
+        assert torch.equal(a, b)
+    z_bytes = T * R * C * 4  # H and z's gradient (aten's CPU backward also allocates an unwritten second buffer)
+    assert peak_kept - peak_over >= 0.9 * 2 * z_bytes, (peak_over, peak_kept)
+
+
+@pytest.mark.parametrize("keep_membrane", [True, False], ids=["kept-h", "rebuilt-h"])
+def test_the_eager_linear_unit_drops_its_unpacked_input_before_the_input_gradient(keep_membrane: bool) -> None:
+    """At level bits the Linear unit's input is kept as bits and unpacked in backward; the eager unit reads
+    it for the weight's gradient and drops it before it makes the input's, so the backward never holds both
+    (each of the input's size, here 16 times z's), and its gradients are level none's bit for bit."""
+    from efficient import memory
+    from efficient.kernels._backend import have_cxx_compiler
+    from efficient.memory.measure import step_peak_bytes
+    from efficient.models.replay import KEEP_TRACE_MARK, recording_rebuilds
+
+    if not have_cxx_compiler():
+        pytest.skip("no C++ compiler: inductor cannot compile on CPU")
+    T, R, D, C = 4, 64, 512, 32
+    z_in = torch.randn(T, R, D, generator=torch.Generator().manual_seed(2)) + 0.5
+    g = torch.randn(T, R, C, generator=torch.Generator().manual_seed(3))
+    out = {}
+    for level in ("none", "bits"):
+        torch.manual_seed(0)
+        first, unit = LIF(backend="compile"), _LinearUnit((T, R, C), D)  # `first` makes the input spikes
+        model = nn.Sequential(first, nn.Flatten(0, 1), unit)
+        memory.optimize(model, level)
+        if keep_membrane:
+            unit.bn.__dict__[KEEP_TRACE_MARK] = True
+            unit.lif.__dict__[KEEP_TRACE_MARK] = True
+        with recording_rebuilds() as rebuilt:
+            loss = (model(z_in) * g).sum()
+        assert bool(rebuilt) == (level == "bits" and not keep_membrane)  # the path this case is about
+        peak = step_peak_bytes(loss.backward)
+        out[level] = [p.grad.clone() for p in unit.parameters()], peak
+    for a, b in zip(out["none"][0], out["bits"][0]):
+        assert torch.equal(a, b)
+    x_bytes = T * R * D * 4
+    assert out["bits"][1] < 1.5 * x_bytes, out["bits"][1] / x_bytes
+
+
 def test_reference_backend_is_batch_norm_then_the_lif_reference() -> None:
     zshape, nshape = LAYOUTS["conv"]
     bn, z = _pair(zshape, 3, seed=4, dtype=torch.float64)

@@ -284,6 +284,35 @@ def test_unit_op_equals_the_plain_path_bit_for_bit(n: int, heads: int, d: int):
     assert torch.equal(y1, y0) and torch.equal(g1, g0)
 
 
+@pytest.mark.parametrize("scores", [False, True], ids=["plain", "scores"])
+@pytest.mark.parametrize("n, heads, d", [(64, 12, 32), (12, 2, 16)])  # N > d and N <= d
+def test_unit_op_backward_holds_at_most_four_tensors_of_q_size_and_the_small_products(n: int, heads: int, d: int,
+                                                                                      scores: bool):
+    """The CPU backward drops each operand copy after the last product that reads it and merges the
+    gradients one at a time: beside its inputs at most four tensors of Q's size and the two small
+    products ([d, d] per head where N > d, [N, N] otherwise), where the heads-split copies of the gradient
+    and of Q, K^T, V, the three products and their merged copies were all alive at its end (ten and the
+    small ones): a recomputed spiking transformer's step peak lies in this backward."""
+    from efficient.memory.measure import step_peak_bytes
+
+    T, B = 4, 8
+    q, k, v = (spikes(T, B, n, heads * d, seed=i) for i in range(3))
+    gy = torch.randn(T, B, n, heads * d, generator=torch.Generator().manual_seed(7))
+    gs = gc = torch.randn(T, B, n, generator=torch.Generator().manual_seed(8)) if scores else None
+    out = []
+    peak = step_peak_bytes(lambda: out.append(ssa._ssa_unit_backward_impl(gy, gs, gc, q, k, v, heads, 0.125, False,
+                                                                          "torch")))
+    size = q.numel() * q.element_size()
+    small = size * min(n, d) / max(n, d)
+    row = size / n  # the scores' gradient terms are a few rows of one token per sample
+    assert 3 * size <= peak <= 4 * size + 2 * small + 4 * row, peak / size  # the three gradients it returns, at least
+    # and they are the plain path's, bit for bit
+    qkv = torch.cat([q, k, v], -1).requires_grad_()
+    outs = _plain_unit(qkv, heads, False, scores)
+    (g0,) = torch.autograd.grad(outs[:3 if scores else 1], qkv, [gy, gs, gc] if scores else [gy])
+    assert torch.equal(torch.cat(out[0], -1), g0)
+
+
 @pytest.mark.parametrize("anchor", [True, False])
 @pytest.mark.parametrize("n, heads, d", [(11, 2, 8), (64, 12, 32), (5, 3, 16)])
 def test_unit_op_scores_and_their_gradients_equal_the_plain_path_bit_for_bit(anchor: bool, n: int, heads: int,
