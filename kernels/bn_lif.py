@@ -335,8 +335,9 @@ def _forward_impl(z, steps, weight, bias, running_mean, running_var, training, m
         y, _, _ = torch.native_batch_norm(z, weight, bias, running_mean, running_var, False, momentum, eps)
         stats = torch.stack([running_mean, running_var]).to(weight.dtype)
         new_mean, new_var = _no_running(running_mean)
+    # y is BatchNorm's new output, read by nothing after the LIF: H is written over it
     s, h = _lif._run_forward(y.reshape(steps, -1), None, c, v_threshold, v_reset, charge, spike_dtype, impl,
-                             membrane=keep_membrane)
+                             membrane=keep_membrane, over=True)
     del y
     return s.view(z.shape), (h if keep_membrane else _no_membrane(z)), stats, new_mean, new_var
 

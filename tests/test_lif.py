@@ -532,6 +532,42 @@ def test_the_compiled_backward_runs_step_by_step_over_h(case):
 
 
 @needs_cxx
+@pytest.mark.parametrize("case", ["decay-hard-zero-reset", "leak-soft-v0", "no-decay-hard-reset-bf16"])
+def test_the_compiled_forward_runs_step_by_step_over_its_input(case, monkeypatch):
+    """Where it makes H, the compiled CPU forward runs one fused loop per step: spikes and H equal the all-T
+    loop's bit for bit; given x to overwrite it writes H into x's storage and holds no tensor of x's size
+    beside the spikes (two steps' membranes), and otherwise leaves x as it was."""
+    from efficient.memory.measure import step_peak_bytes
+
+    monkeypatch.setattr(K, "STEPWISE_FORWARD_MIN", 1)
+    charge, v_reset, v0, dtype = {
+        "decay-hard-zero-reset": (K.CHARGE_DECAY_INPUT, 0.0, False, torch.float32),  # Spikformer's, from rest
+        "leak-soft-v0": (K.CHARGE_LEAK, None, True, torch.float32),
+        "no-decay-hard-reset-bf16": (0, 0.3, False, torch.bfloat16),  # spikes in bf16
+    }[case]
+    g = torch.Generator().manual_seed(9)
+    T, N = 4, 4096
+    x = torch.randn(T, N, generator=g) * 1.5 + 0.3
+    v0 = torch.randn(N, generator=g) * 0.5 if v0 else None
+    args = (None, 0.9 if charge == K.CHARGE_LEAK else 2.0, 1.0, v_reset, charge, dtype, "inductor")
+    monkeypatch.setattr(K, "STEPWISE_FORWARD", False)
+    ref = K._run_forward(x, *args, v0)
+    monkeypatch.setattr(K, "STEPWISE_FORWARD", True)
+    x0 = x.clone()
+    kept = K._run_forward(x, *args, v0)
+    assert torch.equal(x, x0)  # not overwritten unless given up
+    over = K._run_forward(x, *args, v0, over=True)
+    assert over[1].data_ptr() == x.data_ptr() and over[0].dtype == dtype
+    for a, b, c in zip(ref, kept, over):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    x = x0.clone()
+    spikes = x.numel() * dtype.itemsize
+    peak_over = step_peak_bytes(lambda: K._run_forward(x, *args, v0, over=True))
+    peak_kept = step_peak_bytes(lambda: K._run_forward(x0, *args, v0))
+    assert peak_over <= spikes + 0.5 * x.nbytes < x.nbytes + spikes <= peak_kept, (peak_over, peak_kept, x.nbytes)
+
+
+@needs_cxx
 def test_the_eager_lif_writes_over_its_membrane_only_when_nobody_holds_it():
     """Eager `lif` with the compiled loop gives H's storage to grad x when the caller dropped H and no
     later backward reads it (a smaller peak); a caller holding H (`return_membrane`) or keeping the
