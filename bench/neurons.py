@@ -43,15 +43,19 @@ def saved_bytes(fn, x: torch.Tensor) -> tuple[torch.Tensor, int]:
 def make_impls(detach_reset: bool):
     """name -> callable(x) returning spikes; each callable is stateless across calls."""
     impls = {}
-    def ours(x, stepwise: bool = True):
-        K.STEPWISE_BACKWARD = True
-        s = K.lif(x, TAU, VTH, 0.0, detach_reset, True, "sigmoid", ALPHA, backend="auto")
+    def ours(x, stepwise: bool = True, stepwise_forward: bool = True):
+        K.STEPWISE_BACKWARD, K.STEPWISE_FORWARD = True, stepwise_forward
+        try:
+            s = K.lif(x, TAU, VTH, 0.0, detach_reset, True, "sigmoid", ALPHA, backend="auto")
+        finally:
+            K.STEPWISE_FORWARD = True
         if not stepwise and s.requires_grad:  # the all-T backward loop, set once the output's gradient arrives
             s.register_hook(lambda g: setattr(K, "STEPWISE_BACKWARD", False))
         return s
 
     impls["ours auto"] = ours
     impls["ours auto, all-T backward"] = lambda x: ours(x, stepwise=False)
+    impls["ours auto, all-T forward and backward"] = lambda x: ours(x, stepwise=False, stepwise_forward=False)
     impls["ours reference"] = lambda x: K.lif(x, TAU, VTH, 0.0, detach_reset, True, "sigmoid", ALPHA, backend="torch")
     try:
         from spikingjelly.activation_based import functional, neuron, surrogate
@@ -269,7 +273,8 @@ def gpu_speed(shapes, repeats: int) -> bool:
     dev = torch.device("cuda")
     impls = make_impls(True)
     impls.pop("ours auto")
-    impls.pop("ours auto, all-T backward")  # a CPU loop's choice: on CUDA both are the Triton kernels
+    impls.pop("ours auto, all-T backward")  # CPU loops' choices: on CUDA all are the Triton kernels
+    impls.pop("ours auto, all-T forward and backward")
     impls = {"ours triton": lambda x: K.lif(x, TAU, VTH, 0.0, True, True, "sigmoid", ALPHA, backend="triton"), **impls}
     impls.pop("snntorch Leaky loop", None)
     compiled = impls.pop("torch.compile plain loop")

@@ -26,6 +26,10 @@
 - `--compare lif-steps`: the compiled LIF backward one fused loop per step, writing its gradient over a
   membrane nothing reads again (`lif.STEPWISE_BACKWARD`), against the loop over all T; it runs at every
   level, so `none` is timed without it too (`none-before`).
+- `--compare lif-forward-steps`: the compiled LIF forward one fused loop per step, writing a fused unit's H
+  over its BatchNorm output (`lif.STEPWISE_FORWARD`), against the loop over all T; every level runs it.
+- `--compare bn-over-z`: the eager Linear unit's BatchNorm backward written over z by chunks of channels
+  (`bn_lif.BN_BACKWARD_OVER_Z_MIN`), against aten's whole call into a new tensor; every level runs it.
 - Changes joined by `+` (`--compare pooled-rerun+plain-traces`) are undone together.
 
 The cases alternate in each round; ratios are geometric means of the per-round ratios with a 95 % interval.
@@ -92,8 +96,8 @@ def calls(repeats: int) -> None:
 
 
 CHANGES = ("bn-statistics", "chunk", "rerun", "unit-chunks", "conv-slices", "bits-input", "pooled-rerun", "plain-traces",
-           "lif-steps")
-OF_EVERY_LEVEL = ("lif-steps",)  # changes that level `none` runs too
+           "lif-steps", "lif-forward-steps", "bn-over-z")
+OF_EVERY_LEVEL = ("lif-steps", "lif-forward-steps", "bn-over-z")  # changes that level `none` runs too
 
 
 @contextmanager
@@ -118,6 +122,7 @@ def _before_one(compare: str):
     new, lo, pooled, fslice, reads_bits = K._bn_rebuild, K.RECOMPUTE_CHUNK_MIN, K._pooled_backward, CB.FORWARD_SLICE, RC._reads_bits
     pooled_rerun, stem_replays, exact = K._pooled_rerun_backward, SF.replays_whole, N.rebuild_exact
     unit_calls = V.replays_whole, V.plain_conv, V.region_conv2d
+    over_z = K.BN_BACKWARD_OVER_Z_MIN
     if compare == "bn-statistics":
         K._bn_rebuild = _training_call
     elif compare == "chunk":
@@ -136,6 +141,10 @@ def _before_one(compare: str):
         N.rebuild_exact = lambda module=None: exact()
     elif compare == "lif-steps":  # the compiled LIF backward over all T, into a new tensor
         L.STEPWISE_BACKWARD = False
+    elif compare == "lif-forward-steps":  # the compiled LIF forward over all T, H a new tensor
+        L.STEPWISE_FORWARD = False
+    elif compare == "bn-over-z":  # BatchNorm's backward as one aten call, its gradient a new tensor
+        K.BN_BACKWARD_OVER_Z_MIN = 1 << 62
     else:  # the rerun computes the spikes, backward allocates z's gradient, aten's convolution
         V.replays_whole = V.plain_conv = lambda m: False
         V.region_conv2d = lambda conv, x, spikes=False, bits=None: conv(x)
@@ -146,7 +155,8 @@ def _before_one(compare: str):
         K._pooled_rerun_backward, SF.replays_whole, N.rebuild_exact = pooled_rerun, stem_replays, exact
         CB.FORWARD_SLICE, RC._reads_bits = fslice, reads_bits
         V.replays_whole, V.plain_conv, V.region_conv2d = unit_calls
-        L.STEPWISE_BACKWARD = True
+        L.STEPWISE_BACKWARD = L.STEPWISE_FORWARD = True
+        K.BN_BACKWARD_OVER_Z_MIN = over_z
 
 
 def steps(arch: str, impls: list[str], rounds: int, compare: str, budget: float, warmup: int) -> None:
