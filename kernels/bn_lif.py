@@ -802,15 +802,15 @@ def _linear_setup_context(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
 
 
-def _linear_backward(ctx, grad_spikes, *_grads_of_statistics, backward_fn=linear_bn_lif_backward_op,
-                     recompute_fn=None):
+def _linear_backward(ctx, grad_spikes, *_grads_of_statistics):
+    """The op pair's backward (the eager call's is `_eager_linear_backward`)."""
     if grad_spikes is None:
         return (None,) * len(ctx.needs_input_grad)
     x, lw, z, h_or_bias, weight, stats = ctx.saved_tensors
     if ctx.keep_membrane:
-        gx, glw, glb, gw, gb = backward_fn(grad_spikes, x, lw, z, h_or_bias, weight, stats, *ctx.params)
+        gx, glw, glb, gw, gb = linear_bn_lif_backward_op(grad_spikes, x, lw, z, h_or_bias, weight, stats, *ctx.params)
     else:
-        gz, gw, gb = (recompute_fn or torch.ops.efficient.bn_lif_backward_recompute)(
+        gz, gw, gb = torch.ops.efficient.bn_lif_backward_recompute(
             grad_spikes, z, ctx.steps, weight, h_or_bias, stats, *ctx.params, ctx.whole)
         gx, glw, glb = _linear_grads(gz, x, lw)
     need = ctx.needs_input_grad
