@@ -440,13 +440,12 @@ OVER_Z_ALIGN = 64
 
 
 def _over_z_chunks(z: Tensor) -> list[tuple[int, int]]:
-    """Spans of channels of about `chunk_limit` elements each; for a 2-D z, of a multiple of `OVER_Z_ALIGN`."""
-    C = z.shape[1]
-    per = z.numel() // max(C, 1)
-    width = max(1, chunk_limit(z.numel()) // max(per, 1))
-    if z.dim() == 2:
-        width = max(OVER_Z_ALIGN, width // OVER_Z_ALIGN * OVER_Z_ALIGN)
-    return [(c, min(c + width, C)) for c in range(0, C, width)]
+    """`_channel_chunks`; for a 2-D z, spans of whole groups of `OVER_Z_ALIGN` channels."""
+    if z.dim() != 2:
+        return _channel_chunks(z)
+    C, A = z.shape[1], OVER_Z_ALIGN
+    groups = chunk_spans(-(-C // A), z.shape[0] * A, chunk_limit(z.numel()))
+    return [(a * A, min(b * A, C)) for a, b in groups]
 
 
 def _over_z_pays(z: Tensor) -> bool:
@@ -666,14 +665,14 @@ def _backward(ctx, grad_spikes, *_grads_of_statistics, backward_fn=bn_lif_backwa
 
 bn_lif_forward_op.register_autograd(_backward, setup_context=_setup_context)
 
-def _over_kept_h(backward_impl):
-    """An eager backward from a kept H that writes the LIF's gradient over H unless the graph is kept for
-    another backward (the op's own backward cannot: it declares no mutation)."""
-    return lambda *args: backward_impl(*args, overwrite=not graph_kept())
+def _kept_h_backward(*args):
+    """The eager backward from a kept H, which it writes the LIF's gradient over unless the graph is kept
+    for another backward (the op's own backward cannot: it declares no mutation)."""
+    return _backward_impl(*args, overwrite=not graph_kept())
 
 
 _EagerBNLIF = eager_function("_EagerBNLIF", functools.partial(_forward_impl, inplace=True), _setup_context,
-                             lambda ctx, gs, *rest: _backward(ctx, gs, backward_fn=_over_kept_h(_backward_impl),
+                             lambda ctx, gs, *rest: _backward(ctx, gs, backward_fn=_kept_h_backward,
                                                               recompute_fn=_recompute_backward_impl))
 
 # flops as the separate calls count them, so a profile does not change with the path: the LIF's 6
@@ -841,18 +840,16 @@ def _eager_linear_backward(ctx, grad_spikes, *_grads_of_statistics):
     if grad_spikes is None:
         return (None,) * len(ctx.needs_input_grad)
     x, lw, z, h_or_bias, weight, stats = ctx.saved_tensors
-    box = [x]
-    del x
+    over = not graph_kept()
     if ctx.keep_membrane:
-        over = not graph_kept()
         gz, gw, gb = _backward_impl(grad_spikes, z, h_or_bias, weight, stats, *ctx.params, overwrite=over, over_z=over)
     else:  # H rebuilt by chunks of channels, each chunk's gradient written over z's where the graph is not kept
         gz, gw, gb = _recompute_backward_impl(grad_spikes, z, ctx.steps, weight, h_or_bias, stats, *ctx.params,
-                                              whole=ctx.whole, donate=not graph_kept())
+                                              whole=ctx.whole, donate=over)
     del z, h_or_bias
     need = ctx.needs_input_grad
-    glw = gz.t().mm(box.pop()) if need[1] else None  # the mm of `_linear_grads`
-    box.clear()
+    glw = gz.t().mm(x) if need[1] else None  # the mm of `_linear_grads`
+    del x  # this frame held the only reference: freed before the input's gradient is made
     gx = gz.mm(lw) if need[0] else None
     glb = gz.sum(0) if need[2] else None
     return (gx, glw, glb, None, gw if need[4] else None, gb if need[5] else None) + (None,) * (len(need) - 6)

@@ -336,6 +336,17 @@ def _triton_backward(gs, gm, h, rate, c, v_th, v_reset, charge, surrogate, alpha
 # ---------------------------------------------------------------------------------------------
 
 
+def _charge_step(xt, v, rate, c, v_reset, charge: int, zero_reset: bool):
+    """One step's membrane H[t] from x[t] and the membrane v before it (None: from rest, where a +0.0 reset's
+    charge is v_reset + x / c bit for bit, in one op)."""
+    return torch.addcdiv(v_reset, xt, c) if v is None else _charge_fused(xt, v, rate, c, v_reset, charge, zero_reset)
+
+
+def _after_spike(h, v_th, v_reset, hard: bool):
+    """The membrane after a step whose H is `h`: reset to v_reset (hard) or lowered by v_th where it spiked."""
+    return torch.where(h >= v_th, v_reset, h) if hard else torch.where(h >= v_th, h - v_th, h)
+
+
 def _loop_forward(x, rate, c, v_th, v_reset, v0, *, charge: int, hard: bool, spike_dtype: torch.dtype,
                   zero_reset: bool = False, membrane: bool = True, spikes: bool = True):
     """x [T, N] -> (spikes [T, N], H [T, N] fp32); scalars arrive as 0-d fp32 tensors, v0 [N] or None;
@@ -354,13 +365,13 @@ def _loop_forward(x, rate, c, v_th, v_reset, v0, *, charge: int, hard: bool, spi
     steps = xf.unbind(0)  # one op for all T views, where indexing costs one per step
     H = None if spikes else torch.empty(xf.shape, dtype=torch.float32, device=xf.device)
     for t, xt in enumerate(steps):
-        h = torch.addcdiv(v_reset, xt, c) if v is None else _charge_fused(xt, v, rate, c, v_reset, charge, zero_reset)
+        h = _charge_step(xt, v, rate, c, v_reset, charge, zero_reset)
         if H is None:
             hs.append(h)
         else:
             H[t] = h
         if t + 1 < len(steps):  # the membrane after the last step is not returned
-            v = torch.where(h >= v_th, v_reset, h) if hard else torch.where(h >= v_th, h - v_th, h)
+            v = _after_spike(h, v_th, v_reset, hard)
     if H is not None:
         return None, H
     if not membrane:  # each step's spikes written into the stacked output: H is never one buffer
@@ -471,15 +482,12 @@ def _step_forward(x_t, h_t, s_t, v, c, v_th, v_reset, *, charge: int, hard: bool
     the membrane after the step (None at the `last`); `v` None at step 0 without v0 (from rest, or from a
     membrane at v_reset)."""
     xt = x_t if x_t.dtype == torch.float32 else x_t.float()
-    if v is None and from_rest:
-        h = torch.addcdiv(v_reset, xt, c)
-    else:
-        h = _charge_fused(xt, v_reset.expand(xt.shape) if v is None else v, None, c, v_reset, charge, zero_reset)
+    if v is None and not from_rest:  # `_loop_forward`'s resting membrane, a broadcast view of v_reset
+        v = v_reset.expand(xt.shape)
+    h = _charge_step(xt, v, None, c, v_reset, charge, zero_reset)
     (x_t if h_t is None else h_t).copy_(h)
     s_t.copy_((h >= v_th).to(spike_dtype))
-    if last:
-        return None
-    return torch.where(h >= v_th, v_reset, h) if hard else torch.where(h >= v_th, h - v_th, h)
+    return None if last else _after_spike(h, v_th, v_reset, hard)
 
 
 def _stepwise_forward(x, c, v_th, v_reset, v0, static, over):
