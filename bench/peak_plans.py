@@ -1,8 +1,9 @@
 """What a memory budget of the step's peak chooses (`optimize(..., budget_of="peak")`): per architecture and
 budget, level none's step peak of live tensors, the peak with every unit rerun whole, the plan's measured
 peak, the units it runs plainly (starred: keeping their membrane traces from forward to backward), the reruns
-that keep their membrane traces (those off the step's peak), the share of the units' matmul/convolution FLOPs
-still rerun, and how long planning took. Bytes are the same on any machine; planning time is this machine's.
+that keep their membrane traces (those off the step's peak), the neurons whose fused Linear units keep their
+Linear outputs for their reruns, the share of the units' matmul/convolution FLOPs still rerun, and how long
+planning took. Bytes are the same on any machine; planning time is this machine's.
 
     python bench/peak_plans.py --archs spikformer-4-384 --budgets 0 0.2 0.3 0.5
 """
@@ -38,8 +39,9 @@ def main() -> int:
     print(f"# bench/peak_plans.py -- {datetime.date.today()}, {platform.machine()} {os.cpu_count()} cores, "
           f"batch {args.batch}, T {args.T}, load {os.getloadavg()[0]:.2f} before")
     print("\n| architecture | none peak MiB | every unit rerun whole MiB | budget | plan's peak MiB | vs none "
-          "| units run plainly | reruns keeping their traces | matmul/conv FLOPs still rerun | planning s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| units run plainly | reruns keeping their traces | Linear outputs kept for reruns "
+          "| matmul/conv FLOPs still rerun | planning s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for arch in args.archs:
         x, _ = M._inputs(arch, args.batch)
         model, _, _ = M.build(arch, "none", args.T, None)
@@ -51,7 +53,8 @@ def main() -> int:
             took = time.perf_counter() - t0
             print(f"| {arch} | {c.none_bytes / M.MiB:,.1f} | {c.floor_bytes / M.MiB:,.1f} | {budget:g} | "
                   f"{c.kept_bytes / M.MiB:,.1f} | {c.fraction:.1%} | {plains or '-'} | "
-                  f"{', '.join(u for u in c.keeping if u not in c.plain) or '-'} | {c.rerun_flops / c.flops:.0%} | "
+                  f"{', '.join(u for u in c.keeping if u not in c.plain) or '-'} | {', '.join(c.outputs) or '-'} | "
+                  f"{c.rerun_flops / c.flops:.0%} | "
                   f"{took:.0f} |", flush=True)
     print(f"\n# load {os.getloadavg()[0]:.2f} after")
     return 0

@@ -721,11 +721,13 @@ def linear_bn_lif_forward_op(
 
 def _linear_forward_impl(x, lin_weight, lin_bias, steps, weight, bias, running_mean, running_var, training, momentum, eps,
                          c, v_threshold, v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl,
-                         keep_membrane=True, rebuild_whole=False, inplace=False):
+                         keep_membrane=True, rebuild_whole=False, inplace=False, given=None):
     if x.dim() != 2 or lin_weight.dim() != 2 or x.shape[1] != lin_weight.shape[1]:
         raise ValueError(f"efficient::linear_bn_lif_forward: x [T*M, D_in] and lin_weight [C, D_in] expected, got "
                          f"{tuple(x.shape)} and {tuple(lin_weight.shape)}")
-    z = F.linear(x, lin_weight, lin_bias)  # what nn.Linear computes (addmm), bit for bit
+    # what nn.Linear computes (addmm), bit for bit; `given`: that output, computed already (a recomputed
+    # region's kept output, `bn_lif(lin_out=...)`)
+    z = F.linear(x, lin_weight, lin_bias) if given is None else given
     return (*_forward_impl(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, c, v_threshold,
                            v_reset, charge, surrogate, alpha, detach_reset, spike_dtype, impl, keep_membrane,
                            inplace=inplace), z)
@@ -859,6 +861,17 @@ _EagerLinearBNLIF = eager_function("_EagerLinearBNLIF", functools.partial(_linea
                                    _linear_setup_context, _eager_linear_backward)
 
 
+def _given_linear_forward(*inputs):
+    """The eager unit's forward on its inputs and, last, the Linear's output already computed: no matmul."""
+    *args, z = inputs
+    return _linear_forward_impl(*args, inplace=True, given=z)
+
+
+# the same unit with its Linear output given: the same saved tensors and backward (the extra input gets no gradient)
+_EagerGivenLinearBNLIF = eager_function("_EagerGivenLinearBNLIF", _given_linear_forward, _linear_setup_context,
+                                        _eager_linear_backward)
+
+
 # ---------------------------------------------------------------------------------------------
 # 4. public entry point
 # ---------------------------------------------------------------------------------------------
@@ -887,6 +900,7 @@ def bn_lif(
     impl: Optional[str] = None,
     lin_weight: Optional[Tensor] = None,
     lin_bias: Optional[Tensor] = None,
+    lin_out: Optional[Tensor] = None,
     running_out: Optional[Sequence[Tensor]] = None,
     keep_membrane: bool = True,
     rebuild_whole: bool = False,
@@ -897,7 +911,12 @@ def bn_lif(
     z.dtype). LIF options and `backend` / `impl` as `efficient.kernels.lif.lif`.
 
     With `lin_weight` [C, D_in] (and `lin_bias`), `z` is the Linear's input [T*M, D_in] and the
-    Linear runs inside the same op: the whole unit, one op forward and one backward.
+    Linear runs inside the same op: the whole unit, one op forward and one backward. `lin_out`: that
+    Linear's output [T*M, C], computed already (a recomputed region keeps it from forward for its rerun,
+    `efficient.models.replay.linear_output`): the eager call skips the matmul, and the unit keeps and computes
+    what it would have, gradients included; it takes lin_out over as its own output, so its backward may write
+    BatchNorm's gradient over it unless the graph is kept (the op path, under torch.compile or a dispatch mode,
+    and the torch backend compute the output again).
 
     `running_out`: in training, the buffers that receive the new running statistics instead of
     `running_mean` and `running_var`: k means, then k variances, of k BatchNorms whose channels
@@ -928,8 +947,13 @@ def bn_lif(
     alpha, vr = lif_args[5], lif_args[2]
     spike_dtype = spike_dtype or z.dtype
     chosen, impl = _choose_impl(backend, impl, z)
+    if lin_out is not None and lin_weight is None:
+        raise ValueError("bn_lif: lin_out is a Linear's output and comes with lin_weight (and lin_bias); got no lin_weight")
+    if lin_out is not None and lin_out.shape != (z.shape[0], lin_weight.shape[0]):
+        raise ValueError(f"bn_lif: lin_out must be the Linear's output [T*M, C] = {(z.shape[0], lin_weight.shape[0])}, "
+                         f"got {tuple(lin_out.shape)}")
     if lin_weight is not None and (chosen == "torch" or z.numel() == 0):
-        z = F.linear(z, lin_weight, lin_bias)
+        z = F.linear(z, lin_weight, lin_bias)  # (lin_out holds no graph to the Linear's parameters)
     if chosen == "torch" or z.numel() == 0:
         s = bn_lif_reference(z, steps, weight, bias, running_mean, running_var, training, momentum, eps, tau=tau,
                              v_threshold=v_threshold, v_reset=vr, detach_reset=detach_reset, decay_input=decay_input,
@@ -948,7 +972,12 @@ def bn_lif(
     args = (*args, bool(keep_membrane) or (not whole and out_numel < 2 * RECOMPUTE_CHUNK), whole)
     if lin_weight is not None:
         args = (z, lin_weight, lin_bias, *args)
-        out = _EagerLinearBNLIF.apply(*args) if eager else torch.ops.efficient.linear_bn_lif_forward(*args)
+        if not eager:
+            out = torch.ops.efficient.linear_bn_lif_forward(*args)
+        elif lin_out is not None:
+            out = _EagerGivenLinearBNLIF.apply(*args, lin_out)
+        else:
+            out = _EagerLinearBNLIF.apply(*args)
     else:
         out = _EagerBNLIF.apply(z, *args) if eager else torch.ops.efficient.bn_lif_forward(z, *args)
     if training:  # BatchNorm's update of its running statistics, into the caller's buffers

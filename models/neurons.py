@@ -17,7 +17,7 @@ from torch import nn
 from efficient.kernels.bn_lif import bn_gain_lif, bn_lif, bn_lif_max_pool
 from efficient.kernels.lif import BACKENDS, SURROGATES, check_input, default_alpha, lif
 from efficient.kernels.pool_offsets import pool_args
-from efficient.models.replay import in_region, rebuild_exact, rebuild_membrane
+from efficient.models.replay import in_region, linear_output, rebuild_exact, rebuild_membrane
 
 __all__ = ["SpikingNeuron", "LIF", "PLIF", "DLIF", "bn_fire", "fusable", "gain_fire", "norm_fire", "override_surrogate",
            "spike_observer", "module_bookkeeper", "watched", "separate_units"]
@@ -316,6 +316,8 @@ def bn_fire(z: torch.Tensor, shape: tuple[int, ...], neuron: "LIF", weight: torc
     by chunks of channels) and at a memory level's step (`rebuild_exact`: in one piece, so the gradients
     are those of a unit that kept it bit for bit), True elsewhere."""
     steps = shape[0]
+    # a recomputed region may keep the Linear's output from forward for its rerun (no matmul there)
+    lin_out = None if lin_weight is None else linear_output(neuron, z, lin_weight, lin_bias)
     whole = keep_membrane is None and rebuild_exact(neuron)  # a level's step outside regions: none's gradients exactly
     if keep_membrane is None:
         keep_membrane = not (whole or rebuild_membrane(neuron))
@@ -323,7 +325,8 @@ def bn_fire(z: torch.Tensor, shape: tuple[int, ...], neuron: "LIF", weight: torc
                v_threshold=neuron.v_threshold, v_reset=neuron.v_reset, detach_reset=neuron.detach_reset,
                decay_input=neuron.decay_input, surrogate=neuron.surrogate, alpha=neuron.alpha,
                spike_dtype=neuron.spike_dtype, backend=neuron.backend_for_shape(shape, z.device), lin_weight=lin_weight,
-               lin_bias=lin_bias, running_out=running_out, keep_membrane=keep_membrane, rebuild_whole=whole)
+               lin_bias=lin_bias, lin_out=lin_out, running_out=running_out, keep_membrane=keep_membrane,
+               rebuild_whole=whole)
     s = s.view(shape)
     _notify_observers(neuron, s)
     return s

@@ -112,3 +112,81 @@ def rebuild_membrane(module: nn.Module | None = None) -> bool:
     if torch.compiler.is_compiling():
         return module is not None and module.training and bool(getattr(module, REGION_MARK, False))
     return in_region() and getattr(region_state, "lean", True)
+
+
+# --- Linear outputs a recomputed region keeps from its forward for its rerun
+
+KEEP_OUTPUT_MARK = "_efficient_keeps_output"  # set by `efficient.memory.levels.apply` on a rerun unit's neurons
+
+
+class KeptOutputs:
+    """The Linear outputs of fused Linear -> BatchNorm -> LIF units that an eager recomputed region
+    (`efficient.memory.recompute._Region`) keeps: filled in call order by its forward, handed back in the
+    same order to its rerun (`given`), each dropped from here once handed back."""
+
+    def __init__(self, given: tuple[torch.Tensor, ...] | None = None) -> None:
+        self.tensors: list[torch.Tensor | None] = list(given or ())
+        self.rerun, self.at = given is not None, 0
+
+    def next(self, shape: tuple[int, int]) -> torch.Tensor:
+        if self.at >= len(self.tensors):
+            raise RuntimeError(f"memory level recompute: a unit's rerun asked for {self.at + 1} kept Linear outputs, its "
+                               f"forward kept {len(self.tensors)}; the rerun must call the units its forward called")
+        z, self.tensors[self.at] = self.tensors[self.at], None
+        self.at += 1
+        if z is None or tuple(z.shape) != tuple(shape):
+            raise RuntimeError(f"memory level recompute: a unit's rerun asked for a kept Linear output of shape {tuple(shape)}, "
+                               f"its forward kept {None if z is None else tuple(z.shape)} there")
+        return z
+
+    def check_done(self) -> None:
+        if self.rerun and self.at != len(self.tensors):
+            raise RuntimeError(f"memory level recompute: a unit's rerun used {self.at} of the {len(self.tensors)} Linear "
+                               "outputs its forward kept; the rerun must call the units its forward called")
+
+
+@contextlib.contextmanager
+def keeping_outputs(store: KeptOutputs) -> Iterator[KeptOutputs]:
+    """Run a region's forward (which fills `store`) or rerun (which reads it)."""
+    outer = getattr(region_state, "outputs", None)
+    region_state.outputs = store
+    try:
+        yield store
+    finally:
+        region_state.outputs = outer
+
+
+_recorded_outputs = threading.local()  # (neuron, bytes, FLOPs) of each output kept, while `recording_outputs` runs
+
+
+@contextlib.contextmanager
+def recording_outputs() -> Iterator[list[tuple[nn.Module, int, int]]]:
+    """Collect (neuron, bytes, FLOPs saved) of every Linear output the regions' forwards keep while the block runs."""
+    seen: list[tuple[nn.Module, int, int]] = []
+    _recorded_outputs.seen = seen
+    try:
+        yield seen
+    finally:
+        _recorded_outputs.seen = None
+
+
+def linear_output(neuron: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """For the fused Linear -> BatchNorm -> LIF unit that `neuron` fires in, inside an eager recomputed region
+    whose forward keeps that unit's Linear output (`neuron` marked `KEEP_OUTPUT_MARK`): in the forward, the
+    output `F.linear(x, weight, bias)`, kept; in the rerun, the kept output handed back (no matmul). None
+    elsewhere (the unit computes it). The rerun's gradients are the same: the unit's backward reads the kept
+    output exactly where it would have read the one computed again."""
+    if torch.compiler.is_compiling() or not neuron.__dict__.get(KEEP_OUTPUT_MARK, False):
+        return None
+    store = getattr(region_state, "outputs", None)
+    if store is None:  # outside a region, or in one under torch's checkpoint (which keeps nothing of ours)
+        return None
+    shape = (x.shape[0], weight.shape[0])
+    if store.rerun:
+        return store.next(shape)
+    with torch.no_grad():
+        z = torch.nn.functional.linear(x, weight, bias)
+    store.tensors.append(z)
+    if (seen := getattr(_recorded_outputs, "seen", None)) is not None:
+        seen.append((neuron, z.numel() * z.element_size(), 2 * x.shape[0] * x.shape[1] * weight.shape[0]))
+    return z

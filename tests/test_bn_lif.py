@@ -97,6 +97,49 @@ def test_the_unit_op_with_its_linear_is_the_three_calls_bit_for_bit(training: bo
         assert torch.equal(a, c), f"output {i} differs"
 
 
+@pytest.mark.parametrize("keep_membrane", [True, False])
+def test_the_unit_given_its_linear_output_runs_no_matmul_and_computes_the_same(keep_membrane: bool, monkeypatch) -> None:
+    """`bn_lif(lin_out=...)`: the eager unit given its Linear's output (a recomputed region's kept one) calls no
+    `F.linear`, and its spikes, running statistics and every gradient (the Linear's too) are those of the unit
+    computing the output itself, bit for bit. The unit takes the given output over as its own: its backward
+    writes BatchNorm's gradient over it, as over the output it would have made. A wrong lin_out is an error."""
+    import torch.nn.functional as F
+
+    from efficient.kernels import bn_lif as K
+    from efficient.kernels.bn_lif import bn_lif
+
+    monkeypatch.setattr(K, "BN_BACKWARD_OVER_Z_MIN", 1)  # written over z by chunks at this small size too
+    monkeypatch.setattr(K, "RECOMPUTE_CHUNK_MIN", 1 << 10)
+    bn, _ = _pair((256, 256), 256, seed=5)
+    torch.manual_seed(6)
+    lin = nn.Linear(16, 256)
+    x = (torch.rand(256, 16, generator=torch.Generator().manual_seed(7)) < 0.4).float()
+    g = torch.randn(256, 256, generator=torch.Generator().manual_seed(8))
+    z = F.linear(x, lin.weight, lin.bias).detach()
+    assert len(K._over_z_chunks(z)) > 1
+    kept = z.clone()
+    got = {}
+    for given in (False, True):
+        b, l = copy.deepcopy(bn), copy.deepcopy(lin)
+        xx = x.clone().requires_grad_()
+        calls = []
+        real = F.linear
+        monkeypatch.setattr(F, "linear", lambda *a: calls.append(1) or real(*a))
+        out = bn_lif(xx, 4, b.weight, b.bias, b.running_mean, b.running_var, True, 0.1, b.eps, backend="loop",
+                     lin_weight=l.weight, lin_bias=l.bias, lin_out=z if given else None, keep_membrane=keep_membrane)
+        (out * g).sum().backward()
+        monkeypatch.setattr(F, "linear", real)
+        assert len(calls) == (0 if given else 1)
+        got[given] = [out, xx.grad, l.weight.grad, l.bias.grad, b.weight.grad, b.bias.grad, b.running_mean, b.running_var]
+    for i, (a, c) in enumerate(zip(got[False], got[True])):
+        assert torch.equal(a, c), f"output {i} differs"
+    assert not torch.equal(z, kept)  # BatchNorm's gradient went into it
+    with pytest.raises(ValueError, match=r"lin_out must be the Linear's output \[T\*M, C\] = \(256, 256\), got \(256, 16\)"):
+        bn_lif(x, 4, bn.weight, bn.bias, bn.running_mean, bn.running_var, lin_weight=lin.weight, lin_out=x)
+    with pytest.raises(ValueError, match="lin_out is a Linear's output and comes with lin_weight"):
+        bn_lif(z, 4, bn.weight, bn.bias, bn.running_mean, bn.running_var, lin_out=z)
+
+
 def test_only_the_spikes_carry_a_gradient() -> None:
     """The ops' statistics, membrane trace and z are marked non-differentiable: they do not require
     grad, and autograd saves them without a detach each way (a dispatched op per saved output, which

@@ -473,6 +473,150 @@ def test_a_plain_unit_keeping_its_trace_rebuilds_nothing_in_backward(monkeypatch
     assert not any(KEEP_TRACE_MARK in m.__dict__ for m in net.modules())
 
 
+def _linear_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The ids of the weights every `F.linear` call from now on multiplies by (the fused units call it too)."""
+    import torch.nn.functional as F
+
+    calls: list[int] = []
+    real = F.linear
+
+    def counted(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        calls.append(id(w))
+        return real(x, w, b)
+
+    monkeypatch.setattr(F, "linear", counted)
+    return calls
+
+
+def test_a_rerun_keeping_its_linear_outputs_skips_their_matmuls_with_the_same_gradients(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rerun units named in `outputs` keep their fused units' Linear outputs from forward: their reruns run
+    no matmul for them, the step keeps exactly those outputs' bytes more, and gradients and running
+    statistics are those of the same units rerun without them bit for bit, also through a retained graph's
+    second backward (whose rerun reads the kept outputs again). `restore` keeps the choice; level none
+    drops it."""
+    from efficient.memory import levels
+    from efficient.memory.measure import activation_memory
+    from efficient.models.replay import KEEP_OUTPUT_MARK
+
+    x = torch.rand(4, 16, 8, 8, generator=torch.Generator().manual_seed(5)).round()
+    w = torch.linspace(-1, 1, 8)
+
+    def step(model: nn.Module, twice: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        loss = (model(x) * w).sum()
+        loss.backward(retain_graph=twice)
+        if twice:
+            loss.backward()
+        return ({k: p.grad.clone() for k, p in model.named_parameters()},
+                {k: b.clone() for k, b in model.named_buffers()})
+
+    ref = _wide_units()
+    levels.apply(ref, "recompute")
+    net = _wide_units()
+    plan = levels.apply(net, "recompute", outputs=["1.lif", "2.lif"])
+    assert plan.outputs == ["1.lif", "2.lif"] and "2 Linear outputs kept for their reruns" in plan.summary()
+    saved = {n: activation_memory(m, x, backward=False).total_bytes for n, m in (("ref", ref), ("net", net))}
+    rows = 4 * 16 * 8
+    assert saved["net"] - saved["ref"] == 4 * rows * (512 + 8)  # unit 1's output, 512 channels, and unit 2's, 8
+    calls = _linear_calls(monkeypatch)
+    for model in (ref, net):
+        model.zero_grad(set_to_none=True)
+        loss = (model(x) * w).sum()
+        calls.clear()
+        loss.backward()
+        reran = [i for i, u in enumerate(model) if id(u.linear.weight) in calls]
+        assert reran == ([0, 1, 2, 3, 4] if model is ref else [0, 3, 4]), reran
+    for twice in (False, True):
+        for model in (ref, net):  # both start from the same weights and statistics (the steps above ran on both)
+            model.load_state_dict(_wide_units().state_dict())
+        g0, b0 = step(ref, twice)
+        g1, b1 = step(net, twice)
+        assert all(torch.equal(g1[k], g0[k]) for k in g0) and all(torch.equal(b1[k], b0[k]) for k in b0), twice
+    again = levels.restore(net, plan)
+    assert again.outputs == ["1.lif", "2.lif"] and net[1].lif.__dict__.get(KEEP_OUTPUT_MARK)
+    levels.apply(net, "none")
+    assert not any(KEEP_OUTPUT_MARK in m.__dict__ for m in net.modules())
+
+
+def test_kept_linear_outputs_are_in_the_attention_and_mlp_of_a_spikformer_with_the_same_gradients(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a Spikformer block, the fused Q/K/V unit (kept under Q's neuron), the projection and both MLP units
+    keep their Linear outputs for their halves' reruns, with the gradients and statistics of the halves rerun
+    without them, bit for bit."""
+    from efficient.memory import levels
+    from efficient.models import spikformer
+    from efficient.models.replay import recording_outputs
+    from efficient.zoo import create
+
+    monkeypatch.setattr(spikformer, "COMPILE_MIN_NUMEL", 0)  # Q, K and V as one fused unit at this small size
+    x = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(6))
+    y = torch.tensor([1, 4])
+
+    def step(outputs: list[str]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = create("spikformer-4-384", embed_dim=64, depth=1, num_heads=2, img_size=32, timesteps=2).train()
+        plan = levels.apply(model, "recompute", outputs=outputs)
+        assert plan.outputs == sorted(outputs)
+        with recording_outputs() as kept:
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        names = {id(m): n for n, m in model.named_modules()}
+        assert sorted(names[id(n)] for n, _, _ in kept) == sorted(outputs)  # each kept once
+        size = {names[id(n)]: b for n, b, _ in kept}
+        if outputs:  # Q's for Q, K and V: three projections' output
+            assert size["blocks.0.attn.q.lif"] == 3 * size["blocks.0.attn.proj.lif"]
+        return [p.grad for p in model.parameters() if p.grad is not None], list(model.buffers())
+
+    g0, b0 = step([])
+    neurons = ["blocks.0.attn.q.lif", "blocks.0.attn.proj.lif", "blocks.0.mlp.fc1.lif", "blocks.0.mlp.fc2.lif"]
+    g1, b1 = step(neurons)
+    assert len(g1) == len(g0) and all(torch.equal(a, b) for a, b in zip(g0, g1))
+    assert all(torch.equal(a, b) for a, b in zip(b0, b1))
+
+
+def test_kept_linear_outputs_name_neurons_of_rerun_units() -> None:
+    from efficient.memory import levels
+
+    net = _wide_units()
+    with pytest.raises(ConfigError, match=r"outputs: '1.bn' is not a spiking neuron of a rerun unit"):
+        levels.apply(net, "recompute", outputs=["1.bn"])
+    with pytest.raises(ConfigError, match=r"outputs: '1.lif' is not a spiking neuron of a rerun unit .*rerun units: 0, 2"):
+        levels.apply(net, "recompute", plain=["1", "3", "4"], outputs=["1.lif"])
+    with pytest.raises(ConfigError, match=r"unit '1' keeps costly-op outputs \(keep\) and a Linear output"):
+        levels.apply(net, "recompute", keep={"1": [0]}, outputs=["1.lif"])
+    with pytest.raises(ConfigError, match=r"outputs: '1.lif' is not a spiking neuron of a rerun unit"):
+        levels.apply(net, "bits", outputs=["1.lif"])
+
+
+def test_the_peak_planner_keeps_linear_outputs_by_flops_per_byte_within_the_target() -> None:
+    """The planner's last step: the rerun units' Linear outputs, most FLOPs per byte first, each kept where the
+    measured step peak stays within the target. Unit 2 (512 -> 8 channels: 2 KiB of output per row for 8 K
+    FLOPs) comes first; unit 1 (8 -> 512), whose output alone is more than the room, is never measured; the
+    peak returned is the plan's, measured again independently."""
+    from efficient.memory import levels
+    from efficient.memory.measure import activation_memory, step_peak_bytes
+    from efficient.memory.plan import _reruns_keeping_outputs
+
+    x = torch.rand(4, 16, 8, 8, generator=torch.Generator().manual_seed(7)).round()
+
+    def peak(model: nn.Module) -> int:
+        activation_memory(model, x, backward=True)
+        return step_peak_bytes(lambda: activation_memory(model, x, backward=True))
+
+    net = _wide_units()
+    levels.apply(net, "recompute", outputs=["0.lif", "1.lif", "2.lif", "3.lif", "4.lif"])  # the regions as they will run
+    start = peak(net)
+    levels.apply(net, "recompute")
+    rows, room = 4 * 16 * 8, 64 * 1024  # room for unit 2's 16 KiB output, not unit 1's 1 MiB
+    outputs, saved, measured = _reruns_keeping_outputs(net, x, None, [], [], start + room, start)
+    assert "2.lif" in outputs and "1.lif" not in outputs, outputs
+    assert saved == sum(2 * rows * net[int(n[0])].linear.in_features * net[int(n[0])].linear.out_features for n in outputs)
+    plan = levels.apply(net, "recompute", outputs=outputs)
+    assert measured is not None and measured <= start + room and peak(net) == measured
+    assert f"{len(outputs)} Linear outputs kept for their reruns" in plan.summary()
+    assert _reruns_keeping_outputs(net, x, None, ["0", "1", "2", "3", "4"], [], start + room, start) == ([], 0, None)
+
+
 def test_a_step_timeline_places_marks_among_its_allocations() -> None:
     """`step_timeline`: live bytes after each allocation record, exactly, and where each `mark` fell."""
     from efficient.memory.measure import mark, step_timeline

@@ -51,7 +51,8 @@ def optimize(model: nn.Module, level: Level | str = "bits", *, budget: float | N
     most `budget` x level none's bytes (see `plan.py`). `budget_of="peak"`: the budget is a fraction
     of level none's step peak of live tensors instead, and the step's peak stays within it or within
     that of every unit rerun whole, whichever is larger, with the units that fit run plainly instead of
-    rerun (budget 0: those that cost that peak nothing), and the reruns that fit keep their membrane traces.
+    rerun (budget 0: those that cost that peak nothing), the reruns that fit keep their membrane traces, and
+    the rerun units' fused Linear units that fit keep their Linear outputs for the rerun (no matmul there).
     `keep` names them directly (`plan.keep` of an earlier plan: unit -> positions among its costly
     ops, in call order)."""
     check_level(level)
@@ -70,7 +71,7 @@ def optimize(model: nn.Module, level: Level | str = "bits", *, budget: float | N
             raise ConfigError("memory budget: pass example inputs (example=...) to measure the budget on, "
                               "or drop the budget to rerun every unit whole")
         choice = (choose_plain_for_peak if budget_of == "peak" else choose_kept)(model, example, budget, loss_fn)
-        plan = apply(model, level, keep=choice.keep, plain=choice.plain, keeping=choice.keeping)
+        plan = apply(model, level, keep=choice.keep, plain=choice.plain, keeping=choice.keeping, outputs=choice.outputs)
         plan.budget, plan.kept_fraction, plan.budget_of = choice.budget, choice.fraction, choice.of
         plan.floor_fraction = choice.floor_bytes / choice.none_bytes if choice.none_bytes else None
         plan.rerun_share = choice.rerun_flops / choice.flops if choice.flops else None

@@ -11,8 +11,8 @@ from torch import nn
 
 from efficient.errors import ConfigError
 from efficient.memory.recompute import KeptOps, is_wrapped, region_modules, require_budget_support, units, unwrap, wrap
-from efficient.memory.spikes import BitsHooks, SpikePropagation, SpikeTracker, iter_neurons
-from efficient.models.replay import KEEP_TRACE_MARK, memory_level_step
+from efficient.memory.spikes import BitsHooks, SpikePropagation, SpikeTracker, is_neuron, iter_neurons
+from efficient.models.replay import KEEP_OUTPUT_MARK, KEEP_TRACE_MARK, memory_level_step
 
 Level = Literal["none", "bits", "recompute"]
 LEVELS: tuple[str, ...] = ("none", "bits", "recompute")
@@ -42,6 +42,9 @@ class MemoryPlan:
     # a peak budget's choice, where the step's peak allows it
     keeping: list[str] = field(default_factory=list)
     floor_fraction: float | None = None  # the same fraction with every unit rerun whole
+    # neurons of rerun units whose fused Linear -> BatchNorm -> LIF units keep their Linear outputs from forward
+    # for the rerun, which then skips their matmuls (`efficient.models.replay.linear_output`): a peak budget's choice
+    outputs: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         if self.level == "none":
@@ -57,6 +60,8 @@ class MemoryPlan:
                 text += f", {len(reruns)} rerun keeping their membrane traces (no rebuild by chunks)"
             if plains := [u for u in self.keeping if u in self.plain]:
                 text += f", {len(plains)} run plainly keeping their membrane traces (no rebuild in backward)"
+            if self.outputs:
+                text += f", {len(self.outputs)} Linear outputs kept for their reruns (no matmul there)"
             if self.keep:
                 text += (f", {sum(map(len, self.keep.values()))} matmul/convolution outputs kept "
                          f"in {len(self.keep)} of them")
@@ -112,6 +117,7 @@ class _State:
             unwrap(m)
         for m in self.marked:
             m.__dict__.pop(KEEP_TRACE_MARK, None)
+            m.__dict__.pop(KEEP_OUTPUT_MARK, None)
 
 
 def check_level(level: str, where: str = "memory level") -> str:
@@ -122,14 +128,17 @@ def check_level(level: str, where: str = "memory level") -> str:
 
 
 def apply(model: nn.Module, level: Level | str = "bits", *, keep: dict[str, Sequence[int]] | None = None,
-          plain: Sequence[str] | None = None, keeping: Sequence[str] | None = None) -> MemoryPlan:
+          plain: Sequence[str] | None = None, keeping: Sequence[str] | None = None,
+          outputs: Sequence[str] | None = None) -> MemoryPlan:
     """Apply memory level `level` to `model` in place (replacing any level applied before), with
     `keep` naming per recompute unit the costly ops whose outputs it keeps, `plain` the units that
     are not rerun (they keep what they keep at level bits) and `keeping` the rerun units whose reruns
     keep what a plain call keeps in its backward (membrane traces, pool inputs) rather than rebuild it
     by chunks (`recompute.wrap(lean=False)`: faster, more memory while the unit's rerun lasts), and the
     plain units whose fused BatchNorm + LIF units keep their membrane traces from forward to backward,
-    as at level none, rather than rebuild them in backward (faster, more memory over the unit's span);
+    as at level none, rather than rebuild them in backward (faster, more memory over the unit's span), and
+    `outputs` the neurons (module names) of rerun units whose fused Linear -> BatchNorm -> LIF units keep
+    their Linear outputs for the rerun, which skips those matmuls (more memory from forward to the rerun);
     say what was done.
     `optimize` is the public entry (it checks its arguments and plans a budget); `keep` is read at
     level recompute only."""
@@ -162,6 +171,13 @@ def apply(model: nn.Module, level: Level | str = "bits", *, keep: dict[str, Sequ
     wrapped: list[nn.Module] = []
     plan = MemoryPlan(level, neurons, hooks=hooks, keep=keep, plain=plain, keeping=keeping)
     marked: list[nn.Module] = []
+    named = dict(model.named_modules())
+    outputs = sorted(set(outputs or ()))
+    _check_outputs(outputs, named, [(n, m) for n, m in regions if n not in plain], keep)
+    plan.outputs = outputs
+    for name in outputs:
+        named[name].__dict__[KEEP_OUTPUT_MARK] = True
+        marked.append(named[name])
     for name, m in regions:
         if not is_wrapped(m):
             if name in plain:
@@ -180,6 +196,24 @@ def apply(model: nn.Module, level: Level | str = "bits", *, keep: dict[str, Sequ
     return plan
 
 
+def _check_outputs(outputs: list[str], named: dict[str, nn.Module], reruns: list[tuple[str, nn.Module]],
+                   keep: dict[str, list[int]]) -> None:
+    """A ConfigError unless each of `outputs` names a spiking neuron called by a rerun unit that keeps no
+    costly-op outputs under selective checkpointing (which runs it under torch's checkpoint, where nothing of
+    ours is kept)."""
+    owner = {id(inner): name for name, m in reruns for inner in region_modules(m)}
+    for name in outputs:
+        m = named.get(name)
+        unit = None if m is None else owner.get(id(m))
+        if m is None or not is_neuron(m) or unit is None:
+            raise ConfigError(f"memory: outputs: {name!r} is not a spiking neuron of a rerun unit of this model "
+                              f"(rerun units: {', '.join(n for n, _ in reruns) or 'none'}); name the neuron of a fused "
+                              "Linear -> BatchNorm -> LIF unit, as a peak budget's plan lists them")
+        if unit in keep:
+            raise ConfigError(f"memory: unit {unit!r} keeps costly-op outputs (keep) and a Linear output ({name!r}); "
+                              "give it one or the other")
+
+
 def _record_once_under_compile() -> None:
     """A recomputed region's forward may record things outside itself (STATA's scores and kept counts, a
     firing-rate observer), which a rerun must not record again (eager regions mark their reruns as replays).
@@ -194,7 +228,7 @@ def _record_once_under_compile() -> None:
 
 def restore(model: nn.Module, plan: MemoryPlan) -> MemoryPlan:
     """Apply `plan` (from `optimize` or `apply`) to `model` again: the same units keep the same outputs."""
-    again = apply(model, plan.level, keep=plan.keep, plain=plan.plain, keeping=plan.keeping)
+    again = apply(model, plan.level, keep=plan.keep, plain=plan.plain, keeping=plan.keeping, outputs=plan.outputs)
     again.budget, again.kept_fraction, again.rerun_share = plan.budget, plan.kept_fraction, plan.rerun_share
     again.budget_of, again.floor_fraction = plan.budget_of, plan.floor_fraction
     return again

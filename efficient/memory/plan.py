@@ -31,7 +31,10 @@ largest rerun fit. The planner then lets every rerun keep what a plain call keep
 and backward (`keeping`), measures the step, and while its peak is over the target makes lean again
 the unit whose rerun holds that peak, one at a time. Last, a unit run plainly may keep its membrane traces
 from forward to backward, as at level `none`, instead of rebuilding them in backward as level `bits` does:
-each one, the last in forward first, keeps them if the measured peak stays within the target.
+each one, the last in forward first, keeps them if the measured peak stays within the target. And a rerun
+unit's fused Linear -> BatchNorm -> LIF units may keep their Linear outputs from forward, so the rerun skips
+those matmuls (a spiking transformer's second MLP Linear: a quarter of the first's output bytes for the same
+FLOPs): the most FLOPs per byte first, each kept if the measured peak stays within the target.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ class BudgetChoice:
     floor_bytes: int = 0  # with every unit rerun whole (saved bytes, or the peak)
     plain: list[str] = field(default_factory=list)  # units run plainly (a peak budget's choice)
     keeping: list[str] = field(default_factory=list)  # units whose reruns or plain calls keep their traces (the same)
+    outputs: list[str] = field(default_factory=list)  # neurons whose fused units keep their Linear outputs (the same)
 
     @property
     def fraction(self) -> float:
@@ -217,11 +221,13 @@ def choose_plain_for_peak(model: nn.Module, example: Any, budget: float,
         total = total if peak is None else peak
         keeping, peak = _plains_keeping(model, example, loss_fn, plain, keeping, target)
         total = total if peak is None else peak
+        outputs, saved, peak = _reruns_keeping_outputs(model, example, loss_fn, plain, keeping, target, total)
+        total = total if peak is None else peak
     finally:
         apply(model, "none")
     flops = sum(fl for found in ops.values() for _, _, fl in found)
-    return BudgetChoice(budget, {}, none, total, flops, flops - sum(c[2] for c in chosen), ops, of="peak",
-                        floor_bytes=floor, plain=plain, keeping=keeping)
+    return BudgetChoice(budget, {}, none, total, flops, flops - sum(c[2] for c in chosen) - saved, ops, of="peak",
+                        floor_bytes=floor, plain=plain, keeping=keeping, outputs=outputs)
 
 
 Candidate = tuple[str, int, int, tuple[int, int]]  # unit, bytes it keeps more run plainly, FLOPs saved, span
@@ -310,6 +316,44 @@ def _plains_keeping(model: nn.Module, example: Any, loss_fn: Callable[[Any], tor
             chosen.append(name)
             peak = measured
     return sorted(chosen), peak
+
+
+def _reruns_keeping_outputs(model: nn.Module, example: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
+                            plain: list[str], keeping: list[str], target: float, peak: int
+                            ) -> tuple[list[str], int, int | None]:
+    """The neurons of rerun units whose fused Linear -> BatchNorm -> LIF units may keep their Linear outputs for
+    the rerun (which then skips those matmuls) with the step's peak of live tensors within `target`, the FLOPs
+    that saves, and the last peak measured of the plan returned (None when none is kept). One forward lists
+    them with their bytes and FLOPs; the most FLOPs per byte first, each is measured where the last peak
+    (`peak` to start) and its bytes stay within the target, and kept if the measured peak does."""
+    from efficient.memory.measure import step_peak_bytes
+    from efficient.memory.recompute import region_modules
+    from efficient.memory.spikes import is_neuron
+    from efficient.models.replay import recording_outputs
+
+    named = {id(m): n for n, m in model.named_modules()}
+    every = sorted({named[id(inner)] for name, m in units(model) if name not in plain for inner in region_modules(m)
+                    if is_neuron(inner) and id(inner) in named})
+    if not every:
+        return [], 0, None
+    apply(model, "recompute", plain=plain, keeping=keeping, outputs=every)
+    with recording_outputs() as seen:
+        activation_memory(model, example, loss_fn, backward=False)
+    found: dict[str, list[int]] = {}
+    for neuron, size, fl in seen:  # a unit called more than once keeps an output per call
+        acc = found.setdefault(named[id(neuron)], [0, 0])
+        acc[0], acc[1] = acc[0] + size, acc[1] + fl
+    chosen: list[str] = []
+    saved, last = 0, None
+    for name, (size, fl) in sorted(found.items(), key=lambda kv: (-kv[1][1] / max(kv[1][0], 1), kv[0])):
+        if peak + size > target:
+            continue
+        apply(model, "recompute", plain=plain, keeping=keeping, outputs=chosen + [name])
+        measured = step_peak_bytes(_step(model, example, loss_fn))
+        if measured <= target:
+            chosen.append(name)
+            saved, peak, last = saved + fl, measured, measured
+    return sorted(chosen), saved, last
 
 
 def _rerun_at(marks: dict[str, list[int]], k: int) -> str | None:

@@ -22,7 +22,10 @@ A unit can also keep the outputs of some of its matmuls and convolutions (`KeptO
 a byte budget by `plan.py`): torch's selective checkpointing caches them in forward and the rerun
 reads them instead of computing them again, so only the cheap elementwise work between them reruns.
 They pass through the saved-tensor hooks around the region, so they are counted and, were they
-spikes, packed like any other saved tensor.
+spikes, packed like any other saved tensor. Lighter still, a unit's fused Linear -> BatchNorm -> LIF units
+can keep just their Linear outputs (`efficient.models.replay.linear_output`, named per neuron by a peak
+budget's plan): the light region saves them beside its inputs and its rerun reads them instead of running
+those matmuls, with the same gradients; such a unit always runs as a light region (eager only).
 
 Under `torch.compile` the same regions become the compiler's checkpoint regions (recomputed in the
 compiled backward; buffer updates happen once, in the forward graph). Each region's input then
@@ -64,7 +67,7 @@ from efficient.kernels import bn_lif
 from efficient.kernels.spike_pack import pack_binary, pack_spikes, unpack_spikes_ref
 from efficient.memory.conv_backward import bits_reads
 from efficient.memory.spikes import active_tracker, is_neuron, propagation_suspended
-from efficient.models.replay import REGION_MARK, in_region, region_state
+from efficient.models.replay import KEEP_OUTPUT_MARK, REGION_MARK, KeptOutputs, in_region, keeping_outputs, region_state
 
 
 @torch.library.custom_op("efficient::region_input", mutates_args=())
@@ -388,6 +391,9 @@ _NOT_LIGHT = object()  # `_light_region`: this call cannot be one
 # reruns set a step's peak) keeps torch's checkpoint, chosen from its previous call's output (its first call
 # is a checkpoint's, which measures it; the size stays when a level is applied again).
 _OUT_NUMEL = "_efficient_out_numel"
+# set by `wrap` on a unit some of whose neurons' fused units keep their Linear outputs (`KEEP_OUTPUT_MARK`): it
+# runs as a light region whatever its output's size, the one region that keeps them
+_OUTPUTS = "_efficient_keeps_outputs"
 
 
 def _plain(leaves: list[Any]) -> bool:
@@ -470,7 +476,9 @@ class _Region(torch.autograd.Function):
     (through the saved-tensor hooks around it, so spikes are kept as bits); backward reruns it with
     autograd on those inputs, under the forward's RNG and autocast state and buffer values, and
     returns the gradients of its inputs and of the parameters it uses (`torch.autograd.grad`, so
-    they reach `.grad` through the engine, where DDP's and FSDP's hooks see them). On a toy-width step
+    they reach `.grad` through the engine, where DDP's and FSDP's hooks see them). The Linear outputs its
+    fused units are told to keep (`efficient.models.replay.linear_output`) are saved beside the inputs and
+    handed back to the rerun in call order, which skips those matmuls. On a toy-width step
     it cut the level's extra host cost to about 0.8x of checkpoint's, and to about 0.6x with the forward run
     outside the spike propagation (BENCHMARKS.md `## memory`)."""
 
@@ -478,7 +486,8 @@ class _Region(torch.autograd.Function):
     def forward(ctx: Any, run: _RegionCall, n_inputs: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         inputs = tensors[:n_inputs]
         run.save_state(inputs)
-        with run.buffers.forward(), propagation_suspended():
+        kept = KeptOutputs()  # the Linear outputs its units keep for the rerun (`linear_output`)
+        with run.buffers.forward(), propagation_suspended(), keeping_outputs(kept):
             out = run.call(inputs)
         leaves, run.out_spec = tree_flatten(out)
         if not _plain(leaves):
@@ -487,7 +496,7 @@ class _Region(torch.autograd.Function):
                             "which a recomputed region cannot look into; return tensors (in tuples, lists or dicts)")
         run.out_plain = _skeleton(leaves)
         ctx.run, ctx.n_inputs = run, n_inputs
-        ctx.save_for_backward(*inputs)
+        ctx.save_for_backward(*inputs, *kept.tensors)
         return tuple(v for v in leaves if isinstance(v, torch.Tensor))
 
     @staticmethod
@@ -500,7 +509,9 @@ class _Region(torch.autograd.Function):
         # convolution that keeps bits), as torch's checkpoint does
         stash: list[torch.Tensor | None] = [None] * n
         anchors: list[torch.Tensor | None] = [None] * n
-        inputs = list(ctx.saved_tensors)
+        saved = ctx.saved_tensors
+        inputs, kept = list(saved[:n]), KeptOutputs(saved[n:])
+        del saved
         with torch.enable_grad():
             for i in range(n):
                 if need[i] and inputs[i].is_floating_point():
@@ -515,8 +526,10 @@ class _Region(torch.autograd.Function):
         # the buffers go back to their values after the forward only once the rerun's graph is done with
         # them: BatchNorm's backward node keeps the running statistics it was called with
         with torch.enable_grad(), run.replayed_state(), run.buffers.rerun():
-            outs = [v for v in tree_flatten(run.call(tuple(inputs)))[0] if isinstance(v, torch.Tensor)]
-            del inputs
+            with keeping_outputs(kept):
+                outs = [v for v in tree_flatten(run.call(tuple(inputs)))[0] if isinstance(v, torch.Tensor)]
+            kept.check_done()
+            del inputs, kept
             pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
             wrt = [a for a in anchors if a is not None] + [p for p, w in zip(params, need[n:]) if w]
             if pairs and not run.module.__dict__.get("_efficient_light_checked"):
@@ -581,7 +594,8 @@ def recomputed_forward(module: nn.Module, forward: Callable[..., Any], *args: An
     if torch.compiler.is_compiling():
         if module.__dict__.get("_efficient_compiled_plain", False):  # see `wrap`: its rerun would read updated buffers
             return forward(*args, **kwargs)
-        if kept_ops is not None and kept_ops.keep:  # dynamo cannot trace a policy closure as context_fn
+        if (kept_ops is not None and kept_ops.keep) or module.__dict__.get(_OUTPUTS, False):
+            # dynamo cannot trace a policy closure as context_fn; inductor decides itself what a region keeps
             raise RuntimeError("a memory budget's kept outputs cannot be compiled yet: optimize with level recompute "
                                "and no budget before torch.compile, or run eager")
         bound = _input_bound(module) if args and isinstance(args[0], torch.Tensor) and _tracked(args[0]) else None
@@ -599,12 +613,17 @@ def recomputed_forward(module: nn.Module, forward: Callable[..., Any], *args: An
     if in_region():
         return forward(*args, **kwargs)
     _vouch(module, args)
+    outputs = module.__dict__.get(_OUTPUTS, False)  # only a light region keeps Linear outputs for its rerun
     if (kept_ops is None or not kept_ops.selective) and module.__dict__.get("_efficient_light", True) \
-            and (getattr(module, "recompute_residual", False)
+            and (outputs or getattr(module, "recompute_residual", False)
                  or module.__dict__.get(_OUT_NUMEL, math.inf) <= bn_lif.RECOMPUTE_CHUNK):
         out = _light_region(module, forward, args, kwargs)
         if out is not _NOT_LIGHT:
             return out
+        if outputs:
+            raise RuntimeError(f"memory level recompute: unit {type(module).__name__} keeps Linear outputs for its rerun, "
+                               "which needs its call's arguments to be tensors and plain values; this call passes an "
+                               "object: apply the level without outputs for this unit")
     lean = module.__dict__.get("_efficient_lean", True)
     # (not under a memory budget's selective checkpoint, which matches the rerun's ops to the forward's)
     if lean and (kept_ops is None or not kept_ops.selective) and args and _reads_bits(module, args[0]):
@@ -672,6 +691,7 @@ def wrap(module: nn.Module, kept: KeptOps | None = None, lean: bool = True, ligh
     inside = region_modules(module)
     for m in inside:  # what a compiled step reads to know it is inside a region (`rebuild_membrane`)
         m.__dict__[REGION_MARK] = lean
+    module.__dict__[_OUTPUTS] = any(m.__dict__.get(KEEP_OUTPUT_MARK, False) for m in inside)
     # a compiled checkpoint recomputes everything inside the region in backward, reading buffers from the
     # step's inputs, which the forward has since updated in place: a unit whose output reads a running
     # statistic after its own update (Meta-SpikeFormer's RepConv pads with its BatchNorm's) would rerun
@@ -685,7 +705,7 @@ def unwrap(module: nn.Module) -> None:
         del module.__dict__["forward"]
     # (its output's size stays: a level applied again runs each unit's first call as its later ones)
     for key in ("_efficient_kept", "_efficient_lean", "_efficient_light", "_efficient_light_checked",
-                "_efficient_compiled_plain"):
+                "_efficient_compiled_plain", _OUTPUTS):
         module.__dict__.pop(key, None)
     for m in region_modules(module):
         m.__dict__.pop(REGION_MARK, None)
