@@ -543,7 +543,11 @@ class _Region(torch.autograd.Function):
                 got = torch.autograd.grad(roots, wrt, grads_in, allow_unused=True)
             del roots, grads_in
         param_grads = iter(got[sum(a is not None for a in anchors):])
-        return (None, None, *stash, *(next(param_grads, None) if w else None for w in need[n:]))
+        grads_out = (None, None, *stash, *(next(param_grads, None) if w else None for w in need[n:]))
+        # `_Handoff`'s nodes keep this list: emptied, it holds no input gradient past this backward (one of them
+        # outlived the step where the rerun's graph did, a gradient per call and step)
+        stash.clear()
+        return grads_out
 
 
 def _check_leaves(unit: nn.Module, outs: list[torch.Tensor], wrt: list[torch.Tensor]) -> None:
