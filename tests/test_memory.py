@@ -636,7 +636,7 @@ class _FiresFirst(nn.Module):
 def test_a_rerun_holds_no_input_gradient_past_its_step() -> None:
     """A recomputed region hands its input's gradient back and keeps nothing of it: after each training step no
     tensor of the input's size is left alive. (Its input gradient once stayed alive from step to step where the
-    LIF's backward wrote it over the rerun's membrane trace: a tensor per region and step, 256 MiB a step on
+    LIF's backward wrote it over the rerun's membrane trace: a tensor per region and step, 128 MiB a step on
     SDT-2-512 at b64.)"""
     import gc
 
@@ -656,6 +656,7 @@ def test_a_rerun_holds_no_input_gradient_past_its_step() -> None:
         gc.collect()
         return sum(1 for o in gc.get_objects() if type(o) is torch.Tensor and id(o) not in own and o.numel() == x.numel())
 
+    before = alive()  # (earlier tests in this process may have left some of this size)
     for _ in range(3):
         net.zero_grad(set_to_none=True)
         h = x.clone().requires_grad_()
@@ -664,7 +665,7 @@ def test_a_rerun_holds_no_input_gradient_past_its_step() -> None:
             out = out + half(out)
         out.sum().backward()
         del out, h
-        assert alive() == 0
+        assert alive() == before
 
 
 def test_a_step_timeline_places_marks_among_its_allocations() -> None:
