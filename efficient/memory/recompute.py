@@ -544,8 +544,9 @@ class _Region(torch.autograd.Function):
             del roots, grads_in
         param_grads = iter(got[sum(a is not None for a in anchors):])
         grads_out = (None, None, *stash, *(next(param_grads, None) if w else None for w in need[n:]))
-        # `_Handoff`'s nodes keep this list: emptied, it holds no input gradient past this backward (one of them
-        # outlived the step where the rerun's graph did, a gradient per call and step)
+        # `_Handoff`'s contexts hold this list, and a node of the rerun's graph may outlive the step: emptied, it keeps
+        # no input gradient alive past this backward (it kept one per call and step where a LIF's backward had
+        # written that gradient over its membrane trace)
         stash.clear()
         return grads_out
 
