@@ -184,8 +184,7 @@ def linear_output(neuron: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias
     shape = (x.shape[0], weight.shape[0])
     if store.rerun:
         return store.next(shape)
-    with torch.no_grad():
-        z = torch.nn.functional.linear(x, weight, bias)
+    z = torch.nn.functional.linear(x, weight, bias)  # (a region's forward runs without autograd)
     store.tensors.append(z)
     if (seen := getattr(_recorded_outputs, "seen", None)) is not None:
         seen.append((neuron, z.numel() * z.element_size(), 2 * x.shape[0] * x.shape[1] * weight.shape[0]))

@@ -171,13 +171,13 @@ def apply(model: nn.Module, level: Level | str = "bits", *, keep: dict[str, Sequ
     wrapped: list[nn.Module] = []
     plan = MemoryPlan(level, neurons, hooks=hooks, keep=keep, plain=plain, keeping=keeping)
     marked: list[nn.Module] = []
-    named = dict(model.named_modules())
-    outputs = sorted(set(outputs or ()))
-    _check_outputs(outputs, named, [(n, m) for n, m in regions if n not in plain], keep)
-    plan.outputs = outputs
-    for name in outputs:
-        named[name].__dict__[KEEP_OUTPUT_MARK] = True
-        marked.append(named[name])
+    plan.outputs = sorted(set(outputs or ()))
+    if plan.outputs:  # (the planner applies levels many times, mostly without outputs)
+        named = dict(model.named_modules())
+        _check_outputs(plan.outputs, named, [(n, m) for n, m in regions if n not in plain], keep)
+        for name in plan.outputs:
+            named[name].__dict__[KEEP_OUTPUT_MARK] = True
+            marked.append(named[name])
     for name, m in regions:
         if not is_wrapped(m):
             if name in plain:
