@@ -39,7 +39,7 @@ def main() -> int:
     print(f"# bench/peak_plans.py -- {datetime.date.today()}, {platform.machine()} {os.cpu_count()} cores, "
           f"batch {args.batch}, T {args.T}, load {os.getloadavg()[0]:.2f} before")
     print("\n| architecture | none peak MiB | every unit rerun whole MiB | budget | plan's peak MiB | vs none "
-          "| units run plainly | reruns keeping their traces | Linear outputs kept for reruns "
+          "| units run plainly | reruns keeping their traces | outputs kept for reruns "
           "| matmul/conv FLOPs still rerun | planning s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for arch in args.archs:

@@ -114,34 +114,36 @@ def rebuild_membrane(module: nn.Module | None = None) -> bool:
     return in_region() and getattr(region_state, "lean", True)
 
 
-# --- Linear outputs a recomputed region keeps from its forward for its rerun
+# --- matmul and convolution outputs a recomputed region keeps from its forward for its rerun
 
-KEEP_OUTPUT_MARK = "_efficient_keeps_output"  # set by `efficient.memory.levels.apply` on a rerun unit's neurons
+# set by `efficient.memory.levels.apply` on a rerun unit's modules whose outputs its region keeps: the neuron of a
+# fused Linear -> BatchNorm -> LIF unit (for that Linear's output), a Linear or a convolution (for its own)
+KEEP_OUTPUT_MARK = "_efficient_keeps_output"
 
 
 class KeptOutputs:
-    """The Linear outputs of fused Linear -> BatchNorm -> LIF units that an eager recomputed region
-    (`efficient.memory.recompute._Region`) keeps: filled in call order by its forward, handed back in the
-    same order to its rerun (`given`), each dropped from here once handed back."""
+    """The matmul and convolution outputs an eager recomputed region (`efficient.memory.recompute._Region`)
+    keeps: filled in call order by its forward, handed back in the same order to its rerun (`given`), each
+    dropped from here once handed back."""
 
     def __init__(self, given: tuple[torch.Tensor, ...] | None = None) -> None:
         self.tensors: list[torch.Tensor | None] = list(given or ())
         self.rerun, self.at = given is not None, 0
 
-    def next(self, shape: tuple[int, int]) -> torch.Tensor:
+    def next(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self.at >= len(self.tensors):
-            raise RuntimeError(f"memory level recompute: a unit's rerun asked for {self.at + 1} kept Linear outputs, its "
+            raise RuntimeError(f"memory level recompute: a unit's rerun asked for {self.at + 1} kept outputs, its "
                                f"forward kept {len(self.tensors)}; the rerun must call the units its forward called")
         z, self.tensors[self.at] = self.tensors[self.at], None
         self.at += 1
         if z is None or tuple(z.shape) != tuple(shape):
-            raise RuntimeError(f"memory level recompute: a unit's rerun asked for a kept Linear output of shape {tuple(shape)}, "
+            raise RuntimeError(f"memory level recompute: a unit's rerun asked for a kept output of shape {tuple(shape)}, "
                                f"its forward kept {None if z is None else tuple(z.shape)} there")
         return z
 
     def check_done(self) -> None:
         if self.rerun and self.at != len(self.tensors):
-            raise RuntimeError(f"memory level recompute: a unit's rerun used {self.at} of the {len(self.tensors)} Linear "
+            raise RuntimeError(f"memory level recompute: a unit's rerun used {self.at} of the {len(self.tensors)} "
                                "outputs its forward kept; the rerun must call the units its forward called")
 
 
@@ -156,18 +158,52 @@ def keeping_outputs(store: KeptOutputs) -> Iterator[KeptOutputs]:
         region_state.outputs = outer
 
 
-_recorded_outputs = threading.local()  # (neuron, bytes, FLOPs) of each output kept, while `recording_outputs` runs
+_recorded_outputs = threading.local()  # (owner, bytes, FLOPs) of each output kept, while `recording_outputs` runs
 
 
 @contextlib.contextmanager
-def recording_outputs() -> Iterator[list[tuple[nn.Module, int, int]]]:
-    """Collect (neuron, bytes, FLOPs saved) of every Linear output the regions' forwards keep while the block runs."""
+def recording_outputs(keep: bool = True) -> Iterator[list[tuple[nn.Module, int, int]]]:
+    """Collect (owner, bytes, FLOPs saved) of every output the regions' forwards keep while the block runs (the
+    owner: the module marked `KEEP_OUTPUT_MARK`). `keep` False: list them without keeping them, so listing every
+    candidate costs no memory (run a forward only then: a rerun would find nothing kept)."""
     seen: list[tuple[nn.Module, int, int]] = []
-    _recorded_outputs.seen = seen
+    _recorded_outputs.seen, _recorded_outputs.keep = seen, keep
     try:
         yield seen
     finally:
         _recorded_outputs.seen = None
+
+
+def _store_for(owner: nn.Module) -> KeptOutputs | None:
+    """The running region's store where `owner` keeps its output there (eager only), else None."""
+    if torch.compiler.is_compiling() or not owner.__dict__.get(KEEP_OUTPUT_MARK, False):
+        return None
+    return getattr(region_state, "outputs", None)  # None outside a region, or in one under torch's checkpoint
+
+
+def keeps_output(owner: nn.Module) -> bool:
+    """Whether the running eager region keeps `owner`'s output for its rerun (`given_output`, `keep_output`)."""
+    return _store_for(owner) is not None
+
+
+def given_output(owner: nn.Module, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """In the rerun of an eager recomputed region whose forward kept `owner`'s output (of `shape`): that
+    output, handed back (the caller skips computing it). None elsewhere."""
+    store = _store_for(owner)
+    return store.next(shape) if store is not None and store.rerun else None
+
+
+def keep_output(owner: nn.Module, out: torch.Tensor, flops: int) -> None:
+    """In the forward of an eager recomputed region told to keep `owner`'s output: keep `out` (which cost
+    `flops` to compute) for the rerun. Nothing elsewhere."""
+    store = _store_for(owner)
+    if store is None or store.rerun:
+        return
+    if (seen := getattr(_recorded_outputs, "seen", None)) is not None:
+        seen.append((owner, out.numel() * out.element_size(), flops))
+        if not _recorded_outputs.keep:
+            return
+    store.tensors.append(out)
 
 
 def linear_output(neuron: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -176,16 +212,55 @@ def linear_output(neuron: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias
     output `F.linear(x, weight, bias)`, kept; in the rerun, the kept output handed back (no matmul). None
     elsewhere (the unit computes it). The rerun's gradients are the same: the unit's backward reads the kept
     output exactly where it would have read the one computed again."""
-    if torch.compiler.is_compiling() or not neuron.__dict__.get(KEEP_OUTPUT_MARK, False):
+    if not keeps_output(neuron):
         return None
-    store = getattr(region_state, "outputs", None)
-    if store is None:  # outside a region, or in one under torch's checkpoint (which keeps nothing of ours)
-        return None
-    shape = (x.shape[0], weight.shape[0])
-    if store.rerun:
-        return store.next(shape)
-    z = torch.nn.functional.linear(x, weight, bias)  # (a region's forward runs without autograd)
-    store.tensors.append(z)
-    if (seen := getattr(_recorded_outputs, "seen", None)) is not None:
-        seen.append((neuron, z.numel() * z.element_size(), 2 * x.shape[0] * x.shape[1] * weight.shape[0]))
+    z = given_output(neuron, (x.shape[0], weight.shape[0]))
+    if z is None:
+        z = torch.nn.functional.linear(x, weight, bias)  # (a region's forward runs without autograd)
+        keep_output(neuron, z, 2 * x.shape[0] * x.shape[1] * weight.shape[0])
     return z
+
+
+class _GivenLinear(torch.autograd.Function):
+    """`z`, the output of F.linear(x, weight, bias) kept from a region's forward, with that Linear's
+    backward: a rerun that skips the matmul has the same gradients. Under autocast z is in the autocast
+    dtype, and the backward multiplies in it, as autocast's casts before the matmul would."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, z):
+        ctx.save_for_backward(x, weight)
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return z
+
+    @staticmethod
+    def backward(ctx, grad):
+        from efficient.kernels.bn_lif import _linear_grads  # F.linear's backward formulas, bit for bit
+
+        x, weight = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        gx = gw = gb = None
+        if any(need[:3]):
+            gx, gw, gb = _linear_grads(grad, x.to(grad.dtype), weight.to(grad.dtype))
+            gx, gw = gx.to(ctx.dtypes[0]), gw.to(ctx.dtypes[1])
+            gb = None if ctx.dtypes[2] is None else gb.to(ctx.dtypes[2])
+        return gx if need[0] else None, gw if need[1] else None, gb if need[2] else None, None
+
+
+def kept_linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`linear(x)` for a 2-D x; inside an eager recomputed region told to keep this Linear's output
+    (`KEEP_OUTPUT_MARK` on `linear`), the forward keeps it and the rerun takes it back instead of the matmul,
+    with the same gradients. A plain call elsewhere, and where a hook must see `linear` called (as for a
+    region's convolution, `efficient.memory.conv_backward.plain_conv`)."""
+    from torch.nn.modules import module as M
+
+    from efficient.models.neurons import watched  # (neurons imports this module)
+
+    if (not keeps_output(linear) or x.dim() != 2 or type(linear) is not nn.Linear or watched(linear)
+            or M._global_forward_hooks or M._global_forward_pre_hooks):
+        return linear(x)
+    z = given_output(linear, (x.shape[0], linear.out_features))
+    if z is None:
+        z = linear(x)
+        keep_output(linear, z, 2 * x.shape[0] * x.shape[1] * linear.out_features)
+        return z
+    return _GivenLinear.apply(x, linear.weight, linear.bias, z)

@@ -26,6 +26,7 @@ from efficient.kernels.ssa import scores_ref
 from efficient.memory.conv_backward import plain_conv, region_conv2d
 from efficient.memory.spikes import is_neuron
 from efficient.models.neurons import fusable, norm_fire
+from efficient.models.replay import kept_linear
 from efficient.models.spiking_transformer import CIFAR_MEAN, CIFAR_STD, SpikingTransformer, SpikingTransformerConfig, _lif
 from efficient.models.spikformer import SPS, STATA, STATA_PAPER, LinearBNLIF
 from efficient.models.stata import PruneStep, residual_block
@@ -102,7 +103,8 @@ class LinearBN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         T, B, N, _ = x.shape
-        return self.bn(self.linear(x.flatten(0, 2))).reshape(T, B, N, -1)
+        # (a recomputed region may keep the Linear's output for its rerun: `kept_linear`)
+        return self.bn(kept_linear(self.linear, x.flatten(0, 2))).reshape(T, B, N, -1)
 
 
 class SDSA(nn.Module):

@@ -515,7 +515,7 @@ def test_a_rerun_keeping_its_linear_outputs_skips_their_matmuls_with_the_same_gr
     levels.apply(ref, "recompute")
     net = _wide_units()
     plan = levels.apply(net, "recompute", outputs=["1.lif", "2.lif"])
-    assert plan.outputs == ["1.lif", "2.lif"] and "2 Linear outputs kept for their reruns" in plan.summary()
+    assert plan.outputs == ["1.lif", "2.lif"] and "2 outputs kept for their reruns" in plan.summary()
     saved = {n: activation_memory(m, x, backward=False).total_bytes for n, m in (("ref", ref), ("net", net))}
     rows = 4 * 16 * 8
     assert saved["net"] - saved["ref"] == 4 * rows * (512 + 8)  # unit 1's output, 512 channels, and unit 2's, 8
@@ -574,47 +574,112 @@ def test_kept_linear_outputs_are_in_the_attention_and_mlp_of_a_spikformer_with_t
     assert all(torch.equal(a, b) for a, b in zip(b0, b1))
 
 
+@pytest.mark.parametrize("arch,keeping", [("sdt-2-512", False), ("sdt-2-512", True), ("stable-snn-vgg11", False)])
+def test_kept_convolution_and_linear_outputs_skip_their_reruns_with_the_same_gradients(
+        arch: str, keeping: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every convolution and Linear of the rerun units (SDT's stem stages, position embedding, projection and
+    second MLP Linear; the VGG's units) and every fused Linear unit keep their outputs for the reruns, in lean
+    reruns and in reruns keeping their membrane traces: backward runs none of those convolutions or matmuls,
+    and two steps give the gradients and statistics of the same units rerun without them, bit for bit."""
+    import torch.nn.functional as F
+
+    from efficient.memory import levels
+    from efficient.memory.recompute import region_modules, units
+    from efficient.memory.spikes import is_neuron
+    from efficient.models.replay import recording_outputs
+    from efficient.zoo import create
+
+    small = dict(embed_dim=64, depth=1, num_heads=2, img_size=32) if arch.startswith("sdt") else {}
+    x = torch.rand(4, 3, 32, 32, generator=torch.Generator().manual_seed(6))
+    y = torch.tensor([1, 4, 2, 0])
+    weights: list[int] = []
+    real_linear, real_conv = F.linear, F.conv2d
+
+    def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        weights.append(id(w))
+        return real_linear(x, w, b)
+
+    def conv(x: torch.Tensor, w: torch.Tensor, *a: object) -> torch.Tensor:
+        weights.append(id(w))
+        return real_conv(x, w, *a)
+
+    monkeypatch.setattr(F, "linear", linear)
+    monkeypatch.setattr(F, "conv2d", conv)
+
+    def steps(outputs: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], set[str], set[str]]:
+        torch.manual_seed(0)
+        model = create(arch, timesteps=2, **small).train()
+        names = {id(m): n for n, m in model.named_modules()}
+        every = sorted({names[id(m)] for u, unit in units(model) for m in region_modules(unit)
+                        if id(m) in names and (is_neuron(m) or type(m) in (nn.Linear, nn.Conv2d))})
+        levels.apply(model, "recompute", outputs=every if outputs else None,
+                     keeping=[u for u, _ in units(model)] if keeping else None)
+        rerun: set[str] = set()
+        with recording_outputs() as kept:
+            for _ in range(2):
+                model.zero_grad(set_to_none=True)
+                loss = F.cross_entropy(model(x), y)
+                weights.clear()
+                loss.backward()
+                rerun |= {n for n, p in model.named_parameters() if id(p) in weights}
+        grads = [p.grad for p in model.parameters()]
+        return grads, [b.clone() for b in model.buffers()], {names[id(o)] for o, _, _ in kept}, rerun
+
+    g0, b0, _, rerun0 = steps(False)
+    g1, b1, kept, rerun1 = steps(True)
+    convs = {n for n in kept if "conv" in n or n.endswith(".linear")}
+    assert convs and all(f"{n}.weight" in rerun0 and f"{n}.weight" not in rerun1 for n in convs), (convs, rerun1)
+    if arch.startswith("sdt"):
+        assert {"blocks.0.attn.proj.linear", "blocks.0.mlp.fc2.linear", "patch_embed.rpe_conv"} <= kept
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(g0, g1))
+    assert all(torch.equal(a, b) for a, b in zip(b0, b1))
+
+
 def test_kept_linear_outputs_name_neurons_of_rerun_units() -> None:
     from efficient.memory import levels
 
     net = _wide_units()
-    with pytest.raises(ConfigError, match=r"outputs: '1.bn' is not a spiking neuron of a rerun unit"):
+    with pytest.raises(ConfigError, match=r"outputs: '1.bn' is not a spiking neuron, Linear or convolution of a rerun unit"):
         levels.apply(net, "recompute", outputs=["1.bn"])
-    with pytest.raises(ConfigError, match=r"outputs: '1.lif' is not a spiking neuron of a rerun unit .*rerun units: 0, 2"):
+    with pytest.raises(ConfigError, match=r"outputs: '1.lif' is not a spiking neuron, Linear or convolution of a rerun unit .*rerun units: 0, 2"):
         levels.apply(net, "recompute", plain=["1", "3", "4"], outputs=["1.lif"])
-    with pytest.raises(ConfigError, match=r"unit '1' keeps costly-op outputs \(keep\) and a Linear output"):
+    with pytest.raises(ConfigError, match=r"unit '1' keeps costly-op outputs \(keep\) and an output"):
         levels.apply(net, "recompute", keep={"1": [0]}, outputs=["1.lif"])
-    with pytest.raises(ConfigError, match=r"outputs: '1.lif' is not a spiking neuron of a rerun unit"):
+    with pytest.raises(ConfigError, match=r"outputs: '1.lif' is not a spiking neuron, Linear or convolution of a rerun"):
         levels.apply(net, "bits", outputs=["1.lif"])
 
 
-def test_the_peak_planner_keeps_linear_outputs_by_flops_per_byte_within_the_target() -> None:
-    """The planner's last step: the rerun units' Linear outputs, most FLOPs per byte first, each kept where the
-    measured step peak stays within the target. Unit 2 (512 -> 8 channels: 2 KiB of output per row for 8 K
-    FLOPs) comes first; unit 1 (8 -> 512), whose output alone is more than the room, is never measured; the
-    peak returned is the plan's, measured again independently."""
+def test_the_peak_planner_keeps_the_outputs_whose_span_leaves_the_peak_within_the_target() -> None:
+    """The planner's last step keeps a rerun unit's output where, over its life (its unit's forward to its
+    rerun), the step's peak stays within the target. With no room at all, unit 0's output (alive through the
+    wide unit 1's rerun, which holds the peak) is not kept, and those of units 1-4 are, unit 1's 1 MiB
+    included (it is handed to its own rerun, before which backward holds little): each checked against the
+    peak measured with it alone; the peak returned is the plan's, measured again independently."""
     from efficient.memory import levels
     from efficient.memory.measure import activation_memory, step_peak_bytes
     from efficient.memory.plan import _reruns_keeping_outputs
 
     x = torch.rand(4, 16, 8, 8, generator=torch.Generator().manual_seed(7)).round()
 
-    def peak(model: nn.Module) -> int:
+    def peak(model: nn.Module, outputs: list[str]) -> int:
+        levels.apply(model, "recompute", outputs=outputs)
         activation_memory(model, x, backward=True)
         return step_peak_bytes(lambda: activation_memory(model, x, backward=True))
 
     net = _wide_units()
-    levels.apply(net, "recompute", outputs=["0.lif", "1.lif", "2.lif", "3.lif", "4.lif"])  # the regions as they will run
-    start = peak(net)
+    start = peak(net, [])
+    alone = {f"{i}.lif": peak(net, [f"{i}.lif"]) for i in range(5)}
+    assert alone["0.lif"] == start + 4 * 16 * 8 * 8 * 4  # all of its bytes at the peak
     levels.apply(net, "recompute")
-    rows, room = 4 * 16 * 8, 64 * 1024  # room for unit 2's 16 KiB output, not unit 1's 1 MiB
-    outputs, saved, measured = _reruns_keeping_outputs(net, x, None, [], [], start + room, start)
-    assert "2.lif" in outputs and "1.lif" not in outputs, outputs
+    outputs, saved, measured, owners = _reruns_keeping_outputs(net, x, None, [], [], start, start)
+    assert outputs == ["1.lif", "2.lif", "3.lif", "4.lif"] and owners == {"1", "2", "3", "4"}, outputs
+    assert all(alone[n] <= start for n in outputs)
+    rows = 4 * 16 * 8
     assert saved == sum(2 * rows * net[int(n[0])].linear.in_features * net[int(n[0])].linear.out_features for n in outputs)
+    assert measured is not None and measured <= start and peak(net, outputs) == measured
     plan = levels.apply(net, "recompute", outputs=outputs)
-    assert measured is not None and measured <= start + room and peak(net) == measured
-    assert f"{len(outputs)} Linear outputs kept for their reruns" in plan.summary()
-    assert _reruns_keeping_outputs(net, x, None, ["0", "1", "2", "3", "4"], [], start + room, start) == ([], 0, None)
+    assert f"{len(outputs)} outputs kept for their reruns" in plan.summary()
+    assert _reruns_keeping_outputs(net, x, None, ["0", "1", "2", "3", "4"], [], start, start) == ([], 0, None, set())
 
 
 class _FiresFirst(nn.Module):

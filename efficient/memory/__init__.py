@@ -52,7 +52,8 @@ def optimize(model: nn.Module, level: Level | str = "bits", *, budget: float | N
     of level none's step peak of live tensors instead, and the step's peak stays within it or within
     that of every unit rerun whole, whichever is larger, with the units that fit run plainly instead of
     rerun (budget 0: those that cost that peak nothing), the reruns that fit keep their membrane traces, and
-    the rerun units' fused Linear units that fit keep their Linear outputs for the rerun (no matmul there).
+    the rerun units' matmul and convolution outputs that fit are kept for the rerun (none of those ops
+    there).
     `keep` names them directly (`plan.keep` of an earlier plan: unit -> positions among its costly
     ops, in call order)."""
     check_level(level)

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from efficient.kernels import bn_lif
 from efficient.kernels.spike_pack import pack_binary, unpack_spikes
 from efficient.models.neurons import watched
-from efficient.models.replay import rebuild_membrane
+from efficient.models.replay import given_output, keep_output, keeps_output, rebuild_membrane
 
 
 def batch_slices(grad: torch.Tensor, limit: int | None = None) -> list[slice]:
@@ -57,12 +57,17 @@ def _forward_spans(shape: Sequence[int], device: torch.device, weight: Tensor, s
     n = shape[0]
     if device.type != "cpu" or len(shape) != 4 or n < 2:
         return [(0, n)]
+    return bn_lif.chunk_spans(n, math.prod(_out_shape(shape, weight, stride, padding, dilation)[1:]), FORWARD_SLICE)
+
+
+def _out_shape(shape: Sequence[int], weight: Tensor, stride, padding, dilation) -> tuple[int, int, int, int]:
+    """The output shape of a 2-D convolution of an input of `shape` [N, C, H, W] (numeric padding)."""
     pair = lambda v: (v, v) if isinstance(v, int) else tuple(v)  # noqa: E731
     (sh, sw), (ph, pw), (dh, dw) = pair(stride), pair(padding), pair(dilation)
     kh, kw = weight.shape[2:]
     ho = (shape[2] + 2 * ph - dh * (kh - 1) - 1) // sh + 1
     wo = (shape[3] + 2 * pw - dw * (kw - 1) - 1) // sw + 1
-    return bn_lif.chunk_spans(n, weight.shape[0] * ho * wo, FORWARD_SLICE)
+    return shape[0], weight.shape[0], ho, wo
 
 
 def _conv_by_spans(x_of: Callable[[int, slice], Tensor], spans: list[tuple[int, int]], weight: Tensor,
@@ -101,11 +106,11 @@ def _bits_reader(bits: Tensor, shape: Sequence[int], dtype: torch.dtype) -> Call
 class _BatchSlicedConv2d(torch.autograd.Function):
     """F.conv2d forward (by batch slices where large, `sliced_conv2d`); backward (input, weight and bias
     gradients) one slice of the batch at a time. `spikes`: x holds only 0 and 1 (a neuron's output), so a
-    rerun keeps it as bits."""
+    rerun keeps it as bits. `given`: the output, kept from the region's forward (no convolution here)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, stride, padding, dilation, groups, spikes):
-        out = sliced_conv2d(x, weight, bias, stride, padding, dilation, groups)
+    def forward(ctx, x, weight, bias, stride, padding, dilation, groups, spikes, given=None):
+        out = sliced_conv2d(x, weight, bias, stride, padding, dilation, groups) if given is None else given
         ctx.slices = batch_slices(out)
         ctx.conv = (stride, padding, dilation, groups)
         ctx.bias_shape = None if bias is None else list(bias.shape)
@@ -131,7 +136,7 @@ class _BatchSlicedConv2d(torch.autograd.Function):
             shape, dtype = kept[0].shape, kept[0].dtype
             x_of = lambda i, s: kept[0][s]  # noqa: E731
         gx, gw, gb = _sliced_backward(grad, x_of, shape, dtype, weight, ctx.bias_shape, ctx.conv, mask, ctx.slices)
-        return gx, gw, gb, None, None, None, None, None
+        return gx, gw, gb, None, None, None, None, None, None
 
 
 def _sliced_backward(grad: Tensor, x_of: Callable[[int, slice], Tensor], shape: Sequence[int], dtype: torch.dtype,
@@ -216,13 +221,18 @@ class _BitsInputConv2d(torch.autograd.Function):
     spans are `sliced_conv2d`'s), so it is never whole in fp32. `x` is the input in the region's forward, or a
     placeholder of its shape and dtype in the rerun (`recompute`: the rerun of a unit whose input is spikes,
     `recompute_input_from_bits`); only its shape and dtype are read, and its gradient is returned. `dtype`:
-    the dtype the convolution runs in (autocast's, or x's)."""
+    the dtype the convolution runs in (autocast's, or x's). `given`: the output, kept from the region's forward
+    (no convolution here)."""
 
     @staticmethod
-    def forward(ctx, x, bits, weight, bias, dtype, stride, padding, dilation, groups):
+    def forward(ctx, x, bits, weight, bias, dtype, stride, padding, dilation, groups, given=None):
         shape = tuple(x.shape)
-        spans = _forward_spans(shape, x.device, weight, stride, padding, dilation)
-        out = _conv_by_spans(_bits_reader(bits, shape, dtype), spans, weight, bias, stride, padding, dilation, groups)
+        if given is None:
+            spans = _forward_spans(shape, x.device, weight, stride, padding, dilation)
+            out = _conv_by_spans(_bits_reader(bits, shape, dtype), spans, weight, bias, stride, padding, dilation,
+                                 groups)
+        else:
+            out = given
         ctx.meta = (shape, x.dtype, dtype, (stride, padding, dilation, groups),
                     None if bias is None else list(bias.shape))
         ctx.save_for_backward(weight, bits)
@@ -236,7 +246,7 @@ class _BitsInputConv2d(torch.autograd.Function):
                 bool(ctx.needs_input_grad[3]) and bias_shape is not None]
         gx, gw, gb = _sliced_backward(grad, _bits_reader(bits, shape, dtype), shape, x_dtype, weight, bias_shape, conv,
                                       mask, batch_slices(grad))
-        return gx, None, gw, gb, None, None, None, None, None
+        return gx, None, gw, gb, None, None, None, None, None, None
 
 
 _bits_state = threading.local()  # how many convolutions read their input from a region's bits (`bits_reads`)
@@ -267,31 +277,41 @@ def region_conv2d(conv: nn.Module, x: torch.Tensor, spikes: bool = False,
     knows x is a neuron's output (0 and 1 only), so the rerun keeps it as bits. Under autocast it
     runs in the autocast dtype, as `conv(x)` would. `bits`: x's bits, which the region keeps; the
     convolution reads its input from them (eager: x may be a placeholder, `recompute_input_from_bits`),
-    or its backward does (under torch.compile, where only a region's spike input takes this path)."""
+    or its backward does (under torch.compile, where only a region's spike input takes this path). An eager
+    region told to keep this convolution's output (`efficient.models.replay.KEEP_OUTPUT_MARK` on `conv`) keeps it
+    from its forward and hands it to the rerun, which skips the convolution (the same backward)."""
     compiling, grad = torch.compiler.is_compiling(), torch.is_grad_enabled()
-    if not (rebuild_membrane(conv) and (bits is not None or not compiling) and (grad or not compiling)
-            and x.dim() == 4 and x.shape[0] > 0 and plain_conv(conv)):
+    # (a region that keeps this convolution's output takes this path also where it keeps its membrane traces)
+    if not ((rebuild_membrane(conv) or keeps_output(conv)) and (bits is not None or not compiling)
+            and (grad or not compiling) and x.dim() == 4 and x.shape[0] > 0 and plain_conv(conv)):
         return conv(x)
     dev = x.device.type
     amp = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
     w, b = conv.weight, conv.bias
     if amp is not None:
         w, b = w.to(amp), None if b is None else b.to(amp)
+    shape = _out_shape(x.shape, w, conv.stride, conv.padding, conv.dilation)
+    given = None if compiling else given_output(conv, shape)
+    flops = 2 * math.prod(shape) * math.prod(w.shape[1:])
     with torch.autocast(dev, enabled=False):
         if bits is not None and not compiling:
             # an eager region's unit whose input is spikes kept as bits (`recompute`): in its rerun x is a
             # placeholder, so the input is read from the bits (in the autocast dtype, as `conv(x)` would run)
             _bits_state.reads = bits_reads() + 1
-            return _BitsInputConv2d.apply(x, bits, w, b, amp or x.dtype, conv.stride, conv.padding, conv.dilation,
-                                          conv.groups)
+            out = _BitsInputConv2d.apply(x, bits, w, b, amp or x.dtype, conv.stride, conv.padding, conv.dilation,
+                                         conv.groups, given)
+            keep_output(conv, out, flops)
+            return out
         if amp is not None:
             x = x.to(amp)
         if not grad:
             # the region's forward, run without autograd, computes z as its rerun will (`sliced_conv2d`): the
             # same values bit for bit, so the rerun's spikes are the forward's
-            return sliced_conv2d(x, w, b, conv.stride, conv.padding, conv.dilation, conv.groups)
+            out = sliced_conv2d(x, w, b, conv.stride, conv.padding, conv.dilation, conv.groups)
+            keep_output(conv, out, flops)
+            return out
         if compiling:
             out = F.conv2d(x.detach(), w.detach(), None if b is None else b.detach(), conv.stride, conv.padding,
                            conv.dilation, conv.groups)
             return _BitsKeptConv2d.apply(out, x, bits, w, b, conv.stride, conv.padding, conv.dilation, conv.groups)
-        return _BatchSlicedConv2d.apply(x, w, b, conv.stride, conv.padding, conv.dilation, conv.groups, spikes)
+        return _BatchSlicedConv2d.apply(x, w, b, conv.stride, conv.padding, conv.dilation, conv.groups, spikes, given)

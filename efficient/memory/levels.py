@@ -42,8 +42,9 @@ class MemoryPlan:
     # a peak budget's choice, where the step's peak allows it
     keeping: list[str] = field(default_factory=list)
     floor_fraction: float | None = None  # the same fraction with every unit rerun whole
-    # neurons of rerun units whose fused Linear -> BatchNorm -> LIF units keep their Linear outputs from forward
-    # for the rerun, which then skips their matmuls (`efficient.models.replay.linear_output`): a peak budget's choice
+    # modules of rerun units whose outputs their regions keep from forward for the rerun, which then skips those
+    # matmuls and convolutions: neurons of fused Linear -> BatchNorm -> LIF units (for the Linear's output), Linears
+    # and convolutions (`efficient.models.replay.KEEP_OUTPUT_MARK`): a peak budget's choice
     outputs: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
@@ -61,7 +62,7 @@ class MemoryPlan:
             if plains := [u for u in self.keeping if u in self.plain]:
                 text += f", {len(plains)} run plainly keeping their membrane traces (no rebuild in backward)"
             if self.outputs:
-                text += f", {len(self.outputs)} Linear outputs kept for their reruns (no matmul there)"
+                text += f", {len(self.outputs)} outputs kept for their reruns (no matmul or convolution there)"
             if self.keep:
                 text += (f", {sum(map(len, self.keep.values()))} matmul/convolution outputs kept "
                          f"in {len(self.keep)} of them")
@@ -137,8 +138,9 @@ def apply(model: nn.Module, level: Level | str = "bits", *, keep: dict[str, Sequ
     by chunks (`recompute.wrap(lean=False)`: faster, more memory while the unit's rerun lasts), and the
     plain units whose fused BatchNorm + LIF units keep their membrane traces from forward to backward,
     as at level none, rather than rebuild them in backward (faster, more memory over the unit's span), and
-    `outputs` the neurons (module names) of rerun units whose fused Linear -> BatchNorm -> LIF units keep
-    their Linear outputs for the rerun, which skips those matmuls (more memory from forward to the rerun);
+    `outputs` the modules (names) of rerun units whose outputs the rerun takes from forward, skipping those
+    matmuls and convolutions (more memory from forward to the rerun): the neuron of a fused Linear -> BatchNorm
+    -> LIF unit (its Linear's output), a Linear or a convolution;
     say what was done.
     `optimize` is the public entry (it checks its arguments and plans a budget); `keep` is read at
     level recompute only."""
@@ -198,19 +200,20 @@ def apply(model: nn.Module, level: Level | str = "bits", *, keep: dict[str, Sequ
 
 def _check_outputs(outputs: list[str], named: dict[str, nn.Module], reruns: list[tuple[str, nn.Module]],
                    keep: dict[str, list[int]]) -> None:
-    """A ConfigError unless each of `outputs` names a spiking neuron called by a rerun unit that keeps no
-    costly-op outputs under selective checkpointing (which runs it under torch's checkpoint, where nothing of
-    ours is kept)."""
+    """A ConfigError unless each of `outputs` names a spiking neuron (of a fused Linear -> BatchNorm -> LIF
+    unit), a Linear or a convolution called by a rerun unit that keeps no costly-op outputs under selective
+    checkpointing (which runs it under torch's checkpoint, where nothing of ours is kept)."""
     owner = {id(inner): name for name, m in reruns for inner in region_modules(m)}
     for name in outputs:
         m = named.get(name)
         unit = None if m is None else owner.get(id(m))
-        if m is None or not is_neuron(m) or unit is None:
-            raise ConfigError(f"memory: outputs: {name!r} is not a spiking neuron of a rerun unit of this model "
-                              f"(rerun units: {', '.join(n for n, _ in reruns) or 'none'}); name the neuron of a fused "
-                              "Linear -> BatchNorm -> LIF unit, as a peak budget's plan lists them")
+        if m is None or not (is_neuron(m) or type(m) in (nn.Linear, nn.Conv2d)) or unit is None:
+            raise ConfigError(f"memory: outputs: {name!r} is not a spiking neuron, Linear or convolution of a rerun unit "
+                              f"of this model (rerun units: {', '.join(n for n, _ in reruns) or 'none'}); name the "
+                              "neuron of a fused Linear -> BatchNorm -> LIF unit, or the Linear or convolution, as a "
+                              "peak budget's plan lists them")
         if unit in keep:
-            raise ConfigError(f"memory: unit {unit!r} keeps costly-op outputs (keep) and a Linear output ({name!r}); "
+            raise ConfigError(f"memory: unit {unit!r} keeps costly-op outputs (keep) and an output ({name!r}); "
                               "give it one or the other")
 
 

@@ -31,10 +31,16 @@ largest rerun fit. The planner then lets every rerun keep what a plain call keep
 and backward (`keeping`), measures the step, and while its peak is over the target makes lean again
 the unit whose rerun holds that peak, one at a time. Last, a unit run plainly may keep its membrane traces
 from forward to backward, as at level `none`, instead of rebuilding them in backward as level `bits` does:
-each one, the last in forward first, keeps them if the measured peak stays within the target. And a rerun
-unit's fused Linear -> BatchNorm -> LIF units may keep their Linear outputs from forward, so the rerun skips
-those matmuls (a spiking transformer's second MLP Linear: a quarter of the first's output bytes for the same
-FLOPs): the most FLOPs per byte first, each kept if the measured peak stays within the target.
+each one, the last in forward first, keeps them if the measured peak stays within the target.
+
+A rerun unit may also keep single outputs from forward for its rerun, which then skips those matmuls and
+convolutions: a fused Linear -> BatchNorm -> LIF unit's Linear output, a Linear's, a convolution's (a
+spiking transformer's second MLP Linear: a quarter of the first's output bytes for the same FLOPs; SDT's
+position-embedding convolution: 77 GFLOP for 32 MiB at b64). An output lives from its unit's forward to
+its rerun, and is admitted as a plain unit is: the most FLOPs per byte first, predicted over that span,
+then measured. Plain units and kept outputs compete for the same room, so the planner makes two plans,
+one admitting plain units first and one admitting outputs first, and keeps the one that reruns fewer
+FLOPs (ties: the lower peak).
 """
 
 from __future__ import annotations
@@ -210,24 +216,67 @@ def choose_plain_for_peak(model: nn.Module, example: Any, budget: float,
     # FLOPs saved per byte first; among equals (a transformer's blocks), the shortest span holds its bytes least
     candidates.sort(key=lambda c: (-c[2] / max(c[1], 1), c[3][1] - c[3][0]))
 
-    def measure(names: list[str]) -> int:
-        apply(model, "recompute", plain=names)
-        return step_peak_bytes(_step(model, example, loss_fn))
-
     try:
-        chosen, total = _admit_plain(candidates, live, target, floor, measure)
-        plain = sorted(c[0] for c in chosen)
-        keeping, peak = _reruns_keeping(model, example, loss_fn, plain, target)
-        total = total if peak is None else peak
-        keeping, peak = _plains_keeping(model, example, loss_fn, plain, keeping, target)
-        total = total if peak is None else peak
-        outputs, saved, peak = _reruns_keeping_outputs(model, example, loss_fn, plain, keeping, target, total)
-        total = total if peak is None else peak
+        # two orders, the plan saving more rerun FLOPs kept: units run plainly first (they skip a whole rerun,
+        # elementwise work included), then outputs in what room is left; or outputs first (one output often
+        # saves as many FLOPs as a plain unit for a fraction of its bytes), then plain units
+        plans = [_plan_in_order(model, example, loss_fn, candidates, live, target, floor, first)
+                 for first in ("plain", "outputs")]
     finally:
         apply(model, "none")
+    best = max(plans, key=lambda q: (q.saved, -q.total))
     flops = sum(fl for found in ops.values() for _, _, fl in found)
-    return BudgetChoice(budget, {}, none, total, flops, flops - sum(c[2] for c in chosen) - saved, ops, of="peak",
-                        floor_bytes=floor, plain=plain, keeping=keeping, outputs=outputs)
+    return BudgetChoice(budget, {}, none, best.total, flops, flops - best.saved, ops, of="peak", floor_bytes=floor,
+                        plain=best.plain, keeping=best.keeping, outputs=best.outputs)
+
+
+@dataclass
+class _PeakPlan:
+    plain: list[str]
+    keeping: list[str]
+    outputs: list[str]
+    saved: int  # matmul/convolution FLOPs not rerun
+    total: int  # the step's measured peak
+
+
+def _plan_in_order(model: nn.Module, example: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
+                   candidates: list[Candidate], live: Any, target: float, floor: int, first: str) -> _PeakPlan:
+    """A peak plan from every unit rerun whole (`live`, `floor`): the units run plainly and the outputs kept
+    for reruns, `first` ("plain" or "outputs") admitted first into the room under `target`, then the reruns
+    and plain units that may keep their membrane traces."""
+    from efficient.memory.measure import step_peak_bytes
+
+    def admit_plain(outputs: list[str], owners: set[str], live: Any, peak: int) -> tuple[list[tuple[str, int, int]], int]:
+        def measure(names: list[str]) -> int:
+            apply(model, "recompute", plain=names, outputs=outputs)
+            return step_peak_bytes(_step(model, example, loss_fn))
+        # a unit whose outputs are kept for its rerun stays a rerun
+        return _admit_plain([c for c in candidates if c[0] not in owners], live, target, peak, measure)
+
+    if first == "plain":
+        chosen, total = admit_plain([], set(), live, floor)
+        plain = sorted(c[0] for c in chosen)
+        outputs, out_saved = [], 0
+    else:
+        outputs, out_saved, peak, owners = _reruns_keeping_outputs(model, example, loss_fn, [], [], target, floor)
+        total = floor if peak is None else peak
+        if outputs:
+            import numpy as np
+
+            apply(model, "recompute", outputs=outputs)
+            with _marking(model):
+                timeline = step_timeline(_step(model, example, loss_fn))
+            live = np.asarray(timeline.live, dtype=np.int64)
+        chosen, total = admit_plain(outputs, owners, live, total)
+        plain = sorted(c[0] for c in chosen)
+    keeping, peak = _reruns_keeping(model, example, loss_fn, plain, target, outputs)
+    total = total if peak is None else peak
+    keeping, peak = _plains_keeping(model, example, loss_fn, plain, keeping, target, outputs)
+    total = total if peak is None else peak
+    if first == "plain":
+        outputs, out_saved, peak, _ = _reruns_keeping_outputs(model, example, loss_fn, plain, keeping, target, total)
+        total = total if peak is None else peak
+    return _PeakPlan(plain, keeping, outputs, sum(c[2] for c in chosen) + out_saved, total)
 
 
 Candidate = tuple[str, int, int, tuple[int, int]]  # unit, bytes it keeps more run plainly, FLOPs saved, span
@@ -273,7 +322,7 @@ def _admit_plain(candidates: list[Candidate], live: Any, target: float, floor: i
 
 
 def _reruns_keeping(model: nn.Module, example: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
-                    plain: list[str], target: float) -> tuple[list[str], int | None]:
+                    plain: list[str], target: float, outputs: list[str] | None = None) -> tuple[list[str], int | None]:
     """The rerun units (all but `plain`) whose reruns may keep their membrane traces with the step's peak of
     live tensors within `target`, and that peak: all of them, less the unit whose rerun holds the measured
     peak, one at a time, while the peak is over. ([], None) when the peak lies elsewhere (in forward, or in a
@@ -282,7 +331,7 @@ def _reruns_keeping(model: nn.Module, example: Any, loss_fn: Callable[[Any], tor
 
     names = [name for name, _ in units(model) if name not in plain]
     while names:
-        apply(model, "recompute", plain=plain, keeping=names)
+        apply(model, "recompute", plain=plain, keeping=names, outputs=outputs)
         with _marking(model):
             timeline = step_timeline(_step(model, example, loss_fn))
         if timeline.peak <= target:
@@ -295,7 +344,8 @@ def _reruns_keeping(model: nn.Module, example: Any, loss_fn: Callable[[Any], tor
 
 
 def _plains_keeping(model: nn.Module, example: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
-                    plain: list[str], keeping: list[str], target: float) -> tuple[list[str], int | None]:
+                    plain: list[str], keeping: list[str], target: float,
+                    outputs: list[str] | None = None) -> tuple[list[str], int | None]:
     """`keeping` and the plain units that may keep their membrane traces from forward to backward with the
     step's peak of live tensors within `target` (tried one at a time, the last in forward first: its traces
     live the shortest), and the last peak measured of the plan returned (None when none is added)."""
@@ -304,13 +354,13 @@ def _plains_keeping(model: nn.Module, example: Any, loss_fn: Callable[[Any], tor
     from efficient.models.replay import recording_rebuilds
 
     # only a unit whose fused BatchNorm + LIF leaves its trace to its backward has a trace to keep: one forward
-    apply(model, "recompute", plain=plain, keeping=keeping)
+    apply(model, "recompute", plain=plain, keeping=keeping, outputs=outputs)
     with recording_rebuilds() as rebuilt:
         activation_memory(model, example, loss_fn, backward=False)
     fused = [n for n, m in units(model) if n in plain and any(id(x) in rebuilt for x in region_modules(m))]
     chosen, peak = list(keeping), None
     for name in reversed(fused):
-        apply(model, "recompute", plain=plain, keeping=chosen + [name])
+        apply(model, "recompute", plain=plain, keeping=chosen + [name], outputs=outputs)
         measured = step_peak_bytes(_step(model, example, loss_fn))
         if measured <= target:
             chosen.append(name)
@@ -320,40 +370,58 @@ def _plains_keeping(model: nn.Module, example: Any, loss_fn: Callable[[Any], tor
 
 def _reruns_keeping_outputs(model: nn.Module, example: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
                             plain: list[str], keeping: list[str], target: float, peak: int
-                            ) -> tuple[list[str], int, int | None]:
-    """The neurons of rerun units whose fused Linear -> BatchNorm -> LIF units may keep their Linear outputs for
-    the rerun (which then skips those matmuls) with the step's peak of live tensors within `target`, the FLOPs
-    that saves, and the last peak measured of the plan returned (None when none is kept). One forward lists
-    them with their bytes and FLOPs; the most FLOPs per byte first, each is measured where the last peak
-    (`peak` to start) and its bytes stay within the target, and kept if the measured peak does."""
+                            ) -> tuple[list[str], int, int | None, set[str]]:
+    """The modules of rerun units whose outputs their regions may keep for the rerun (which then skips those
+    matmuls and convolutions) with the step's peak of live tensors within `target`, the FLOPs that saves, and
+    the last peak measured of the plan returned (None when none is kept). The owners are the neurons of fused
+    Linear -> BatchNorm -> LIF units (for their Linear's output), Linears and convolutions. One forward lists
+    them with their bytes and FLOPs, one step marks each unit's span on the step's live bytes; an output lives
+    from its unit's forward to its rerun, so, the most FLOPs per byte first, each is admitted as plain units are
+    (`_admit_plain`: predicted over its unit's span beside those admitted, then measured, one at a time where
+    the prediction missed). `peak`: the plan's measured peak without any. Last, the units whose outputs are kept."""
+    import numpy as np
+
     from efficient.memory.measure import step_peak_bytes
     from efficient.memory.recompute import region_modules
     from efficient.memory.spikes import is_neuron
     from efficient.models.replay import recording_outputs
 
     named = {id(m): n for n, m in model.named_modules()}
-    every = sorted({named[id(inner)] for name, m in units(model) if name not in plain for inner in region_modules(m)
-                    if is_neuron(inner) and id(inner) in named})
+    unit_of = {id(inner): name for name, m in units(model) if name not in plain for inner in region_modules(m)}
+    every = sorted({named[id(x)] for name, m in units(model) if name not in plain for x in region_modules(m)
+                    if id(x) in named and (is_neuron(x) or type(x) in (nn.Linear, nn.Conv2d))})
     if not every:
-        return [], 0, None
+        return [], 0, None, set()
     apply(model, "recompute", plain=plain, keeping=keeping, outputs=every)
-    with recording_outputs() as seen:
+    with recording_outputs(keep=False) as seen:
         activation_memory(model, example, loss_fn, backward=False)
     found: dict[str, list[int]] = {}
-    for neuron, size, fl in seen:  # a unit called more than once keeps an output per call
-        acc = found.setdefault(named[id(neuron)], [0, 0])
+    owners: dict[str, str] = {}
+    for owner, size, fl in seen:  # a module called more than once keeps an output per call
+        acc = found.setdefault(named[id(owner)], [0, 0])
         acc[0], acc[1] = acc[0] + size, acc[1] + fl
-    chosen: list[str] = []
-    saved, last = 0, None
-    for name, (size, fl) in sorted(found.items(), key=lambda kv: (-kv[1][1] / max(kv[1][0], 1), kv[0])):
-        if peak + size > target:
-            continue
-        apply(model, "recompute", plain=plain, keeping=keeping, outputs=chosen + [name])
-        measured = step_peak_bytes(_step(model, example, loss_fn))
-        if measured <= target:
-            chosen.append(name)
-            saved, peak, last = saved + fl, measured, measured
-    return sorted(chosen), saved, last
+        owners[named[id(owner)]] = unit_of[id(owner)]
+    if not found:
+        return [], 0, None, set()
+    apply(model, "recompute", plain=plain, keeping=keeping)
+    with _marking(model):
+        timeline = step_timeline(_step(model, example, loss_fn))
+    live = np.asarray(timeline.live, dtype=np.int64)
+    candidates = []
+    for name, (size, fl) in found.items():
+        span = _span(timeline.marks, owners[name], len(live))
+        if span is not None and size:
+            candidates.append((name, size, fl, span))
+    candidates.sort(key=lambda c: (-c[2] / c[1], c[3][1] - c[3][0], c[0]))
+
+    def measure(names: list[str]) -> int:
+        apply(model, "recompute", plain=plain, keeping=keeping, outputs=names)
+        return step_peak_bytes(_step(model, example, loss_fn))
+
+    chosen, total = _admit_plain(candidates, live, target, peak, measure)
+    if not chosen:
+        return [], 0, None, set()
+    return sorted(c[0] for c in chosen), sum(c[2] for c in chosen), total, {owners[c[0]] for c in chosen}
 
 
 def _rerun_at(marks: dict[str, list[int]], k: int) -> str | None:

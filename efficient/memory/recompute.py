@@ -22,10 +22,11 @@ A unit can also keep the outputs of some of its matmuls and convolutions (`KeptO
 a byte budget by `plan.py`): torch's selective checkpointing caches them in forward and the rerun
 reads them instead of computing them again, so only the cheap elementwise work between them reruns.
 They pass through the saved-tensor hooks around the region, so they are counted and, were they
-spikes, packed like any other saved tensor. Lighter still, a unit's fused Linear -> BatchNorm -> LIF units
-can keep just their Linear outputs (`efficient.models.replay.linear_output`, named per neuron by a peak
-budget's plan): the light region saves them beside its inputs and its rerun reads them instead of running
-those matmuls, with the same gradients; such a unit always runs as a light region (eager only).
+spikes, packed like any other saved tensor. Lighter still, a unit can keep just some matmul and convolution
+outputs (`efficient.models.replay.KEEP_OUTPUT_MARK`, named by a peak budget's plan: a fused Linear -> BatchNorm
+-> LIF unit's Linear output under its neuron, a Linear's, a convolution's): the light region saves them beside
+its inputs and its rerun reads them instead of running those ops, with the same gradients; such a unit always
+runs as a light region (eager only).
 
 Under `torch.compile` the same regions become the compiler's checkpoint regions (recomputed in the
 compiled backward; buffer updates happen once, in the forward graph). Each region's input then
@@ -391,8 +392,8 @@ _NOT_LIGHT = object()  # `_light_region`: this call cannot be one
 # reruns set a step's peak) keeps torch's checkpoint, chosen from its previous call's output (its first call
 # is a checkpoint's, which measures it; the size stays when a level is applied again).
 _OUT_NUMEL = "_efficient_out_numel"
-# set by `wrap` on a unit some of whose neurons' fused units keep their Linear outputs (`KEEP_OUTPUT_MARK`): it
-# runs as a light region whatever its output's size, the one region that keeps them
+# set by `wrap` on a unit some of whose modules keep their outputs for its rerun (`KEEP_OUTPUT_MARK`): it runs as
+# a light region whatever its output's size, the one region that keeps them
 _OUTPUTS = "_efficient_keeps_outputs"
 
 
@@ -476,9 +477,9 @@ class _Region(torch.autograd.Function):
     (through the saved-tensor hooks around it, so spikes are kept as bits); backward reruns it with
     autograd on those inputs, under the forward's RNG and autocast state and buffer values, and
     returns the gradients of its inputs and of the parameters it uses (`torch.autograd.grad`, so
-    they reach `.grad` through the engine, where DDP's and FSDP's hooks see them). The Linear outputs its
-    fused units are told to keep (`efficient.models.replay.linear_output`) are saved beside the inputs and
-    handed back to the rerun in call order, which skips those matmuls. On a toy-width step
+    they reach `.grad` through the engine, where DDP's and FSDP's hooks see them). The matmul and convolution
+    outputs it is told to keep (`efficient.models.replay.KEEP_OUTPUT_MARK`) are saved beside the inputs and
+    handed back to the rerun in call order, which skips those ops. On a toy-width step
     it cut the level's extra host cost to about 0.8x of checkpoint's, and to about 0.6x with the forward run
     outside the spike propagation (BENCHMARKS.md `## memory`)."""
 
@@ -486,7 +487,7 @@ class _Region(torch.autograd.Function):
     def forward(ctx: Any, run: _RegionCall, n_inputs: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         inputs = tensors[:n_inputs]
         run.save_state(inputs)
-        kept = KeptOutputs()  # the Linear outputs its units keep for the rerun (`linear_output`)
+        kept = KeptOutputs()  # the outputs its modules keep for the rerun (`keep_output`)
         with run.buffers.forward(), propagation_suspended(), keeping_outputs(kept):
             out = run.call(inputs)
         leaves, run.out_spec = tree_flatten(out)
@@ -618,7 +619,7 @@ def recomputed_forward(module: nn.Module, forward: Callable[..., Any], *args: An
     if in_region():
         return forward(*args, **kwargs)
     _vouch(module, args)
-    outputs = module.__dict__.get(_OUTPUTS, False)  # only a light region keeps Linear outputs for its rerun
+    outputs = module.__dict__.get(_OUTPUTS, False)  # only a light region keeps outputs for its rerun
     if (kept_ops is None or not kept_ops.selective) and module.__dict__.get("_efficient_light", True) \
             and (outputs or getattr(module, "recompute_residual", False)
                  or module.__dict__.get(_OUT_NUMEL, math.inf) <= bn_lif.RECOMPUTE_CHUNK):
@@ -626,7 +627,7 @@ def recomputed_forward(module: nn.Module, forward: Callable[..., Any], *args: An
         if out is not _NOT_LIGHT:
             return out
         if outputs:
-            raise RuntimeError(f"memory level recompute: unit {type(module).__name__} keeps Linear outputs for its rerun, "
+            raise RuntimeError(f"memory level recompute: unit {type(module).__name__} keeps outputs for its rerun, "
                                "which needs its call's arguments to be tensors and plain values; this call passes an "
                                "object: apply the level without outputs for this unit")
     lean = module.__dict__.get("_efficient_lean", True)
