@@ -322,13 +322,34 @@ def test_a_peak_budget_runs_plainly_the_units_that_cost_the_peak_nothing() -> No
     assert "within the budget of 100 %" in wide.summary()
 
 
+@pytest.mark.parametrize("plain_flops,output_flops,chosen", [(100, 150, "plain"), (100, 250, "outputs"),
+                                                              (100, 200, "plain")])
+def test_the_peak_planner_keeps_the_order_that_saves_more_rerun_work(
+        plain_flops: int, output_flops: int, chosen: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner makes a plan admitting plain units first and one admitting outputs first, and keeps the
+    one worth more: a plain unit's FLOPs count twice (it also skips its rerun's elementwise work), a kept
+    output's once; at equal worth, the lower peak (here the plain-first plan's)."""
+    from efficient.memory import plan as P
+
+    def plan_in_order(*args: object) -> P._PeakPlan:
+        if args[-1] == "plain":
+            return P._PeakPlan(["4"], [], [], plain_flops, 0, 100)
+        return P._PeakPlan([], [], ["3.conv"], 0, output_flops, 101)
+
+    monkeypatch.setattr(P, "_plan_in_order", plan_in_order)
+    x = torch.rand(4, 8, 2, 16, 16, generator=torch.Generator().manual_seed(1)) * 3
+    c = P.choose_plain_for_peak(_deep_net(), x, 0.5)
+    assert (c.plain, c.outputs) == ((["4"], []) if chosen == "plain" else ([], ["3.conv"]))
+    assert c.rerun_flops == c.flops - (plain_flops if chosen == "plain" else output_flops)
+
+
 def test_the_peak_planner_tries_again_the_units_a_wrongly_admitted_one_turned_away() -> None:
     """A unit predicted to fit whose measured step peak is over the target is dropped, and the units its
     predicted bytes had turned away are predicted again without it and, where they fit, measured and run
     plainly: the planner leaves no room that a measured unit fits in."""
     import numpy as np
 
-    from efficient.memory.plan import _admit_plain
+    from efficient.memory.plan import _admit_by_span
 
     live = np.full(100, 10)
     # (unit, bytes kept more when plain, FLOPs saved, span): "a" saves the most per byte over the whole step
@@ -339,12 +360,12 @@ def test_the_peak_planner_tries_again_the_units_a_wrongly_admitted_one_turned_aw
         measured.append(list(names))
         return 40 if "a" in names else 10 + 10 * len(names)
 
-    chosen, total = _admit_plain(candidates, live, 30, 10, measure)
+    chosen, total = _admit_by_span(candidates, live, 30, 10, measure)
     assert [c[0] for c in chosen] == ["b", "c"] and total == 30, (chosen, measured)
     assert measured == [["a"], ["a"], ["b"], ["b", "c"]]
     # a correct prediction is measured once
     measured.clear()
-    chosen, total = _admit_plain(candidates[1:], live, 30, 10, measure)
+    chosen, total = _admit_by_span(candidates[1:], live, 30, 10, measure)
     assert [c[0] for c in chosen] == ["b", "c"] and total == 30 and measured == [["b", "c"]]
 
 
@@ -574,13 +595,15 @@ def test_kept_linear_outputs_are_in_the_attention_and_mlp_of_a_spikformer_with_t
     assert all(torch.equal(a, b) for a, b in zip(b0, b1))
 
 
-@pytest.mark.parametrize("arch,keeping", [("sdt-2-512", False), ("sdt-2-512", True), ("stable-snn-vgg11", False)])
+@pytest.mark.parametrize("arch,keeping,amp", [("sdt-2-512", False, False), ("sdt-2-512", True, False),
+                                              ("sdt-2-512", False, True), ("stable-snn-vgg11", False, False)])
 def test_kept_convolution_and_linear_outputs_skip_their_reruns_with_the_same_gradients(
-        arch: str, keeping: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+        arch: str, keeping: bool, amp: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every convolution and Linear of the rerun units (SDT's stem stages, position embedding, projection and
     second MLP Linear; the VGG's units) and every fused Linear unit keep their outputs for the reruns, in lean
-    reruns and in reruns keeping their membrane traces: backward runs none of those convolutions or matmuls,
-    and two steps give the gradients and statistics of the same units rerun without them, bit for bit."""
+    reruns, in reruns keeping their membrane traces and under bf16 autocast (outputs kept in bf16): backward
+    runs none of those convolutions or matmuls, and two steps give the gradients and statistics of the same
+    units rerun without them, bit for bit."""
     import torch.nn.functional as F
 
     from efficient.memory import levels
@@ -618,7 +641,8 @@ def test_kept_convolution_and_linear_outputs_skip_their_reruns_with_the_same_gra
         with recording_outputs() as kept:
             for _ in range(2):
                 model.zero_grad(set_to_none=True)
-                loss = F.cross_entropy(model(x), y)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                    loss = F.cross_entropy(model(x).float(), y)
                 weights.clear()
                 loss.backward()
                 rerun |= {n for n, p in model.named_parameters() if id(p) in weights}
@@ -627,7 +651,8 @@ def test_kept_convolution_and_linear_outputs_skip_their_reruns_with_the_same_gra
 
     g0, b0, _, rerun0 = steps(False)
     g1, b1, kept, rerun1 = steps(True)
-    convs = {n for n in kept if "conv" in n or n.endswith(".linear")}
+    # (under autocast a region's convolution multiplies by a bf16 copy of its weight: matmuls are counted there)
+    convs = {n for n in kept if ("conv" in n and not amp) or n.endswith(".linear")}
     assert convs and all(f"{n}.weight" in rerun0 and f"{n}.weight" not in rerun1 for n in convs), (convs, rerun1)
     if arch.startswith("sdt"):
         assert {"blocks.0.attn.proj.linear", "blocks.0.mlp.fc2.linear", "patch_embed.rpe_conv"} <= kept

@@ -39,8 +39,9 @@ spiking transformer's second MLP Linear: a quarter of the first's output bytes f
 position-embedding convolution: 77 GFLOP for 32 MiB at b64). An output lives from its unit's forward to
 its rerun, and is admitted as a plain unit is: the most FLOPs per byte first, predicted over that span,
 then measured. Plain units and kept outputs compete for the same room, so the planner makes two plans,
-one admitting plain units first and one admitting outputs first, and keeps the one that reruns fewer
-FLOPs (ties: the lower peak).
+one admitting plain units first and one admitting outputs first, and keeps the one that saves more rerun
+work: the FLOPs of its kept outputs, and those of its plain units twice (`PLAIN_WORTH`: a plain unit also
+skips its rerun's elementwise work); ties go to the lower peak.
 """
 
 from __future__ import annotations
@@ -217,17 +218,25 @@ def choose_plain_for_peak(model: nn.Module, example: Any, budget: float,
     candidates.sort(key=lambda c: (-c[2] / max(c[1], 1), c[3][1] - c[3][0]))
 
     try:
-        # two orders, the plan saving more rerun FLOPs kept: units run plainly first (they skip a whole rerun,
-        # elementwise work included), then outputs in what room is left; or outputs first (one output often
-        # saves as many FLOPs as a plain unit for a fraction of its bytes), then plain units
+        # two orders: units run plainly first, then outputs in what room is left; or outputs first (one output
+        # often saves as many FLOPs as a plain unit for a fraction of its bytes), then plain units
         plans = [_plan_in_order(model, example, loss_fn, candidates, live, target, floor, first)
                  for first in ("plain", "outputs")]
     finally:
         apply(model, "none")
-    best = max(plans, key=lambda q: (q.saved, -q.total))
+    best = max(plans, key=lambda q: (q.worth, -q.total))
     flops = sum(fl for found in ops.values() for _, _, fl in found)
     return BudgetChoice(budget, {}, none, best.total, flops, flops - best.saved, ops, of="peak", floor_bytes=floor,
                         plain=best.plain, keeping=best.keeping, outputs=best.outputs)
+
+
+# A unit run plainly skips its whole rerun: its matmuls and convolutions, and about as much again in elementwise
+# work (BatchNorm, neurons, pools, the membrane trace rebuilt in backward), where a kept output skips one op. So
+# when two plans are compared, a plain unit's FLOPs count this many times. (On a CPU, SDT-2-512's rerun spent
+# 1.3 s in matmuls and convolutions and 0.7 s in the rest; Spikformer-4-384's plan with plain units first saved
+# 53 % of the FLOPs against 64 % for outputs first and was the faster, SDT's 5 % against 24 % the slower:
+# BENCHMARKS.md `## memory`. Any weight from 1.3 to 4.4 orders those two pairs as their times did.)
+PLAIN_WORTH = 2
 
 
 @dataclass
@@ -235,8 +244,17 @@ class _PeakPlan:
     plain: list[str]
     keeping: list[str]
     outputs: list[str]
-    saved: int  # matmul/convolution FLOPs not rerun
+    plain_flops: int  # matmul/convolution FLOPs of the units run plainly
+    output_flops: int  # those of the outputs kept
     total: int  # the step's measured peak
+
+    @property
+    def saved(self) -> int:  # matmul/convolution FLOPs not rerun
+        return self.plain_flops + self.output_flops
+
+    @property
+    def worth(self) -> int:
+        return PLAIN_WORTH * self.plain_flops + self.output_flops
 
 
 def _plan_in_order(model: nn.Module, example: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
@@ -251,7 +269,7 @@ def _plan_in_order(model: nn.Module, example: Any, loss_fn: Callable[[Any], torc
             apply(model, "recompute", plain=names, outputs=outputs)
             return step_peak_bytes(_step(model, example, loss_fn))
         # a unit whose outputs are kept for its rerun stays a rerun
-        return _admit_plain([c for c in candidates if c[0] not in owners], live, target, peak, measure)
+        return _admit_by_span([c for c in candidates if c[0] not in owners], live, target, peak, measure)
 
     if first == "plain":
         chosen, total = admit_plain([], set(), live, floor)
@@ -276,20 +294,21 @@ def _plan_in_order(model: nn.Module, example: Any, loss_fn: Callable[[Any], torc
     if first == "plain":
         outputs, out_saved, peak, _ = _reruns_keeping_outputs(model, example, loss_fn, plain, keeping, target, total)
         total = total if peak is None else peak
-    return _PeakPlan(plain, keeping, outputs, sum(c[2] for c in chosen) + out_saved, total)
+    return _PeakPlan(plain, keeping, outputs, sum(c[2] for c in chosen), out_saved, total)
 
 
-Candidate = tuple[str, int, int, tuple[int, int]]  # unit, bytes it keeps more run plainly, FLOPs saved, span
+# a unit run plainly or an output kept: its name, the bytes it keeps more, the FLOPs it saves, its span
+Candidate = tuple[str, int, int, tuple[int, int]]
 
 
-def _admit_plain(candidates: list[Candidate], live: Any, target: float, floor: int,
+def _admit_by_span(candidates: list[Candidate], live: Any, target: float, floor: int,
                  measure: Callable[[list[str]], int]) -> tuple[list[tuple[str, int, int]], int]:
-    """The units to run plainly, (unit, bytes, FLOPs) in the order of `candidates`, and the step peak that
-    `measure(units)` gave them (`floor` for none). A unit is predicted to fit when the live bytes over its
-    span (`live`, every unit rerun whole), with those of the units already admitted that overlap it and its
-    own, stay within `target`. The predicted set is measured; when it is over, its units are measured one at
-    a time, and then the candidates it turned away are predicted again beside those kept and measured
-    where they fit (a unit that did not fit had held their room)."""
+    """The candidates admitted (units to run plainly, or outputs to keep), (name, bytes, FLOPs) in the order of
+    `candidates`, and the step peak that `measure(names)` gave them (`floor` for none). A candidate is
+    predicted to fit when the live bytes over its span (`live`: the step without any), with those of the
+    candidates already admitted that overlap it and its own, stay within `target`. The predicted set is
+    measured; when it is over, its candidates are measured one at a time, and then those it turned away are
+    predicted again beside those kept and measured where they fit (one that did not fit had held their room)."""
     import numpy as np
 
     def predicted_fit(c: Candidate, admitted: list[Candidate]) -> bool:
@@ -377,7 +396,7 @@ def _reruns_keeping_outputs(model: nn.Module, example: Any, loss_fn: Callable[[A
     Linear -> BatchNorm -> LIF units (for their Linear's output), Linears and convolutions. One forward lists
     them with their bytes and FLOPs, one step marks each unit's span on the step's live bytes; an output lives
     from its unit's forward to its rerun, so, the most FLOPs per byte first, each is admitted as plain units are
-    (`_admit_plain`: predicted over its unit's span beside those admitted, then measured, one at a time where
+    (`_admit_by_span`: predicted over its unit's span beside those admitted, then measured, one at a time where
     the prediction missed). `peak`: the plan's measured peak without any. Last, the units whose outputs are kept."""
     import numpy as np
 
@@ -418,7 +437,7 @@ def _reruns_keeping_outputs(model: nn.Module, example: Any, loss_fn: Callable[[A
         apply(model, "recompute", plain=plain, keeping=keeping, outputs=names)
         return step_peak_bytes(_step(model, example, loss_fn))
 
-    chosen, total = _admit_plain(candidates, live, target, peak, measure)
+    chosen, total = _admit_by_span(candidates, live, target, peak, measure)
     if not chosen:
         return [], 0, None, set()
     return sorted(c[0] for c in chosen), sum(c[2] for c in chosen), total, {owners[c[0]] for c in chosen}
