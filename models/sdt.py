@@ -24,9 +24,9 @@ from torch import nn
 from efficient.errors import ConfigError
 from efficient.kernels.ssa import scores_ref
 from efficient.memory.conv_backward import plain_conv, region_conv2d
+from efficient.memory.region_linear import region_linear
 from efficient.memory.spikes import is_neuron
 from efficient.models.neurons import fusable, norm_fire
-from efficient.models.replay import kept_linear
 from efficient.models.spiking_transformer import CIFAR_MEAN, CIFAR_STD, SpikingTransformer, SpikingTransformerConfig, _lif
 from efficient.models.spikformer import SPS, STATA, STATA_PAPER, LinearBNLIF
 from efficient.models.stata import PruneStep, residual_block
@@ -103,8 +103,8 @@ class LinearBN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         T, B, N, _ = x.shape
-        # (a recomputed region may keep the Linear's output for its rerun: `kept_linear`)
-        return self.bn(kept_linear(self.linear, x.flatten(0, 2))).reshape(T, B, N, -1)
+        # (a recomputed region may keep the Linear's output for its rerun: `region_linear`)
+        return self.bn(region_linear(self.linear, x.flatten(0, 2))).reshape(T, B, N, -1)
 
 
 class SDSA(nn.Module):

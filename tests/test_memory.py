@@ -660,7 +660,7 @@ def test_kept_convolution_and_linear_outputs_skip_their_reruns_with_the_same_gra
     assert all(torch.equal(a, b) for a, b in zip(b0, b1))
 
 
-def test_kept_linear_outputs_name_neurons_of_rerun_units() -> None:
+def test_kept_outputs_name_neurons_linears_or_convolutions_of_rerun_units() -> None:
     from efficient.memory import levels
 
     net = _wide_units()

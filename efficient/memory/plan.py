@@ -79,7 +79,7 @@ class BudgetChoice:
     floor_bytes: int = 0  # with every unit rerun whole (saved bytes, or the peak)
     plain: list[str] = field(default_factory=list)  # units run plainly (a peak budget's choice)
     keeping: list[str] = field(default_factory=list)  # units whose reruns or plain calls keep their traces (the same)
-    outputs: list[str] = field(default_factory=list)  # neurons whose fused units keep their Linear outputs (the same)
+    outputs: list[str] = field(default_factory=list)  # modules whose outputs reruns take from forward (the same)
 
     @property
     def fraction(self) -> float:
@@ -179,7 +179,8 @@ def choose_plain_for_peak(model: nn.Module, example: Any, budget: float,
     over (a plain unit's own backward may hold more than its rerun by chunks did), it adds the chosen
     units one at a time, each kept plain only if the measured peak stays within the target, and then
     the units the prediction turned away while a unit that did not fit held their room: each predicted
-    again beside those kept and, where it fits, measured."""
+    again beside those kept and, where it fits, measured. Outputs kept for reruns compete for the same room:
+    a second plan admits them first (see the module's docstring), and the one worth more is returned."""
     import numpy as np
 
     from efficient.memory.measure import step_peak_bytes
@@ -262,6 +263,8 @@ def _plan_in_order(model: nn.Module, example: Any, loss_fn: Callable[[Any], torc
     """A peak plan from every unit rerun whole (`live`, `floor`): the units run plainly and the outputs kept
     for reruns, `first` ("plain" or "outputs") admitted first into the room under `target`, then the reruns
     and plain units that may keep their membrane traces."""
+    import numpy as np
+
     from efficient.memory.measure import step_peak_bytes
 
     def admit_plain(outputs: list[str], owners: set[str], live: Any, peak: int) -> tuple[list[tuple[str, int, int]], int]:
@@ -278,9 +281,7 @@ def _plan_in_order(model: nn.Module, example: Any, loss_fn: Callable[[Any], torc
     else:
         outputs, out_saved, peak, owners = _reruns_keeping_outputs(model, example, loss_fn, [], [], target, floor)
         total = floor if peak is None else peak
-        if outputs:
-            import numpy as np
-
+        if outputs:  # the step's live bytes over time with them kept, for the plain units' spans
             apply(model, "recompute", outputs=outputs)
             with _marking(model):
                 timeline = step_timeline(_step(model, example, loss_fn))
@@ -302,7 +303,7 @@ Candidate = tuple[str, int, int, tuple[int, int]]
 
 
 def _admit_by_span(candidates: list[Candidate], live: Any, target: float, floor: int,
-                 measure: Callable[[list[str]], int]) -> tuple[list[tuple[str, int, int]], int]:
+                   measure: Callable[[list[str]], int]) -> tuple[list[tuple[str, int, int]], int]:
     """The candidates admitted (units to run plainly, or outputs to keep), (name, bytes, FLOPs) in the order of
     `candidates`, and the step peak that `measure(names)` gave them (`floor` for none). A candidate is
     predicted to fit when the live bytes over its span (`live`: the step without any), with those of the
