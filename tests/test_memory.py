@@ -595,17 +595,20 @@ def test_kept_linear_outputs_are_in_the_attention_and_mlp_of_a_spikformer_with_t
     assert all(torch.equal(a, b) for a, b in zip(b0, b1))
 
 
-@pytest.mark.parametrize("arch,keeping,amp", [("sdt-2-512", False, False), ("sdt-2-512", True, False),
-                                              ("sdt-2-512", False, True), ("stable-snn-vgg11", False, False)])
+@pytest.mark.parametrize("arch,keeping,amp,checkpointed", [
+    ("sdt-2-512", False, False, False), ("sdt-2-512", True, False, False), ("sdt-2-512", False, True, False),
+    ("sdt-2-512", False, False, True), ("stable-snn-vgg11", False, False, False)])
 def test_kept_convolution_and_linear_outputs_skip_their_reruns_with_the_same_gradients(
-        arch: str, keeping: bool, amp: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+        arch: str, keeping: bool, amp: bool, checkpointed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every convolution and Linear of the rerun units (SDT's stem stages, position embedding, projection and
     second MLP Linear; the VGG's units) and every fused Linear unit keep their outputs for the reruns, in lean
-    reruns, in reruns keeping their membrane traces and under bf16 autocast (outputs kept in bf16): backward
-    runs none of those convolutions or matmuls, and two steps give the gradients and statistics of the same
-    units rerun without them, bit for bit."""
+    reruns, in reruns keeping their membrane traces, under bf16 autocast (outputs kept in bf16) and with
+    chunks so small that the stem stages rerun under torch's checkpoint unless they keep outputs (then as
+    light regions): backward runs none of those convolutions or matmuls, and two steps give the gradients and
+    statistics of the same units rerun without them, bit for bit."""
     import torch.nn.functional as F
 
+    from efficient.kernels import bn_lif
     from efficient.memory import levels
     from efficient.memory.recompute import region_modules, units
     from efficient.memory.spikes import is_neuron
@@ -628,6 +631,9 @@ def test_kept_convolution_and_linear_outputs_skip_their_reruns_with_the_same_gra
 
     monkeypatch.setattr(F, "linear", linear)
     monkeypatch.setattr(F, "conv2d", conv)
+    if checkpointed:
+        monkeypatch.setattr(bn_lif, "RECOMPUTE_CHUNK", 256)
+        monkeypatch.setattr(bn_lif, "RECOMPUTE_CHUNK_MIN", 256)
 
     def steps(outputs: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], set[str], set[str]]:
         torch.manual_seed(0)

@@ -281,7 +281,8 @@ def region_conv2d(conv: nn.Module, x: torch.Tensor, spikes: bool = False,
     region told to keep this convolution's output (`efficient.models.replay.KEEP_OUTPUT_MARK` on `conv`) keeps it
     from its forward and hands it to the rerun, which skips the convolution (the same backward)."""
     compiling, grad = torch.compiler.is_compiling(), torch.is_grad_enabled()
-    # (a region that keeps this convolution's output takes this path also where it keeps its membrane traces)
+    # (a region that keeps this convolution's output takes this path also where it keeps its membrane traces: its
+    # backward then runs by batch slices, whose weight gradient equals aten's whole one up to summation order)
     if not ((rebuild_membrane(conv) or keeps_output(conv)) and (bits is not None or not compiling)
             and (grad or not compiling) and x.dim() == 4 and x.shape[0] > 0 and plain_conv(conv)):
         return conv(x)
