@@ -32,6 +32,8 @@
   (`bn_lif.BN_BACKWARD_OVER_Z_MIN`), against aten's whole call into a new tensor; every level runs it.
 - `--compare linear-outputs`: a peak plan's rerun units keeping their fused Linear units' outputs for their
   reruns (`plan.outputs`, no matmul there) against the same plan computing them again.
+- `--compare outputs`: the same for every output a plan keeps (fused units', Linears', convolutions'); its
+  regions run as they do with them (a unit keeping one is a light region), keeping nothing.
 - Changes joined by `+` (`--compare pooled-rerun+plain-traces`) are undone together.
 
 The cases alternate in each round; ratios are geometric means of the per-round ratios with a 95 % interval.
@@ -50,6 +52,8 @@ The cases alternate in each round; ratios are geometric means of the per-round r
     python bench/rebuild_paths.py --step spikformer-4-384 --impls none recompute-peak --compare lif-steps \
         --rounds 10 --warmup 2 --host-memory reuse --budget 0.2
     python bench/rebuild_paths.py --step spikformer-4-384 --impls recompute-peak --compare linear-outputs \
+        --rounds 10 --warmup 2 --host-memory reuse --budget 0.2
+    python bench/rebuild_paths.py --step sdt-2-512 --impls recompute-peak --compare outputs \
         --rounds 10 --warmup 2 --host-memory reuse --budget 0.2
 """
 
@@ -100,7 +104,7 @@ def calls(repeats: int) -> None:
 
 
 CHANGES = ("bn-statistics", "chunk", "rerun", "unit-chunks", "conv-slices", "bits-input", "pooled-rerun", "plain-traces",
-           "lif-steps", "lif-forward-steps", "bn-over-z", "linear-outputs")
+           "lif-steps", "lif-forward-steps", "bn-over-z", "linear-outputs", "outputs")
 OF_EVERY_LEVEL = ("lif-steps", "lif-forward-steps", "bn-over-z")  # changes that level `none` runs too
 
 
@@ -120,12 +124,13 @@ def _before_one(compare: str):
     from efficient.memory import conv_backward as CB
     from efficient.memory import recompute as RC
     from efficient.models import neurons as N
+    from efficient.models import replay as RP
     from efficient.models import spikformer as SF
     from efficient.models import stable_snn as V
 
     new, lo, pooled, fslice, reads_bits = K._bn_rebuild, K.RECOMPUTE_CHUNK_MIN, K._pooled_backward, CB.FORWARD_SLICE, RC._reads_bits
     pooled_rerun, stem_replays, exact = K._pooled_rerun_backward, SF.replays_whole, N.rebuild_exact
-    kept_output = N.linear_output
+    kept_output, store_for = N.linear_output, RP._store_for
     unit_calls = V.replays_whole, V.plain_conv, V.region_conv2d
     over_z = K.BN_BACKWARD_OVER_Z_MIN
     if compare == "bn-statistics":
@@ -152,6 +157,8 @@ def _before_one(compare: str):
         K.BN_BACKWARD_OVER_Z_MIN = 1 << 62
     elif compare == "linear-outputs":  # no Linear output kept: the rerun runs every matmul again
         N.linear_output = lambda *args: None
+    elif compare == "outputs":  # no output kept: the rerun runs every matmul and convolution again
+        RP._store_for = lambda owner: None
     else:  # the rerun computes the spikes, backward allocates z's gradient, aten's convolution
         V.replays_whole = V.plain_conv = lambda m: False
         V.region_conv2d = lambda conv, x, spikes=False, bits=None: conv(x)
@@ -164,7 +171,7 @@ def _before_one(compare: str):
         V.replays_whole, V.plain_conv, V.region_conv2d = unit_calls
         L.STEPWISE_BACKWARD = L.STEPWISE_FORWARD = True
         K.BN_BACKWARD_OVER_Z_MIN = over_z
-        N.linear_output = kept_output
+        N.linear_output, RP._store_for = kept_output, store_for
 
 
 def steps(arch: str, impls: list[str], rounds: int, compare: str, budget: float, warmup: int) -> None:
