@@ -280,10 +280,10 @@ def region_conv2d(conv: nn.Module, x: torch.Tensor, spikes: bool = False,
     or its backward does (under torch.compile, where only a region's spike input takes this path). An eager
     region told to keep this convolution's output (`efficient.models.replay.KEEP_OUTPUT_MARK` on `conv`) keeps it
     from its forward and hands it to the rerun, which skips the convolution (the same backward)."""
-    compiling, grad = torch.compiler.is_compiling(), torch.is_grad_enabled()
+    compiling, grad, keeps = torch.compiler.is_compiling(), torch.is_grad_enabled(), keeps_output(conv)
     # (a region that keeps this convolution's output takes this path also where it keeps its membrane traces: its
     # backward then runs by batch slices, whose weight gradient equals aten's whole one up to summation order)
-    if not ((rebuild_membrane(conv) or keeps_output(conv)) and (bits is not None or not compiling)
+    if not ((rebuild_membrane(conv) or keeps) and (bits is not None or not compiling)
             and (grad or not compiling) and x.dim() == 4 and x.shape[0] > 0 and plain_conv(conv)):
         return conv(x)
     dev = x.device.type
@@ -291,9 +291,9 @@ def region_conv2d(conv: nn.Module, x: torch.Tensor, spikes: bool = False,
     w, b = conv.weight, conv.bias
     if amp is not None:
         w, b = w.to(amp), None if b is None else b.to(amp)
-    shape = _out_shape(x.shape, w, conv.stride, conv.padding, conv.dilation)
-    given = None if compiling else given_output(conv, shape)
-    flops = 2 * math.prod(shape) * math.prod(w.shape[1:])
+    # (keeps: eager only) the output kept from the region's forward, in its rerun
+    given = given_output(conv, _out_shape(x.shape, w, conv.stride, conv.padding, conv.dilation)) if keeps else None
+    flops_per_output = 2 * math.prod(w.shape[1:])
     with torch.autocast(dev, enabled=False):
         if bits is not None and not compiling:
             # an eager region's unit whose input is spikes kept as bits (`recompute`): in its rerun x is a
@@ -301,7 +301,8 @@ def region_conv2d(conv: nn.Module, x: torch.Tensor, spikes: bool = False,
             _bits_state.reads = bits_reads() + 1
             out = _BitsInputConv2d.apply(x, bits, w, b, amp or x.dtype, conv.stride, conv.padding, conv.dilation,
                                          conv.groups, given)
-            keep_output(conv, out, flops)
+            if keeps:
+                keep_output(conv, out, flops_per_output * out.numel())
             return out
         if amp is not None:
             x = x.to(amp)
@@ -309,7 +310,8 @@ def region_conv2d(conv: nn.Module, x: torch.Tensor, spikes: bool = False,
             # the region's forward, run without autograd, computes z as its rerun will (`sliced_conv2d`): the
             # same values bit for bit, so the rerun's spikes are the forward's
             out = sliced_conv2d(x, w, b, conv.stride, conv.padding, conv.dilation, conv.groups)
-            keep_output(conv, out, flops)
+            if keeps:
+                keep_output(conv, out, flops_per_output * out.numel())
             return out
         if compiling:
             out = F.conv2d(x.detach(), w.detach(), None if b is None else b.detach(), conv.stride, conv.padding,

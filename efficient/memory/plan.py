@@ -221,7 +221,7 @@ def choose_plain_for_peak(model: nn.Module, example: Any, budget: float,
     try:
         # two orders: units run plainly first, then outputs in what room is left; or outputs first (one output
         # often saves as many FLOPs as a plain unit for a fraction of its bytes), then plain units
-        plans = [_plan_in_order(model, example, loss_fn, candidates, live, target, floor, first)
+        plans = [_plan_in_order(model, example, loss_fn, candidates, timeline, target, floor, first)
                  for first in ("plain", "outputs")]
     finally:
         apply(model, "none")
@@ -259,10 +259,10 @@ class _PeakPlan:
 
 
 def _plan_in_order(model: nn.Module, example: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
-                   candidates: list[Candidate], live: Any, target: float, floor: int, first: str) -> _PeakPlan:
-    """A peak plan from every unit rerun whole (`live`, `floor`): the units run plainly and the outputs kept
-    for reruns, `first` ("plain" or "outputs") admitted first into the room under `target`, then the reruns
-    and plain units that may keep their membrane traces."""
+                   candidates: list[Candidate], timeline: Any, target: float, floor: int, first: str) -> _PeakPlan:
+    """A peak plan from every unit rerun whole (its marked `timeline`, its peak `floor`): the units run plainly
+    and the outputs kept for reruns, `first` ("plain" or "outputs") admitted first into the room under
+    `target`, then the reruns and plain units that may keep their membrane traces."""
     import numpy as np
 
     from efficient.memory.measure import step_peak_bytes
@@ -274,12 +274,14 @@ def _plan_in_order(model: nn.Module, example: Any, loss_fn: Callable[[Any], torc
         # a unit whose outputs are kept for its rerun stays a rerun
         return _admit_by_span([c for c in candidates if c[0] not in owners], live, target, peak, measure)
 
+    live = np.asarray(timeline.live, dtype=np.int64)
     if first == "plain":
         chosen, total = admit_plain([], set(), live, floor)
         plain = sorted(c[0] for c in chosen)
         outputs, out_saved = [], 0
     else:
-        outputs, out_saved, peak, owners = _reruns_keeping_outputs(model, example, loss_fn, [], [], target, floor)
+        outputs, out_saved, peak, owners = _reruns_keeping_outputs(model, example, loss_fn, [], [], target, floor,
+                                                                   timeline)
         total = floor if peak is None else peak
         if outputs:  # the step's live bytes over time with them kept, for the plain units' spans
             apply(model, "recompute", outputs=outputs)
@@ -389,8 +391,8 @@ def _plains_keeping(model: nn.Module, example: Any, loss_fn: Callable[[Any], tor
 
 
 def _reruns_keeping_outputs(model: nn.Module, example: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
-                            plain: list[str], keeping: list[str], target: float, peak: int
-                            ) -> tuple[list[str], int, int | None, set[str]]:
+                            plain: list[str], keeping: list[str], target: float, peak: int,
+                            timeline: Any = None) -> tuple[list[str], int, int | None, set[str]]:
     """The modules of rerun units whose outputs their regions may keep for the rerun (which then skips those
     matmuls and convolutions) with the step's peak of live tensors within `target`, the FLOPs that saves, and
     the last peak measured of the plan returned (None when none is kept). The owners are the neurons of fused
@@ -398,7 +400,8 @@ def _reruns_keeping_outputs(model: nn.Module, example: Any, loss_fn: Callable[[A
     them with their bytes and FLOPs, one step marks each unit's span on the step's live bytes; an output lives
     from its unit's forward to its rerun, so, the most FLOPs per byte first, each is admitted as plain units are
     (`_admit_by_span`: predicted over its unit's span beside those admitted, then measured, one at a time where
-    the prediction missed). `peak`: the plan's measured peak without any. Last, the units whose outputs are kept."""
+    the prediction missed). `peak`: the plan's measured peak without any, `timeline` its marked step where
+    already measured. Last, the units whose outputs are kept."""
     import numpy as np
 
     from efficient.memory.measure import step_peak_bytes
@@ -407,9 +410,9 @@ def _reruns_keeping_outputs(model: nn.Module, example: Any, loss_fn: Callable[[A
     from efficient.models.replay import recording_outputs
 
     named = {id(m): n for n, m in model.named_modules()}
-    unit_of = {id(inner): name for name, m in units(model) if name not in plain for inner in region_modules(m)}
-    every = sorted({named[id(x)] for name, m in units(model) if name not in plain for x in region_modules(m)
-                    if id(x) in named and (is_neuron(x) or type(x) in (nn.Linear, nn.Conv2d))})
+    unit_of = {id(x): name for name, m in units(model) if name not in plain for x in region_modules(m)
+               if id(x) in named and (is_neuron(x) or type(x) in (nn.Linear, nn.Conv2d))}
+    every = sorted({named[i] for i in unit_of})
     if not every:
         return [], 0, None, set()
     apply(model, "recompute", plain=plain, keeping=keeping, outputs=every)
@@ -418,14 +421,16 @@ def _reruns_keeping_outputs(model: nn.Module, example: Any, loss_fn: Callable[[A
     found: dict[str, list[int]] = {}
     owners: dict[str, str] = {}
     for owner, size, fl in seen:  # a module called more than once keeps an output per call
-        acc = found.setdefault(named[id(owner)], [0, 0])
+        name = named[id(owner)]
+        acc = found.setdefault(name, [0, 0])
         acc[0], acc[1] = acc[0] + size, acc[1] + fl
-        owners[named[id(owner)]] = unit_of[id(owner)]
+        owners[name] = unit_of[id(owner)]
     if not found:
         return [], 0, None, set()
-    apply(model, "recompute", plain=plain, keeping=keeping)
-    with _marking(model):
-        timeline = step_timeline(_step(model, example, loss_fn))
+    if timeline is None:
+        apply(model, "recompute", plain=plain, keeping=keeping)
+        with _marking(model):
+            timeline = step_timeline(_step(model, example, loss_fn))
     live = np.asarray(timeline.live, dtype=np.int64)
     candidates = []
     for name, (size, fl) in found.items():
