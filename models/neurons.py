@@ -15,11 +15,12 @@ import torch
 from torch import nn
 
 from efficient.kernels.bn_lif import bn_gain_lif, bn_lif, bn_lif_max_pool
+from efficient.kernels.bn_max_pool import bn_max_pool
 from efficient.kernels.lif import BACKENDS, SURROGATES, check_input, default_alpha, lif
 from efficient.kernels.pool_offsets import pool_args
 from efficient.models.replay import in_region, linear_output, rebuild_exact, rebuild_membrane
 
-__all__ = ["SpikingNeuron", "LIF", "PLIF", "DLIF", "bn_fire", "fusable", "gain_fire", "norm_fire", "override_surrogate",
+__all__ = ["SpikingNeuron", "LIF", "PLIF", "DLIF", "bn_fire", "fusable", "gain_fire", "norm_fire", "norm_pooled", "override_surrogate",
            "spike_observer", "module_bookkeeper", "watched", "separate_units"]
 
 
@@ -438,6 +439,29 @@ def pooled_fire(bn: nn.Module, neuron: nn.Module, pool: nn.Module, z: torch.Tens
     if spikes:
         _notify_observers(neuron, out)  # a max-pool of spikes is spikes
     return out
+
+
+def norm_pooled(bn: nn.Module, pool: nn.Module, z: torch.Tensor, donate: bool = False) -> torch.Tensor:
+    """`pool(bn(z))` of a conv stage that pools its BatchNorm output (real values), z [N, C, H, W]. Inside a
+    region memory level `recompute` reruns in backward (`rebuild_membrane`), in training, as one op by chunks
+    of channels (`bn_max_pool`) that keeps z and small argmax offsets instead of BatchNorm's whole output and
+    int64 indices, with BatchNorm's bookkeeping; `donate`: z is a fresh output nothing else reads, so
+    backward may write z's gradient into it. Elsewhere, or where a hook must see either module called, the
+    two modules run."""
+    from torch.nn.modules import module as _module
+
+    if (rebuild_membrane() and _recorded(bn) and bn.training and _tracked_bn(bn) and type(pool) is nn.MaxPool2d
+            and not pool.return_indices and not watched(bn) and not watched(pool) and z.dim() == 4
+            and not (_module._global_forward_hooks or _module._global_forward_pre_hooks
+                     or _module._global_backward_hooks or _module._global_backward_pre_hooks)):
+        args = pool_args(pool.kernel_size, pool.stride, pool.padding, pool.dilation, pool.ceil_mode)
+        out = bn_max_pool(z, bn.weight, bn.bias, bn.running_mean, bn.running_var, args,
+                          _update_factor(bn, counted=False), bn.eps, donate=donate)
+        if out is not None:
+            if bn.num_batches_tracked is not None:
+                bn.num_batches_tracked.add_(1)
+            return out
+    return pool(bn(z))
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ from efficient.kernels.ssa import scores_ref
 from efficient.memory.conv_backward import plain_conv, region_conv2d
 from efficient.memory.region_linear import region_linear
 from efficient.memory.spikes import is_neuron
-from efficient.models.neurons import fusable, norm_fire
+from efficient.models.neurons import fusable, norm_fire, norm_pooled
 from efficient.models.spiking_transformer import CIFAR_MEAN, CIFAR_STD, SpikingTransformer, SpikingTransformerConfig, _lif
 from efficient.models.spikformer import SPS, STATA, STATA_PAPER, LinearBNLIF
 from efficient.models.stata import PruneStep, residual_block
@@ -63,7 +63,8 @@ class MSSPSTail(nn.Module):
         """`spike_bits`: x's bits, which a compiled recomputed region keeps (efficient.memory)."""
         st = self._stem
         conv_in = region_conv2d(st.convs[3], x, spikes=self.recompute_spike_input(), bits=spike_bits)
-        feat = st.pools[3](st.bns[3](conv_in))  # real-valued
+        # real-valued; in a recomputed region by chunks of channels, keeping neither BatchNorm's output nor int64 indices
+        feat = norm_pooled(st.bns[3], st.pools[3], conv_in, donate=plain_conv(st.convs[3]))
         s = st.lifs[3](feat.reshape(T, -1, *feat.shape[1:])).flatten(0, 1)
         return st.rpe_bn(region_conv2d(st.rpe_conv, s, spikes=is_neuron(st.lifs[3]))) + feat
 

@@ -25,7 +25,7 @@ from efficient.kernels.ssa import resolve_backend as ssa_backend
 from efficient.kernels.token_select import gather_tokens
 from efficient.memory.conv_backward import plain_conv, region_conv2d
 from efficient.memory.spikes import is_neuron, region_max_pool
-from efficient.models.neurons import _one_call_allowed, bn_fire, fusable, norm_fire, pooled_fire
+from efficient.models.neurons import _one_call_allowed, bn_fire, fusable, norm_fire, norm_pooled, pooled_fire
 from efficient.models.replay import replays_whole
 from efficient.models.spiking_transformer import (  # noqa: F401 - ModelLIF, share_neuron_backend: public here too
     CIFAR_MEAN,
@@ -117,8 +117,8 @@ class StemStage(nn.Module):
             x = x.flatten(0, 1)
         conv, bn, lif, pool, pool_first = self.modules_now()
         x = region_conv2d(conv, x, spikes=self.recompute_spike_input(), bits=spike_bits)
-        if pool_first:
-            x = pool(bn(x))
+        if pool_first:  # BatchNorm's output pooled (real values), by chunks of channels in a recomputed region
+            x = norm_pooled(bn, pool, x, donate=plain_conv(conv))
             return lif(x.reshape(T, -1, *x.shape[1:])).flatten(0, 1)
         # a plain convolution's output is fresh and read by nothing else: its gradient may take its storage
         # inside a recomputed region the stage's spikes never exist whole; in its rerun, which serves only

@@ -220,6 +220,80 @@ def test_the_stem_is_recomputed_stage_by_stage(name: str, monkeypatch) -> None:
         assert staged[2] < whole[2], peaks
 
 
+@pytest.mark.parametrize("name, kw", [("sdt-2-512", {}), ("spikformer-4-384", {"stem_pool": "before_neuron"})],
+                         ids=["sdt-tail", "spikformer-pool-before-neuron"])
+def test_stem_stages_pooling_batchnorm_output_rerun_it_by_chunks(name: str, kw: dict, monkeypatch) -> None:
+    """A stem stage that max-pools its BatchNorm output (the Spike-driven Transformer's tail; every pooled
+    stage of spikingjelly's Spikformer) runs BatchNorm and the pool as one op by chunks of channels inside
+    its region at level recompute (`bn_max_pool`), forward and rerun: the gradients and running statistics
+    of the separate calls bit for bit (per channel), `none`'s within tolerance, and a lower peak of live bytes
+    while the SDT's tail reruns (its BatchNorm output, int64 indices and two gradients as large as its z were
+    that rerun's peak; at full size, the step's)."""
+    import copy
+
+    import torch
+
+    from efficient.kernels import bn_lif, bn_max_pool as bmp
+    from efficient.models import neurons
+    from efficient.zoo import create
+
+    monkeypatch.setattr(bn_lif, "RECOMPUTE_CHUNK", 1 << 14)  # chunks as small as these units make a full size's
+    torch.manual_seed(0)
+    base = create(name, embed_dim=64, depth=1, num_heads=2, img_size=32, mlp_ratio=1, **kw).train()
+    x, y = torch.rand(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])
+    none = _recorded_step(copy.deepcopy(base), x, y)
+
+    def tail_rerun_peak() -> int:  # the most live bytes while the tail's rerun and backward run
+        import numpy as np
+        import torch.nn.functional as F
+
+        from efficient.memory.measure import step_timeline
+        from efficient.memory.plan import _marking, _rerun_at
+
+        model = copy.deepcopy(base)
+        memory.optimize(model, "recompute")
+        with _marking(model):
+            line = step_timeline(lambda: F.cross_entropy(model(x), y).backward())
+        live = np.asarray(line.live)
+        return max(live[k] for k in range(len(live)) if _rerun_at(line.marks, k) == "patch_embed.tail")
+
+    calls = {"forward": 0, "backward": 0}
+    forward, backward = bmp._BNMaxPool.forward, bmp._BNMaxPool.backward
+
+    def counted_forward(ctx, *args):
+        calls["forward"] += 1
+        return forward(ctx, *args)
+
+    def counted_backward(ctx, *args):
+        calls["backward"] += 1
+        return backward(ctx, *args)
+
+    monkeypatch.setattr(bmp._BNMaxPool, "forward", staticmethod(counted_forward))
+    monkeypatch.setattr(bmp._BNMaxPool, "backward", staticmethod(counted_backward))
+    model = copy.deepcopy(base)
+    memory.optimize(model, "recompute")
+    chunked = _recorded_step(model, x, y)
+    pooled_stages = 1 if name == "sdt-2-512" else 2
+    # each pooled stage: its region's forward and its rerun, then the rerun's backward
+    assert calls == {"forward": 2 * pooled_stages, "backward": pooled_stages}, calls
+    monkeypatch.setattr(neurons, "bn_max_pool", lambda *args, **kwargs: None)  # the separate calls
+    model = copy.deepcopy(base)
+    memory.optimize(model, "recompute")
+    separate = _recorded_step(model, x, y)
+    assert calls["backward"] == pooled_stages
+    for k in none[0]:
+        assert torch.equal(chunked[0][k], separate[0][k]), k
+        torch.testing.assert_close(chunked[0][k], none[0][k], rtol=1e-4, atol=1e-6)
+    for k in none[1]:
+        assert torch.equal(chunked[1][k], separate[1][k]), k
+        torch.testing.assert_close(chunked[1][k], none[1][k], rtol=1e-5, atol=1e-6)
+    if name == "sdt-2-512":
+        separate_peak = tail_rerun_peak()
+        monkeypatch.setattr(neurons, "bn_max_pool", bmp.bn_max_pool)
+        chunked_peak = tail_rerun_peak()
+        assert chunked_peak < 0.7 * separate_peak, (chunked_peak, separate_peak)
+
+
 @pytest.mark.parametrize("name, kw, shape", [
     ("spikformer-4-384", {"img_size": 32, "mlp_ratio": 8}, (4, 3, 32, 32)),
     ("spikformer-tiny-stata", {"img_size": 8, "prune_blocks": [1, 2], "keep_ratio": 0.5}, (16, 1, 8, 8)),
