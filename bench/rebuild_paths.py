@@ -34,6 +34,10 @@
   reruns (`plan.outputs`, no matmul there) against the same plan computing them again.
 - `--compare outputs`: the same for every output a plan keeps (fused units', Linears', convolutions'); its
   regions run as they do with them (a unit keeping one is a light region), keeping nothing.
+- `--compare bn-max-pool`: a stem stage that pools its BatchNorm output, BatchNorm and the pool by chunks
+  (`efficient.kernels.bn_max_pool`) against the two modules.
+- `--compare linear-bits`: a rerun's Linear of spikes keeping them as bits (`efficient.memory.region_linear`)
+  against keeping them in fp32.
 - Changes joined by `+` (`--compare pooled-rerun+plain-traces`) are undone together.
 
 The cases alternate in each round; ratios are geometric means of the per-round ratios with a 95 % interval.
@@ -55,6 +59,8 @@ The cases alternate in each round; ratios are geometric means of the per-round r
         --rounds 10 --warmup 2 --host-memory reuse --budget 0.2
     python bench/rebuild_paths.py --step sdt-2-512 --impls recompute-peak --compare outputs \
         --rounds 10 --warmup 2 --host-memory reuse --budget 0.2
+    python bench/rebuild_paths.py --step sdt-2-512 --impls recompute --compare bn-max-pool+linear-bits \
+        --rounds 10 --warmup 2 --host-memory reuse
 """
 
 from __future__ import annotations
@@ -104,7 +110,7 @@ def calls(repeats: int) -> None:
 
 
 CHANGES = ("bn-statistics", "chunk", "rerun", "unit-chunks", "conv-slices", "bits-input", "pooled-rerun", "plain-traces",
-           "lif-steps", "lif-forward-steps", "bn-over-z", "linear-outputs", "outputs")
+           "lif-steps", "lif-forward-steps", "bn-over-z", "linear-outputs", "outputs", "bn-max-pool", "linear-bits")
 OF_EVERY_LEVEL = ("lif-steps", "lif-forward-steps", "bn-over-z")  # changes that level `none` runs too
 
 
@@ -122,6 +128,7 @@ def _before_one(compare: str):
     """The path as it was before the change `compare` names."""
     from efficient.kernels import lif as L
     from efficient.memory import conv_backward as CB
+    from efficient.memory import region_linear as RL
     from efficient.memory import recompute as RC
     from efficient.models import neurons as N
     from efficient.models import replay as RP
@@ -133,6 +140,7 @@ def _before_one(compare: str):
     kept_output, store_for = N.linear_output, RP._store_for
     unit_calls = V.replays_whole, V.plain_conv, V.region_conv2d
     over_z = K.BN_BACKWARD_OVER_Z_MIN
+    norm_pool, linear_bits = N.bn_max_pool, RL._bits_rerun
     if compare == "bn-statistics":
         K._bn_rebuild = _training_call
     elif compare == "chunk":
@@ -159,6 +167,10 @@ def _before_one(compare: str):
         N.linear_output = lambda *args: None
     elif compare == "outputs":  # no output kept: the rerun runs every matmul and convolution again
         RP._store_for = lambda owner: None
+    elif compare == "bn-max-pool":  # a stage pooling its BatchNorm output runs the two modules
+        N.bn_max_pool = lambda *args, **kwargs: None
+    elif compare == "linear-bits":  # a rerun's Linear of spikes keeps them in fp32
+        RL._bits_rerun = lambda x, linear: False
     else:  # the rerun computes the spikes, backward allocates z's gradient, aten's convolution
         V.replays_whole = V.plain_conv = lambda m: False
         V.region_conv2d = lambda conv, x, spikes=False, bits=None: conv(x)
@@ -172,6 +184,7 @@ def _before_one(compare: str):
         L.STEPWISE_BACKWARD = L.STEPWISE_FORWARD = True
         K.BN_BACKWARD_OVER_Z_MIN = over_z
         N.linear_output, RP._store_for = kept_output, store_for
+        N.bn_max_pool, RL._bits_rerun = norm_pool, linear_bits
 
 
 def steps(arch: str, impls: list[str], rounds: int, compare: str, budget: float, warmup: int) -> None:

@@ -102,10 +102,11 @@ class LinearBN(nn.Module):
         self.linear = nn.Linear(d_in, d_out, bias=bias)
         self.bn = nn.BatchNorm1d(d_out)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, spikes: bool = False) -> torch.Tensor:
+        """`spikes`: x is a neuron's spikes, which a recomputed region's rerun keeps as bits (`region_linear`;
+        a region may also keep the Linear's output for its rerun)."""
         T, B, N, _ = x.shape
-        # (a recomputed region may keep the Linear's output for its rerun: `region_linear`)
-        return self.bn(region_linear(self.linear, x.flatten(0, 2))).reshape(T, B, N, -1)
+        return self.bn(region_linear(self.linear, x.flatten(0, 2), spikes=spikes)).reshape(T, B, N, -1)
 
 
 class SDSA(nn.Module):
@@ -131,7 +132,8 @@ class SDSA(nn.Module):
     def forward(self, x: torch.Tensor, anchor: bool = False, scores: bool = False):
         x = self.shortcut_lif(x)
         q, k, v = self.q(x), self.k(x), self.v(x)
-        y = self.proj(q * self.kv_lif((k * v).sum(2, keepdim=True)))
+        # q and the gate are spikes, so is their product
+        y = self.proj(q * self.kv_lif((k * v).sum(2, keepdim=True)), spikes=is_neuron(self.q.lif) and is_neuron(self.kv_lif))
         if not scores:
             return y, None, None
         s, c = scores_ref(q.unsqueeze(2), k.unsqueeze(2), anchor)  # one "head" = the full dot product
@@ -151,7 +153,7 @@ class SDTMLP(nn.Module):
         self.lif2, self.fc2 = _lif(lif_cfg), LinearBN(hidden, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.hidden(self.lif1(x)))
+        return self.fc2(self.hidden(self.lif1(x)), spikes=is_neuron(self.lif2))
 
     def hidden(self, s: torch.Tensor) -> torch.Tensor:
         """lif2(fc1(s)): fc1's Linear -> BatchNorm and lif2 are a Linear -> BatchNorm -> LIF unit
