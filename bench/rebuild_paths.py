@@ -128,8 +128,8 @@ def _before_one(compare: str):
     """The path as it was before the change `compare` names."""
     from efficient.kernels import lif as L
     from efficient.memory import conv_backward as CB
-    from efficient.memory import region_linear as RL
     from efficient.memory import recompute as RC
+    from efficient.memory import region_linear as RL
     from efficient.models import neurons as N
     from efficient.models import replay as RP
     from efficient.models import spikformer as SF
