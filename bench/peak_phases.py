@@ -1,8 +1,7 @@
 """Where a training step's peak of live tensors sits at memory level `recompute`: the most live bytes in the
 forward and while each unit's rerun and backward run (every unit rerun whole, or a plan's units run plainly,
 keeping traces or outputs), read from one step's allocator records with each unit's forward and backward
-marked (`efficient.memory.measure.step_timeline`, as the peak planner reads them). Bytes are the same on any
-machine.
+marked (`efficient.memory.peak_phases`, as the peak planner reads them). Bytes are the same on any machine.
 
     python bench/peak_phases.py --archs sdt-2-512
     python bench/peak_phases.py --archs sdt-2-512 --plain head_lif --outputs patch_embed.convs.3 patch_embed.rpe_conv
@@ -24,24 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import memory as M  # noqa: E402
 
 
-def phases(model, x) -> dict[str, int]:
-    """{"forward" or the unit whose rerun and backward were under way: the most live bytes there}."""
-    import numpy as np
-
-    from efficient.memory.measure import step_timeline
-    from efficient.memory.plan import _marking, _rerun_at, _step
-
-    with _marking(model):
-        line = step_timeline(_step(model, x, None))
-    live = np.asarray(line.live)
-    first = min((i for name, at in line.marks.items() if name.startswith("bwd:") for i in at), default=len(live))
-    out = {"forward": int(live[:first].max()) if first else 0}
-    for k in range(first, len(live)):
-        unit = _rerun_at(line.marks, k) or "forward"
-        out[unit] = max(out.get(unit, 0), int(live[k]))
-    return out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--archs", nargs="+", default=["sdt-2-512"], choices=sorted(M.ARCHS))
@@ -61,6 +42,7 @@ def main() -> int:
 
     import torch
 
+    from efficient.memory import peak_phases
     from efficient.memory.levels import apply
 
     torch.set_num_threads(os.cpu_count() or 1)
@@ -73,9 +55,9 @@ def main() -> int:
         model, _, _ = M.build(arch, "none", args.T, None)
         apply(model, "recompute", **plan)
         with RP._before(args.before) if args.before else contextlib.nullcontext():
-            found = phases(model, x)
+            found = peak_phases(model, x)
         print(f"\n| {arch}: phase | most live MiB |\n|---|---|")
-        for unit, peak in sorted(found.items(), key=lambda kv: -kv[1]):
+        for unit, peak in found.items():
             print(f"| {unit} | {peak / M.MiB:,.1f} |")
     return 0
 

@@ -242,6 +242,34 @@ def test_profile_memory_with_a_budget(capsys: pytest.CaptureFixture[str]) -> Non
     assert d["ratio_to_none"]["recompute"] == pytest.approx(plan["kept_fraction"])
 
 
+def test_profile_memory_peaks_say_where_each_levels_step_peak_sits(capsys: pytest.CaptureFixture[str]) -> None:
+    """--memory-peaks: each level's step peak of live tensors (the largest of its phases, and what
+    `step_peak_bytes` measures for the same step), recompute's below bits' below none's, and recompute's
+    phases: the forward and its units, largest first."""
+    import torch
+
+    from efficient.memory import optimize
+    from efficient.memory.measure import step_peak_bytes
+    from efficient.memory.recompute import units
+    from efficient.zoo import load
+
+    assert main(["profile", "spikformer-tiny", "--memory", "--memory-peaks", "--batch", "2", "--format", "json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    peaks, phases = d["step_peak_bytes"], d["step_peak_phases"]
+    assert list(peaks) == ["none", "bits", "recompute"] and 0 < peaks["recompute"] < peaks["bits"] < peaks["none"]
+    for lv, ph in phases.items():
+        assert list(ph.values()) == sorted(ph.values(), reverse=True) and max(ph.values()) == peaks[lv]
+    model = load("spikformer-tiny")
+    optimize(model, "recompute")
+    names = {n for n, _ in units(model)}
+    assert "forward" in phases["recompute"] and set(phases["recompute"]) - {"forward", "backward"} <= names
+    x = torch.rand(2, 1, 16, 16)  # the model's input shape, as the command draws it
+    activation_memory(model, x, backward=True)  # a unit's first call sizes its region; the second is the step's own
+    assert step_peak_bytes(lambda: activation_memory(model, x, backward=True)) == peaks["recompute"]
+    assert main(["profile", "spikformer-tiny", "--memory-peaks"]) == 2
+    assert "add --memory" in capsys.readouterr().err
+
+
 def test_profile_memory_levels_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["profile", "spikformer-tiny", "--memory", "--memory-level", "recompute", "--format", "json"]) == 0
     d = json.loads(capsys.readouterr().out)

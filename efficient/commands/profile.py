@@ -75,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-budget", metavar="F", type=float,
                    help="with --memory: measure level recompute with this budget (a fraction of none's bytes: units "
                         "keep the matmul/convolution outputs that save the most rerun FLOPs per byte, as many as fit)")
+    p.add_argument("--memory-peaks", action="store_true",
+                   help="with --memory: also the step's peak of live tensors at each level and where it sits: the "
+                        "forward, or the unit whose backward holds it (at level recompute, its rerun and backward)")
     p.add_argument("--memory-level", metavar="LEVELS",
                    help="levels measured with --memory, comma-separated from none, bits, recompute (default: all three)")
 
@@ -214,6 +217,7 @@ def _memory(args: argparse.Namespace) -> int:
             plan = optimize(model, "recompute", budget=args.memory_budget, example=kwargs or inputs)
             measured["recompute"] = activation_memory(model, kwargs or inputs)
             optimize(model, "none")
+        peaks = _memory_peaks(model, kwargs or inputs, ["none", *levels], args.memory_budget) if args.memory_peaks else None
     results = {lv: measured[lv] for lv in levels}
     base = measured["none"]
     where = source + (f", T={t_used}" if t_used else "")
@@ -224,6 +228,9 @@ def _memory(args: argparse.Namespace) -> int:
         if plan is not None:
             d["recompute_plan"] = {"budget": plan.budget, "kept_fraction": plan.kept_fraction,
                                    "rerun_share": plan.rerun_share, "keep": plan.keep, "summary": plan.summary()}
+        if peaks is not None:
+            d["step_peak_bytes"] = {lv: max(ph.values()) for lv, ph in peaks.items()}
+            d["step_peak_phases"] = peaks
         text = json.dumps(d, indent=2)
         if args.output:
             from efficient.io import write_text
@@ -241,7 +248,45 @@ def _memory(args: argparse.Namespace) -> int:
         console.print(t)
     if plan is not None:
         console.print(f"recompute with a budget: {plan.summary()}")
+    if peaks is not None:
+        from rich.table import Table
+
+        from efficient.memory.measure import fmt_bytes
+
+        top = max(peaks["none"].values())
+        t = Table(title=f"step peak of live tensors: {label}, {where}")
+        for col in ("level", "peak", "vs none", "where it sits"):
+            t.add_column(col, justify="right" if col in ("peak", "vs none") else "left")
+        for lv, ph in peaks.items():
+            phase, most = next(iter(ph.items()))
+            t.add_row(lv, fmt_bytes(most), f"{most / top:.3f}x", phase)
+        console.print(t)
+        if "recompute" in peaks:
+            t = Table(title="level recompute: the most live bytes per phase")
+            t.add_column("phase")
+            t.add_column("most live", justify="right")
+            for phase, most in list(peaks["recompute"].items())[:args.layers]:
+                t.add_row(phase, fmt_bytes(most))
+            console.print(t)
     return 0
+
+
+def _memory_peaks(model: Any, example: Any, levels: list[str], budget: float | None) -> dict[str, dict[str, int]]:
+    """{level: its step's most live bytes per phase (`efficient.memory.peak_phases`), largest first}; level
+    recompute with `budget` (of none's bytes) where one is given. Leaves the model at level none."""
+    from efficient.memory import optimize, peak_phases
+
+    found = {}
+    try:
+        for lv in dict.fromkeys(levels):
+            if lv == "recompute" and budget is not None:
+                optimize(model, lv, budget=budget, example=example)
+            else:
+                optimize(model, lv)
+            found[lv] = peak_phases(model, example)
+    finally:
+        optimize(model, "none")
+    return found
 
 
 def run(args: argparse.Namespace) -> int:
@@ -259,6 +304,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--memory-level chooses the levels --memory measures; add --memory")
     if args.memory_budget is not None and not args.memory:
         raise ConfigError("--memory-budget applies to the recompute level --memory measures; add --memory")
+    if args.memory_peaks and not args.memory:
+        raise ConfigError("--memory-peaks adds the step's peaks to what --memory measures; add --memory")
     if args.flops_per_mac is not None and not args.flops_per_mac > 0:
         raise ConfigError(f"--flops-per-mac must be a positive number, got {args.flops_per_mac}")
     if args.input:

@@ -36,7 +36,7 @@ from torch import nn
 
 from efficient.errors import ConfigError
 from efficient.memory.levels import LEVELS, Level, MemoryPlan, apply, check_level, restore
-from efficient.memory.plan import BUDGETS_OF, check_budget, choose_kept, choose_plain_for_peak
+from efficient.memory.plan import BUDGETS_OF, check_budget, choose_kept, choose_plain_for_peak, peak_phases
 
 
 def optimize(model: nn.Module, level: Level | str = "bits", *, budget: float | None = None, example: Any = None,
@@ -80,4 +80,4 @@ def optimize(model: nn.Module, level: Level | str = "bits", *, budget: float | N
     return apply(model, level, keep=keep)
 
 
-__all__ = ["LEVELS", "Level", "MemoryPlan", "check_level", "optimize", "restore"]
+__all__ = ["LEVELS", "Level", "MemoryPlan", "check_level", "optimize", "peak_phases", "restore"]

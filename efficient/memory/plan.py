@@ -483,6 +483,29 @@ def _marking(model: nn.Module) -> Iterator[None]:
             h.remove()
 
 
+def peak_phases(model: nn.Module, example: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None) -> dict[str, int]:
+    """Where one training step's peak of live tensors sits, at the level `model` is at: the most live bytes
+    (above those alive before the step) in its forward (`"forward"`) and in backward from the moment the
+    gradient reaches each recompute unit's outputs (at level recompute: its rerun and backward) until it
+    reaches the next unit's, by unit name (before the first: `"backward"`), largest first. Read from the allocator's records with each unit's forward and backward marked, as the peak
+    planner reads them (`step_timeline`), on the second of two steps (a unit's first call sizes its region:
+    `recompute._OUT_NUMEL`); CPU tensors."""
+    import numpy as np
+
+    _step(model, example, loss_fn)()
+    with _marking(model):
+        line = step_timeline(_step(model, example, loss_fn))
+    live = np.asarray(line.live, dtype=np.int64)
+    if not len(live):
+        raise RuntimeError(f"peak phases: the profiler recorded no allocation of the step on {_device_of(model)}")
+    first = min((i for name, at in line.marks.items() if name.startswith("bwd:") for i in at), default=len(live))
+    found = {"forward": int(live[:first].max())} if first else {}
+    for k in range(first, len(live)):
+        phase = _rerun_at(line.marks, k) or "backward"
+        found[phase] = max(found.get(phase, 0), int(live[k]))
+    return dict(sorted(found.items(), key=lambda kv: -kv[1]))
+
+
 def _device_of(model: nn.Module) -> str:
     return str(next((p.device for p in model.parameters()), torch.device("cpu")))
 
@@ -497,4 +520,4 @@ def _span(marks: dict[str, list[int]], unit: str, n: int) -> tuple[int, int] | N
     return min(fwd), min(max(bwd), n)
 
 
-__all__ = ["BUDGETS_OF", "BudgetChoice", "check_budget", "choose_kept", "choose_plain_for_peak"]
+__all__ = ["BUDGETS_OF", "BudgetChoice", "check_budget", "choose_kept", "choose_plain_for_peak", "peak_phases"]
