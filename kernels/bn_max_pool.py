@@ -36,8 +36,7 @@ def _forward(z: Tensor, weight: Tensor, bias: Tensor, running_mean: Tensor, runn
     of channels at a time; the running statistics are updated in place on each chunk's slices, as
     BatchNorm does for the whole."""
     out = offsets = None
-    stats = torch.empty((2, z.shape[1]), dtype=torch.float32 if z.dtype != torch.float64 else z.dtype,
-                        device=z.device)
+    stats = torch.empty((2, z.shape[1]), dtype=weight.dtype, device=z.device)  # as aten's BatchNorm keeps them
     for c0, c1 in _channel_chunks(z):
         y, mean, invstd = torch.native_batch_norm(z[:, c0:c1].contiguous(), weight[c0:c1], bias[c0:c1],
                                                   running_mean[c0:c1], running_var[c0:c1], True, momentum, eps)
