@@ -21,7 +21,7 @@ from efficient.kernels.pool_offsets import pool_args
 from efficient.models.replay import in_region, linear_output, rebuild_exact, rebuild_membrane
 
 __all__ = ["SpikingNeuron", "LIF", "PLIF", "DLIF", "bn_fire", "fusable", "gain_fire", "norm_fire", "norm_pooled", "override_surrogate",
-           "spike_observer", "module_bookkeeper", "watched", "separate_units"]
+           "global_hooks", "spike_observer", "module_bookkeeper", "watched", "separate_units"]
 
 
 def _check_choice(name: str, value: str, choices) -> None:
@@ -264,6 +264,15 @@ def watched(m: nn.Module) -> bool:
                 or m._backward_hooks or m._backward_pre_hooks)
 
 
+def global_hooks() -> bool:
+    """Whether a global module hook is registered (`register_module_forward_hook` and the like): it must see
+    every module called, so no op may stand in for a module call."""
+    from torch.nn.modules import module as _module
+
+    return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks
+                or _module._global_backward_hooks or _module._global_backward_pre_hooks)
+
+
 def _notify_observers(neuron: nn.Module, spikes: torch.Tensor) -> None:
     """Call the neuron's spike observers with a fused op's spikes (`watched` let no other hook through
     but bookkeepers, which a fused op does not call)."""
@@ -277,13 +286,9 @@ def _one_call_allowed(neuron: nn.Module, *modules: nn.Module) -> bool:
     (its per-op dtype policy applies to each call), a neuron that keeps no membrane, and nothing
     watching the modules (a hook, such as the profiler's, must see them called; a `spike_observer`
     on the neuron is called with the unit's spikes instead)."""
-    from torch.nn.modules import module as _module
-
     return (_FUSE_UNITS[-1] and not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"))
             and not getattr(neuron, "store_membrane", False)
-            and not any(watched(m) for m in (neuron, *modules))
-            and not (_module._global_forward_hooks or _module._global_forward_pre_hooks
-                     or _module._global_backward_hooks or _module._global_backward_pre_hooks))
+            and not any(watched(m) for m in (neuron, *modules)) and not global_hooks())
 
 
 def _tracked_bn(bn: nn.Module) -> bool:
@@ -448,12 +453,10 @@ def norm_pooled(bn: nn.Module, pool: nn.Module, z: torch.Tensor, donate: bool = 
     int64 indices, with BatchNorm's bookkeeping; `donate`: z is a fresh output nothing else reads, so
     backward may write z's gradient into it. Elsewhere, or where a hook must see either module called, the
     two modules run."""
-    from torch.nn.modules import module as _module
-
-    if (rebuild_membrane() and _recorded(bn) and bn.training and _tracked_bn(bn) and type(pool) is nn.MaxPool2d
+    # (`rebuild_membrane()` without a module: eager only, inside a region, whose calls are recorded)
+    if (rebuild_membrane() and bn.training and _tracked_bn(bn) and type(pool) is nn.MaxPool2d
             and not pool.return_indices and not watched(bn) and not watched(pool) and z.dim() == 4
-            and not (_module._global_forward_hooks or _module._global_forward_pre_hooks
-                     or _module._global_backward_hooks or _module._global_backward_pre_hooks)):
+            and not global_hooks()):
         args = pool_args(pool.kernel_size, pool.stride, pool.padding, pool.dilation, pool.ceil_mode)
         out = bn_max_pool(z, bn.weight, bn.bias, bn.running_mean, bn.running_var, args,
                           _update_factor(bn, counted=False), bn.eps, donate=donate)

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from efficient.kernels import bn_lif
 from efficient.kernels.spike_pack import pack_binary, unpack_spikes
-from efficient.models.neurons import watched
+from efficient.models.neurons import global_hooks, watched
 from efficient.models.replay import given_output, keep_output, keeps_output, rebuild_membrane
 
 
@@ -261,11 +261,8 @@ def bits_reads() -> int:
 def plain_conv(conv: nn.Module) -> bool:
     """An nn.Conv2d with zero padding given as numbers and nothing watching it (a hook, such as the
     profiler's, must see the module called)."""
-    from torch.nn.modules import module as M
-
     return (type(conv) is nn.Conv2d and conv.padding_mode == "zeros" and isinstance(conv.padding, tuple)
-            and not (watched(conv) or M._global_forward_hooks or M._global_forward_pre_hooks
-                     or M._global_backward_hooks or M._global_backward_pre_hooks))
+            and not (watched(conv) or global_hooks()))
 
 
 def region_conv2d(conv: nn.Module, x: torch.Tensor, spikes: bool = False,

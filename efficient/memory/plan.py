@@ -487,8 +487,9 @@ def peak_phases(model: nn.Module, example: Any, loss_fn: Callable[[Any], torch.T
     """Where one training step's peak of live tensors sits, at the level `model` is at: the most live bytes
     (above those alive before the step) in its forward (`"forward"`) and in backward from the moment the
     gradient reaches each recompute unit's outputs (at level recompute: its rerun and backward) until it
-    reaches the next unit's, by unit name (before the first: `"backward"`), largest first. Read from the allocator's records with each unit's forward and backward marked, as the peak
-    planner reads them (`step_timeline`), on the second of two steps (a unit's first call sizes its region:
+    reaches the next unit's, by unit name (before the first: `"backward"`), largest first. Read from the
+    allocator's records with each unit's forward and backward marked, as the peak planner reads them
+    (`step_timeline`), on the second of two steps (a unit's first call sizes its region:
     `recompute._OUT_NUMEL`); CPU tensors."""
     import numpy as np
 

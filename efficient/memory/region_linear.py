@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn.modules import module as M
 
 from efficient.kernels.bn_lif import _linear_grads, chunk_limit, chunk_spans
 from efficient.kernels.spike_pack import pack_binary, unpack_spikes
-from efficient.models.neurons import watched
+from efficient.models.neurons import global_hooks, watched
 from efficient.models.replay import given_output, keep_output, keeps_output, rebuild_membrane
 
 
@@ -92,8 +91,7 @@ def region_linear(linear: nn.Linear, x: torch.Tensor, spikes: bool = False) -> t
     with the same gradients. `spikes`: x is a neuron's spikes (0 and 1), which a recorded call inside a
     region keeps as bits (`_BitsInputLinear`). A plain call elsewhere, and where a hook must see `linear`
     called (as for a region's convolution, `efficient.memory.conv_backward.plain_conv`)."""
-    if (x.dim() != 2 or type(linear) is not nn.Linear or watched(linear)
-            or M._global_forward_hooks or M._global_forward_pre_hooks):
+    if x.dim() != 2 or type(linear) is not nn.Linear or watched(linear) or global_hooks():
         return linear(x)
     keeping, bits = keeps_output(linear), spikes and _bits_rerun(x, linear)
     z = given_output(linear, (x.shape[0], linear.out_features)) if keeping else None
